@@ -1,0 +1,1 @@
+"""The monokernel's CUDA sources and, next to each section, its numpy reference (kernels/sections)."""

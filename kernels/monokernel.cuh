@@ -1,0 +1,101 @@
+// The monokernel: one launch generates the whole stream. A persistent grid (about one block per SM) loops over
+// tokens and layers; grid barriers separate the stages whose inputs other blocks produce. Block 0 samples, streams
+// the token to the host through mapped memory and embeds it for the next step.
+#pragma once
+
+#if WB_TIMING
+// Stamps of %globaltimer at each barrier: when this block arrived (its work done) and when it left (all arrived).
+// The stage's work is [previous leave, arrive); its wait is [arrive, leave). Compiled away when WB_TIMING is 0.
+#define WB_STAMP_ARRIVE(slot) u64 t_arrive_ = wb_globaltimer_ns()
+#define WB_STAMP_LEAVE(slot, step)                                                                                  \
+    if (wb_tid() == 0 && (step) < P->timing_steps) {                                                                \
+        u64* t_ = P->timing + (((long long)(step) * WB_SLOTS + (slot)) * wb_nbid() + wb_bid()) * 2;                 \
+        t_[0] = t_arrive_; t_[1] = wb_globaltimer_ns();                                                             \
+    }
+#else
+#define WB_STAMP_ARRIVE(slot) ((void)0)
+#define WB_STAMP_LEAVE(slot, step) ((void)0)
+#endif
+
+// Ends a stage: barrier (returning from the kernel on error or abort) and, when timing, the two stamps.
+#define WB_SYNC(stage, layer, slot)                                                                                \
+    do {                                                                                                            \
+        WB_STAMP_ARRIVE(slot);                                                                                      \
+        if (grid_sync(P, epoch, stage, layer, step)) return;                                                       \
+        WB_STAMP_LEAVE(slot, step);                                                                                 \
+    } while (0)
+
+#define WB_STAGE(stage, layer) do { wb_enter(P, stage, layer, step); wb_maybe_hang(P, stage, layer); } while (0)
+
+extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) wb_generate(const Params* __restrict__ P) {
+    extern __shared__ __attribute__((aligned(16))) float smem[];
+    float* act = smem;                        // the stage's input vector, fp32
+    float* red = smem + WB_ACT_FLOATS;        // block reductions: 32 floats + 32 ints
+    u32 epoch = 0;
+    int step = 0;
+    if (wb_bid() == 0) embed_token(P, P->tokens_in[0]);
+    WB_SYNC(ST_EMBEDDING, -1, 0);
+
+    for (step = 0; step < P->n_steps; ++step) {
+        const int pos = P->pos0 + step;
+        for (int layer = 0; layer < WB_LAYERS; ++layer) {
+            const int s0 = 1 + layer * 5;
+            (void)s0;
+            WB_STAGE(ST_QKV_ROPE_APPEND, layer);
+            stage_qkv_rope_append(P, layer, pos, act, red);
+            WB_SYNC(ST_QKV_ROPE_APPEND, layer, s0);
+            WB_STAGE(ST_ATTENTION_DECODE, layer);
+            stage_attention_decode(P, layer, pos, smem);
+            WB_SYNC(ST_ATTENTION_DECODE, layer, s0 + 1);
+            WB_STAGE(ST_O_PROJ_RESIDUAL, layer);
+            stage_o_proj_residual(P, layer, act);
+            WB_SYNC(ST_O_PROJ_RESIDUAL, layer, s0 + 2);
+            WB_STAGE(ST_GATE_UP_SILU, layer);
+            stage_gate_up_silu(P, layer, act, red);
+            WB_SYNC(ST_GATE_UP_SILU, layer, s0 + 3);
+            WB_STAGE(ST_DOWN_RESIDUAL, layer);
+            stage_down_residual(P, layer, act);
+            WB_SYNC(ST_DOWN_RESIDUAL, layer, s0 + 4);
+        }
+        const int slot = P->rec_slot ? P->rec_slot[step] : -1;
+        float* logits = slot >= 0 ? P->logits_hist + (long long)slot * WB_VOCAB : P->logits;
+        WB_STAGE(ST_LM_HEAD, -1);
+        stage_lm_head(P, logits, act, red);
+        WB_SYNC(ST_LM_HEAD, -1, WB_SLOTS - 2);
+
+        WB_STAGE(ST_SAMPLING, -1);
+        if (wb_bid() == 0) {
+            const bool forced = step + 1 < P->n_in;
+            const int sampled = sample_token(P, logits, step, smem);
+            __shared__ int next;
+            if (wb_tid() == 0) {
+                next = forced ? P->tokens_in[step + 1] : sampled;
+                int done = 0;
+                if (next < 0 || next >= WB_VOCAB) {                 // NaN logits leave no valid choice
+                    ((volatile int*)P->status)[ST_STEP] = step;
+                    ((volatile int*)P->dev_flags)[0] = WB_ERR_BAD_TOKEN;
+                    wb_fence_system();
+                    ((volatile int*)P->status)[ST_CODE] = WB_ERR_BAD_TOKEN;
+                    next = 0;
+                    done = 1;
+                } else if (!forced) {
+                    const int g = step + 1 - P->n_in;               // index among generated tokens
+                    P->tokens_out[g] = next;
+                    wb_fence_system();
+                    *(volatile int*)P->n_out = g + 1;               // the host streams tokens[0..n_out)
+                    for (int e = 0; e < P->n_eos; ++e) done |= next == P->eos[e];
+                    done |= g + 1 >= P->max_new;
+                }
+                done |= step + 1 >= P->n_steps || P->pos0 + step + 1 >= WB_MAX_SEQ;
+                if (wb_load_volatile(P->host_abort)) { ((volatile int*)P->dev_flags)[0] = WB_ERR_ABORTED; done = 1; }
+                *(volatile int*)P->progress = step + 1;
+                P->dev_flags[1] = done;
+                wb_fence_system();
+            }
+            wb_syncthreads();
+            embed_token(P, next);
+        }
+        WB_SYNC(ST_SAMPLING, -1, WB_SLOTS - 1);
+        if (((volatile int*)P->dev_flags)[1]) break;
+    }
+}

@@ -1,0 +1,158 @@
+// Portability layer: one section source builds with NVRTC for NVIDIA (sm_90) and with clang's HIP front end for
+// AMD (gfx942). Vendor assembly (PTX / AMDGCN) appears only here, each behind a macro with a portable fallback.
+// Nothing in a section may name a vendor intrinsic, a warp width or an assembly mnemonic directly.
+#pragma once
+
+#if defined(__HIP_PLATFORM_AMD__) || defined(__AMDGCN__)
+#define WB_AMD 1
+#else
+#define WB_NV 1
+#endif
+
+typedef unsigned char      u8;
+typedef unsigned short     u16;
+typedef unsigned int       u32;
+typedef unsigned long long u64;
+typedef u16 bf16;   // bf16 kept as bits: no vendor header needed, identical on both vendors
+
+#if WB_AMD
+// With -nogpulib -nogpuinc nothing of HIP is predefined: supply the few keywords we use.
+#ifndef __global__
+#define __global__ __attribute__((global))
+#define __device__ __attribute__((device))
+#define __shared__ __attribute__((shared))
+#define __forceinline__ inline __attribute__((always_inline))
+#define __restrict__ __restrict
+#define __launch_bounds__(t, b) __attribute__((amdgpu_flat_work_group_size(1, t)))
+#endif
+#define WB_WARP 64
+__device__ __forceinline__ int wb_tid()   { return __builtin_amdgcn_workitem_id_x(); }
+__device__ __forceinline__ int wb_bid()   { return __builtin_amdgcn_workgroup_id_x(); }
+__device__ __forceinline__ int wb_ntid()  { return __builtin_amdgcn_workgroup_size_x(); }
+__device__ __forceinline__ int wb_nbid()  { return __builtin_amdgcn_grid_size_x() / __builtin_amdgcn_workgroup_size_x(); }
+__device__ __forceinline__ void wb_syncthreads() { __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
+                                                   __builtin_amdgcn_s_barrier();
+                                                   __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup"); }
+__device__ __forceinline__ float wb_shfl_xor(float v, int m) {
+    int lane = __builtin_amdgcn_mbcnt_hi(~0u, __builtin_amdgcn_mbcnt_lo(~0u, 0u));
+    return __builtin_bit_cast(float, __builtin_amdgcn_ds_bpermute((lane ^ m) << 2, __builtin_bit_cast(int, v)));
+}
+__device__ __forceinline__ int wb_shfl_xor(int v, int m) {
+    int lane = __builtin_amdgcn_mbcnt_hi(~0u, __builtin_amdgcn_mbcnt_lo(~0u, 0u));
+    return __builtin_amdgcn_ds_bpermute((lane ^ m) << 2, v);
+}
+__device__ __forceinline__ float wb_shfl(float v, int src) {
+    return __builtin_bit_cast(float, __builtin_amdgcn_ds_bpermute(src << 2, __builtin_bit_cast(int, v)));
+}
+__device__ __forceinline__ void wb_fence_gpu()    { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "agent"); }
+__device__ __forceinline__ void wb_fence_system() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, ""); }
+__device__ __forceinline__ u32 wb_atomic_add(u32* p, u32 v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT); }
+__device__ __forceinline__ u64 wb_atomic_add(u64* p, u64 v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP); }
+__device__ __forceinline__ int wb_atomic_cas(int* p, int cmp, int v) {
+    __hip_atomic_compare_exchange_strong(p, &cmp, v, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); return cmp; }
+__device__ __forceinline__ u32 wb_load_acquire(const u32* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT); }
+__device__ __forceinline__ int wb_load_volatile(const volatile int* p) { return __hip_atomic_load((int*)p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM); }
+// s_memrealtime: a constant 100 MHz clock shared by the whole device
+__device__ __forceinline__ u64 wb_globaltimer_ns() { return __builtin_amdgcn_s_memrealtime() * 10ull; }
+__device__ __forceinline__ void wb_nanosleep(u32) { __builtin_amdgcn_s_sleep(2); }
+struct wb_u4 { u32 x, y, z, w; };
+struct float4 { float x, y, z, w; } __attribute__((aligned(16)));
+// Weights are read once per token: non-temporal, so they do not evict the activations and KV cache
+__device__ __forceinline__ wb_u4 wb_ld_stream(const void* p) {
+    typedef u32 v4u __attribute__((ext_vector_type(4)));
+    v4u v = __builtin_nontemporal_load((const v4u*)p);
+    return wb_u4{v.x, v.y, v.z, v.w};
+}
+__device__ __forceinline__ float wb_exp(float x)  { return __builtin_expf(x); }
+__device__ __forceinline__ float wb_rsqrt(float x) { return __builtin_amdgcn_rsqf(x); }
+__device__ __forceinline__ float wb_fmaxf(float a, float b) { return __builtin_fmaxf(a, b); }
+__device__ __forceinline__ float wb_u32_as_float(u32 u) { return __builtin_bit_cast(float, u); }
+__device__ __forceinline__ u32 wb_float_as_u32(float f) { return __builtin_bit_cast(u32, f); }
+__device__ __forceinline__ float wb_log(float x) { return __builtin_logf(x); }
+__device__ __forceinline__ float wb_exp_precise(float x) { return __builtin_expf(x); }
+__device__ __forceinline__ float wb_fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+__device__ __forceinline__ float4 wb_ld_cg_f4(const float* p) { return *(const float4*)p; }
+__device__ __forceinline__ float wb_ld_cg(const float* p) { return *p; }
+__device__ __forceinline__ wb_u4 wb_ld_cg_u4(const void* p) { return *(const wb_u4*)p; }
+#define WB_INF __builtin_inff()
+#else  // ---------------------------------------------------------------------------------------------- NVIDIA
+#define WB_WARP 32
+__device__ __forceinline__ int wb_tid()  { return threadIdx.x; }
+__device__ __forceinline__ int wb_bid()  { return blockIdx.x; }
+__device__ __forceinline__ int wb_ntid() { return blockDim.x; }
+__device__ __forceinline__ int wb_nbid() { return gridDim.x; }
+__device__ __forceinline__ void wb_syncthreads() { __syncthreads(); }
+__device__ __forceinline__ float wb_shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
+__device__ __forceinline__ int   wb_shfl_xor(int v, int m)   { return __shfl_xor_sync(0xffffffffu, v, m); }
+__device__ __forceinline__ float wb_shfl(float v, int src)   { return __shfl_sync(0xffffffffu, v, src); }
+__device__ __forceinline__ void wb_fence_gpu()    { __threadfence(); }
+__device__ __forceinline__ void wb_fence_system() { __threadfence_system(); }
+__device__ __forceinline__ u32 wb_atomic_add(u32* p, u32 v) { return atomicAdd(p, v); }
+__device__ __forceinline__ u64 wb_atomic_add(u64* p, u64 v) { return atomicAdd((unsigned long long*)p, (unsigned long long)v); }
+__device__ __forceinline__ int wb_atomic_cas(int* p, int cmp, int v) { return atomicCAS(p, cmp, v); }
+__device__ __forceinline__ u32 wb_load_acquire(const u32* p) {
+    u32 v; asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v; }
+__device__ __forceinline__ int wb_load_volatile(const volatile int* p) { return *p; }
+// %globaltimer: one nanosecond clock for every SM (32 ns steps on H200), so stamps from all blocks share an axis
+__device__ __forceinline__ u64 wb_globaltimer_ns() { u64 t; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); return t; }
+__device__ __forceinline__ void wb_nanosleep(u32 ns) { __nanosleep(ns); }
+struct wb_u4 { u32 x, y, z, w; };
+// Weights are read once per token: bypass L1 allocation so activations and the KV cache keep it
+__device__ __forceinline__ wb_u4 wb_ld_stream(const void* p) {
+    wb_u4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+__device__ __forceinline__ float wb_exp(float x)  { return __expf(x); }
+__device__ __forceinline__ float wb_rsqrt(float x) { return rsqrtf(x); }
+__device__ __forceinline__ float wb_fmaxf(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ float wb_u32_as_float(u32 u) { return __uint_as_float(u); }
+__device__ __forceinline__ u32 wb_float_as_u32(float f) { return __float_as_uint(f); }
+__device__ __forceinline__ float wb_log(float x) { return logf(x); }
+__device__ __forceinline__ float wb_exp_precise(float x) { return expf(x); }
+__device__ __forceinline__ float wb_fma(float a, float b, float c) { return fmaf(a, b, c); }
+// Data written during the kernel by other blocks is read through L2 only (.cg): L1 is not coherent across SMs
+__device__ __forceinline__ float4 wb_ld_cg_f4(const float* p) { return __ldcg((const float4*)p); }
+__device__ __forceinline__ float wb_ld_cg(const float* p) { return __ldcg(p); }
+__device__ __forceinline__ wb_u4 wb_ld_cg_u4(const void* p) { uint4 v = __ldcg((const uint4*)p); return wb_u4{v.x, v.y, v.z, v.w}; }
+#define WB_INF __int_as_float(0x7f800000)
+#endif
+
+// ---- vendor-neutral helpers built on the layer above ---------------------------------------------------------
+__device__ __forceinline__ int wb_lane() { return wb_tid() % WB_WARP; }
+__device__ __forceinline__ int wb_warp() { return wb_tid() / WB_WARP; }
+__device__ __forceinline__ int wb_nwarps() { return wb_ntid() / WB_WARP; }
+
+__device__ __forceinline__ float bf16_lo(u32 w) { return wb_u32_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(u32 w) { return wb_u32_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ float bf16_to_f32(bf16 b) { return wb_u32_as_float(((u32)b) << 16); }
+__device__ __forceinline__ bf16 f32_to_bf16(float f) {   // round to nearest even, NaN stays NaN
+    u32 u = wb_float_as_u32(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)0x7fc0;
+    return (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Sum over the lanes of a warp (or over aligned groups of `width` lanes)
+template <int width = WB_WARP>
+__device__ __forceinline__ float wb_warp_sum(float v) {
+#pragma unroll
+    for (int m = width / 2; m > 0; m >>= 1) v += wb_shfl_xor(v, m);
+    return v;
+}
+template <int width = WB_WARP>
+__device__ __forceinline__ float wb_warp_max(float v) {
+#pragma unroll
+    for (int m = width / 2; m > 0; m >>= 1) v = wb_fmaxf(v, wb_shfl_xor(v, m));
+    return v;
+}
+
+// Dot product of 8 bf16 weights (one 16-byte load) with 8 fp32 activations.
+// WB_DOT8 may be replaced by a packed-dot instruction per vendor; the fallback is 8 FMAs in fp32.
+__device__ __forceinline__ float wb_dot8(wb_u4 w, const float* a, float acc) {
+    acc = wb_fma(bf16_lo(w.x), a[0], acc); acc = wb_fma(bf16_hi(w.x), a[1], acc);
+    acc = wb_fma(bf16_lo(w.y), a[2], acc); acc = wb_fma(bf16_hi(w.y), a[3], acc);
+    acc = wb_fma(bf16_lo(w.z), a[4], acc); acc = wb_fma(bf16_hi(w.z), a[5], acc);
+    acc = wb_fma(bf16_lo(w.w), a[6], acc); acc = wb_fma(bf16_hi(w.w), a[7], acc);
+    return acc;
+}

@@ -1,0 +1,84 @@
+// Grid-wide barrier for the persistent kernel, hang-safe.
+//
+// One monotonically increasing arrival counter: barrier number e is passed when the counter reaches e·G, so it
+// never needs resetting inside a launch. Every spin is bounded: a waiter gives up when the host raises its abort
+// flag (mapped memory), when another block has already reported an error, or after `timeout_ns` of %globaltimer.
+// The block that times out names the stage, layer and step it was waiting in and the first block that never
+// arrived, with the stage that block last entered, so a hung section is reported instead of freezing the host.
+#pragma once
+
+enum WbError { WB_OK = 0, WB_ERR_HANG = 1, WB_ERR_ABORTED = 2, WB_ERR_BAD_TOKEN = 3 };
+
+// status[] layout (mapped host memory), mirrored in workbench/runtime.py
+enum WbStatus { ST_CODE = 0, ST_STAGE, ST_LAYER, ST_STEP, ST_BLOCK, ST_EPOCH, ST_MISSING_BLOCK, ST_MISSING_WHERE,
+                ST_N_MISSING, ST_ARRIVED, ST_WORDS = 16 };
+
+// dev_flags[0] is the device's copy of "stop now" (an error or a host abort seen by some block): cheap to poll.
+// host_abort lives in mapped host memory: a read crosses PCIe, so it is polled only on slow paths.
+__device__ __forceinline__ bool wb_should_stop(const Params* __restrict__ P) {
+    if (wb_load_volatile(P->dev_flags) != 0) return true;
+    if (wb_load_volatile(P->host_abort) != 0) { ((volatile int*)P->dev_flags)[0] = WB_ERR_ABORTED; return true; }
+    return false;
+}
+
+// Where a block is: written at every stage entry, read only when diagnosing a hang
+__device__ __forceinline__ u32 wb_where(int stage, int layer, int step) {
+    return ((u32)step << 12) | ((u32)(layer + 1) << 5) | (u32)stage;
+}
+__device__ __forceinline__ void wb_enter(const Params* __restrict__ P, int stage, int layer, int step) {
+    if (wb_tid() == 0) ((volatile u32*)P->where)[wb_bid()] = wb_where(stage, layer, step);
+}
+
+__device__ void wb_report(const Params* __restrict__ P, int code, int stage, int layer, int step, u32 epoch) {
+    ((volatile int*)P->dev_flags)[0] = code;
+    if (wb_atomic_cas(P->dev_flags + 2, 0, 1) != 0) return;  // someone else reported first
+    volatile int* st = P->status;
+    st[ST_STAGE] = stage; st[ST_LAYER] = layer; st[ST_STEP] = step; st[ST_BLOCK] = wb_bid(); st[ST_EPOCH] = (int)epoch;
+    int first = -1, missing = 0;
+    for (int b = 0; b < wb_nbid(); ++b) {
+        if (((volatile u32*)P->arrive)[b] < epoch) { if (first < 0) first = b; ++missing; }
+    }
+    st[ST_MISSING_BLOCK] = first;
+    st[ST_MISSING_WHERE] = first >= 0 ? (int)((volatile u32*)P->where)[first] : -1;
+    st[ST_N_MISSING] = missing;
+    wb_fence_system();
+    st[ST_CODE] = code;                                       // published last: the host reads the rest after it
+    wb_fence_system();
+}
+
+// Returns true when the kernel must stop (error or abort); callers return at once.
+__device__ __forceinline__ bool grid_sync(const Params* __restrict__ P, u32& epoch, int stage, int layer, int step) {
+    __shared__ int stop;
+    wb_syncthreads();
+    ++epoch;
+    if (wb_tid() == 0) {
+        stop = wb_load_volatile(P->dev_flags) != 0;
+        const u32 target = epoch * (u32)wb_nbid();
+        wb_fence_gpu();                                       // this block's writes before its arrival
+        wb_atomic_add(P->bar_count, 1u);
+        ((volatile u32*)P->arrive)[wb_bid()] = epoch;
+        u64 t0 = 0;
+        for (u32 spin = 0; wb_load_acquire(P->bar_count) < target; ++spin) {
+            if ((spin & 63) == 63) {                          // the slow checks, off the fast path
+                if (wb_should_stop(P)) { stop = 1; break; }
+                const u64 now = wb_globaltimer_ns();
+                if (t0 == 0) t0 = now;
+                else if (now - t0 > P->timeout_ns) { wb_report(P, WB_ERR_HANG, stage, layer, step, epoch); stop = 1; break; }
+            }
+        }
+        wb_fence_gpu();                                       // everyone's writes before this block reads on
+    }
+    wb_syncthreads();
+    return stop != 0;
+}
+
+#ifdef WB_HANG_STAGE
+// Fault injection for testing hang safety: one block never leaves the chosen stage (it only watches for the stop).
+__device__ __forceinline__ void wb_maybe_hang(const Params* __restrict__ P, int stage, int layer) {
+    if (stage == WB_HANG_STAGE && layer == WB_HANG_LAYER && wb_bid() == WB_HANG_BLOCK % wb_nbid() && wb_tid() == 0) {
+        while (!wb_should_stop(P)) wb_nanosleep(1000);
+    }
+}
+#else
+#define wb_maybe_hang(P, stage, layer) ((void)0)
+#endif

@@ -1,0 +1,42 @@
+// q, k, v = Wqkv · rmsnorm(x); RoPE on q and k; k and v appended to the bf16 KV cache at `pos`.
+//
+// The attention norm's gain is folded into Wqkv, so the block only divides x by its RMS. Wqkv rows come in
+// rotate-half pairs (i, i + hd/2) side by side, so the warp that computes a pair also rotates it: no exchange
+// between warps, and q/k never round-trip through memory unrotated.
+#pragma once
+
+__device__ void stage_qkv_rope_append(const Params* __restrict__ P, int layer, int pos, float* act, float* red) {
+    constexpr int HALF = WB_HEAD_DIM / 2;
+    constexpr int Q_DIM = WB_HEADS * WB_HEAD_DIM, KV_DIM = WB_KV_HEADS * WB_HEAD_DIM;
+    constexpr int PAIRS = (Q_DIM + 2 * KV_DIM) / 2;
+    load_rms_normalized(act, P->x, WB_D, red);
+    const bf16* __restrict__ W = P->wqkv + (long long)layer * (2 * PAIRS) * WB_D;
+    const float* __restrict__ cs = P->rope_cos + (long long)pos * HALF;
+    const float* __restrict__ sn = P->rope_sin + (long long)pos * HALF;
+    const long long kv_base = (long long)layer * WB_KV_HEADS * WB_MAX_SEQ * WB_HEAD_DIM + (long long)pos * WB_HEAD_DIM;
+    for (int u = grid_warp(); u < PAIRS; u += grid_nwarps()) {
+        float r[2];
+        warp_rows_dot<WB_D, 2>(W + (long long)(2 * u) * WB_D, WB_D, act, r);
+        if (wb_lane() != 0) continue;
+        const int row = 2 * u;
+        if (row < Q_DIM + KV_DIM) {                            // q or k: rotate the pair (p, p + hd/2)
+            const int rr = row < Q_DIM ? row : row - Q_DIM;
+            const int head = rr / WB_HEAD_DIM, p = (rr % WB_HEAD_DIM) / 2;
+            const float c = cs[p], s = sn[p];
+            const float lo = r[0] * c - r[1] * s, hi = r[1] * c + r[0] * s;
+            if (row < Q_DIM) {
+                P->q[head * WB_HEAD_DIM + p] = lo;
+                P->q[head * WB_HEAD_DIM + p + HALF] = hi;
+            } else {
+                bf16* k = P->k_cache + kv_base + (long long)head * WB_MAX_SEQ * WB_HEAD_DIM;
+                k[p] = f32_to_bf16(lo);
+                k[p + HALF] = f32_to_bf16(hi);
+            }
+        } else {                                               // v: two consecutive dims, no rotation
+            const int rr = row - Q_DIM - KV_DIM;
+            bf16* v = P->v_cache + kv_base + (long long)(rr / WB_HEAD_DIM) * WB_MAX_SEQ * WB_HEAD_DIM;
+            v[rr % WB_HEAD_DIM] = f32_to_bf16(r[0]);
+            v[rr % WB_HEAD_DIM + 1] = f32_to_bf16(r[1]);
+        }
+    }
+}

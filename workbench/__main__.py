@@ -1,0 +1,173 @@
+"""python -m workbench generate | verify | build — see README.md."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from .config import DEFAULT_MODEL, PRESETS, ConfigError, get_config
+
+
+def _model_args(p: argparse.ArgumentParser):
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"preset ({', '.join(PRESETS)}) or a local HF folder (default {DEFAULT_MODEL})")
+    p.add_argument("--weights", help="HF folder with safetensors (default: the --model folder, else random)")
+    p.add_argument("--weights-seed", type=int, default=0, help="seed of random weights")
+    p.add_argument("--max-seq", type=int, help="KV-cache length (default: the config's, at most 8192)")
+    p.add_argument("--threads", type=int, default=512, help="threads per block (one block per SM)")
+
+
+def _load(args):
+    import cupy
+
+    from .model import load, prepare
+    t0 = time.perf_counter()
+    w = load(args.model, args.weights, seed=args.weights_seed, xp=cupy, max_seq=args.max_seq)
+    p = prepare(w, xp=cupy)
+    del w
+    cupy.cuda.Device().synchronize()
+    print(f"[{p.cfg.name}] weights {p.source}: {p.nbytes() / 1e9:.2f} GB prepared in {time.perf_counter() - t0:.1f} s",
+          file=sys.stderr)
+    return p
+
+
+def _kernel(args, p, **kw):
+    from .assemble import BuildOptions
+    from .runtime import Monokernel
+    mk = Monokernel(p, BuildOptions(threads=args.threads), **kw)
+    r = mk.resources()
+    print(f"[{p.cfg.name}] compiled in {mk.compile_s:.2f} s: {r['blocks']}×{r['threads']} threads, "
+          f"{r['registers']} registers, {r['local_bytes']} B local, {r['dynamic_shared']} B shared", file=sys.stderr)
+    return mk
+
+
+def _tokenizer(args):
+    folder = args.weights or (args.model if Path(args.model).is_dir() else None)
+    if folder and (Path(folder) / "tokenizer.json").exists():
+        try:
+            from tokenizers import Tokenizer
+            return Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+        except ImportError:
+            print("tokenizer.json found but the `tokenizers` package is missing: ids only", file=sys.stderr)
+    return None
+
+
+def cmd_generate(args) -> int:
+    from .runtime import Sampling
+    tok = _tokenizer(args)
+    if args.prompt is not None and tok is None:
+        print("--prompt needs a folder with tokenizer.json; use --prompt-ids", file=sys.stderr)
+        return 2
+    p = _load(args)
+    cfg = p.cfg
+    if args.prompt is not None:
+        ids = tok.encode(args.prompt).ids
+    elif args.prompt_ids:
+        ids = [int(t) for t in args.prompt_ids.split(",")]
+    else:
+        ids = [cfg.bos_token_id if cfg.bos_token_id is not None else 0]
+    mk = _kernel(args, p, max_steps=len(ids) + args.tokens)
+    s = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    out = []
+    for t in mk.stream_tokens(ids, args.tokens, s, eos=None if args.stop_on_eos else []):
+        out.append(t)
+        if tok is not None:
+            text = tok.decode(out)
+            prev = tok.decode(out[:-1])
+            print(text[len(prev):], end="", flush=True)
+        else:
+            print(t, end=" ", flush=True)
+    res = mk.last
+    print()
+    print(f"{len(res.tokens)} tokens, {res.steps} decode steps in {res.kernel_ms:.1f} ms: "
+          f"{res.tok_per_s:.0f} tok/s ({cfg.weight_bytes_per_token() * res.tok_per_s / 1e12:.2f} TB/s of weights)")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from .runtime import Sampling
+    from .verify import verify, verify_sampling
+    p = _load(args)
+    mk = _kernel(args, p, max_steps=max(args.prompt_len + args.tokens, 64))
+    ok = True
+    for seed in args.seeds:
+        rep = verify(mk, prompt_len=args.prompt_len, max_new=args.tokens, seed=seed, rtol=args.rtol)
+        print(rep.summary())
+        ok &= rep.passed
+    if args.sampling:
+        for s in (Sampling(0.8, 0, 1.0, 1), Sampling(1.0, 50, 1.0, 2), Sampling(0.7, 0, 0.9, 3),
+                  Sampling(1.3, 200, 0.95, 4)):
+            rep = verify_sampling(mk, s, draws=args.draws)
+            print(rep.summary())
+            ok &= rep.passed
+    print("verify:", "PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+def cmd_build(args) -> int:
+    from .assemble import BuildOptions, assemble
+    from .compile import CompileError, compile_cubin, resource_usage
+    cfg = get_config(args.model, max_seq=args.max_seq)
+    opt = BuildOptions(threads=args.threads, timing=args.timing)
+    t0 = time.perf_counter()
+    try:
+        cubin, log = compile_cubin(assemble(cfg, opt), arch=args.arch)
+    except CompileError as e:
+        print(e, file=sys.stderr)
+        return 1
+    dt = time.perf_counter() - t0
+    if log.strip():
+        print(log.strip(), file=sys.stderr)
+    bad = False
+    for r in resource_usage(cubin):
+        print(f"{cfg.name} {args.arch} {r.kernel}: {r.registers} registers, {r.stack} B local (spills), "
+              f"{r.shared} B static shared + {__import__('workbench.assemble', fromlist=['x']).smem_bytes(cfg, args.threads)} B dynamic, "
+              f"compiled in {dt:.2f} s")
+        bad |= r.spills
+    if bad:
+        print("local memory in use: registers spill", file=sys.stderr)
+    return 1 if bad and args.no_spills else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m workbench", description="batch-1 decode monokernel workbench")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="stream tokens from the monokernel (GPU)")
+    _model_args(g)
+    g.add_argument("--prompt", help="prompt text (needs tokenizer.json in the weights folder)")
+    g.add_argument("--prompt-ids", help="comma-separated prompt token ids")
+    g.add_argument("--tokens", type=int, default=64, help="tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0, help="sampling seed")
+    g.add_argument("--stop-on-eos", action="store_true", help="stop at the config's EOS ids")
+    v = sub.add_parser("verify", help="kernel vs reference, teacher-forced (GPU); exits 1 on failure")
+    _model_args(v)
+    v.add_argument("--seeds", type=int, nargs="+", default=[0])
+    v.add_argument("--prompt-len", type=int, default=8)
+    v.add_argument("--tokens", type=int, default=24)
+    v.add_argument("--rtol", type=float, default=None)
+    v.add_argument("--sampling", action="store_true", help="also the chi-square checks of the sampler")
+    v.add_argument("--draws", type=int, default=20000)
+    b = sub.add_parser("build", help="compile only (no GPU): registers, spills, shared memory")
+    b.add_argument("--model", default=DEFAULT_MODEL)
+    b.add_argument("--max-seq", type=int)
+    b.add_argument("--threads", type=int, default=512)
+    b.add_argument("--arch", default="sm_90")
+    b.add_argument("--timing", action="store_true", help="with per-stage timing instrumentation")
+    b.add_argument("--no-spills", action="store_true", help="exit 1 when registers spill")
+    args = ap.parse_args(argv)
+    if getattr(args, "rtol", 0) is None:
+        from .verify import DEFAULT_RTOL
+        args.rtol = DEFAULT_RTOL
+    try:
+        return {"generate": cmd_generate, "verify": cmd_verify, "build": cmd_build}[args.cmd](args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

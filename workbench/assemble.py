@@ -1,0 +1,164 @@
+"""Assembling the monokernel: sections → one self-contained source with `#line` markers.
+
+CuPy keys its compile cache on the source text, not on included headers, so nothing is `#include`d: every section
+is pasted in, each preceded by `#line 1 "kernels/..."`, and compiler messages point at the section's own file and
+line. Shapes arrive only as the `#define`s generated from the model config; the `Params` struct is generated from
+the ctypes layout the host fills, so the two cannot drift apart.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import re
+from pathlib import Path
+
+from .config import ModelConfig
+
+KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+SECTIONS_DIR = KERNELS / "sections"
+
+# The decode path, in the order the source is assembled (each needs only what precedes it).
+SECTIONS = ["grid_sync", "matvec", "embedding", "qkv_rope_append", "attention_decode", "o_proj_residual",
+            "gate_up_silu", "down_residual", "lm_head", "sampling"]
+# Stages a block can be in (named in hang reports and timing). Per layer: the five layer stages.
+STAGES = ["embedding", "qkv_rope_append", "attention_decode", "o_proj_residual", "gate_up_silu", "down_residual",
+          "lm_head", "sampling"]
+LAYER_STAGES = STAGES[1:6]
+
+# Kernel parameters: (field, C type). Pointers are 64-bit; the ctypes mirror below is generated from this list.
+PARAMS = [
+    # prepared weights and tables
+    ("embed", "const bf16*"), ("wqkv", "const bf16*"), ("wo", "const bf16*"), ("wgu", "const bf16*"),
+    ("wd", "const bf16*"), ("lm_head", "const bf16*"), ("rope_cos", "const float*"), ("rope_sin", "const float*"),
+    # activations and the KV cache
+    ("x", "float*"), ("q", "float*"), ("o", "float*"), ("hmlp", "float*"), ("k_cache", "bf16*"), ("v_cache", "bf16*"),
+    ("logits", "float*"), ("logits_hist", "float*"), ("rec_slot", "const int*"),
+    ("attn_part", "float*"), ("attn_count", "u32*"), ("blk_max", "float*"), ("blk_arg", "int*"),
+    # synchronisation and control (status, host_abort, tokens_out, n_out, progress: mapped host memory)
+    ("bar_count", "u32*"), ("arrive", "u32*"), ("where", "u32*"), ("dev_flags", "int*"), ("status", "int*"),
+    ("host_abort", "const int*"), ("tokens_out", "int*"), ("n_out", "int*"), ("progress", "int*"),
+    ("tokens_in", "const int*"), ("eos", "const int*"), ("draws", "int*"), ("timing", "u64*"),
+    # scalars
+    ("seed", "u64"), ("timeout_ns", "u64"),
+    ("n_in", "int"), ("n_steps", "int"), ("max_new", "int"), ("pos0", "int"), ("n_eos", "int"), ("top_k", "int"),
+    ("n_draws", "int"), ("attn_max_splits", "int"), ("timing_steps", "int"),
+    ("temperature", "float"), ("top_p", "float"),
+]
+_CTYPES = {"u64": ctypes.c_uint64, "int": ctypes.c_int32, "float": ctypes.c_float}
+
+
+class Params(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64 if t.endswith("*") else _CTYPES[t]) for n, t in PARAMS]
+
+
+def params_struct() -> str:
+    body = "\n".join(f"    {t} {n};" for n, t in PARAMS)
+    return f"struct Params {{\n{body}\n}};\nstatic_assert(sizeof(Params) == {ctypes.sizeof(Params)}, \"Params layout\");\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildOptions:
+    threads: int = 512           # per block; one block per SM
+    timing: bool = False         # WB_TIMING: per-stage %globaltimer stamps
+    attn_min_chunk: int = 32     # fewest cache positions per attention split
+    hang: tuple | None = None    # (stage, layer, block): fault injection for hang-safety tests
+    variants: tuple = ()         # ((section, variant), ...): alternative section files, see section_path
+
+
+def section_path(name: str, variant: str | None = None) -> Path:
+    """kernels/sections/NAME.cuh, or kernels/sections/NAME@VARIANT.cuh for a named variant."""
+    return SECTIONS_DIR / (f"{name}@{variant}.cuh" if variant else f"{name}.cuh")
+
+
+def smem_floats(cfg: ModelConfig, threads: int, warp: int = 32) -> dict[str, int]:
+    """Dynamic shared memory each stage needs, in floats; the kernel gets the maximum."""
+    act = -(-max(cfg.hidden, cfg.q_dim, cfg.intermediate) // 4) * 4
+    nwarps = threads // warp
+    attn = cfg.group * cfg.head_dim + nwarps * cfg.group * (cfg.head_dim + 2)
+    sampling = (256 + 1024) * 2 + 8          # SampScratch: u64 hist[256], u64 chunk[1024], words
+    return {"act": act, "reduction": 64, "attention": attn, "sampling": sampling}
+
+
+def smem_bytes(cfg: ModelConfig, threads: int) -> int:
+    f = smem_floats(cfg, threads)
+    return 4 * max(f["act"] + f["reduction"], f["attention"], f["sampling"])
+
+
+def defines(cfg: ModelConfig, opt: BuildOptions) -> dict[str, str]:
+    d = dict(cfg.defines())
+    d.update(WB_THREADS=str(opt.threads), WB_ACT_FLOATS=str(smem_floats(cfg, opt.threads)["act"]),
+             WB_SLOTS=str(1 + 5 * cfg.n_layers + 2), WB_TIMING=str(int(opt.timing)),
+             WB_ATTN_MIN_CHUNK=str(opt.attn_min_chunk))
+    if opt.hang:
+        stage, layer, block = opt.hang
+        d.update(WB_HANG_STAGE=f"ST_{stage.upper()}", WB_HANG_LAYER=str(layer), WB_HANG_BLOCK=str(block))
+    return d
+
+
+@dataclasses.dataclass
+class Assembled:
+    source: str
+    # (first line in source, display path, text as pasted) per piece, for mapping messages back
+    pieces: list
+    key: str
+
+    def text_of(self, path: str) -> str | None:
+        """The text that was compiled for a section file (an unsaved edit included)."""
+        for _, p, text in self.pieces:
+            if p == path:
+                return text
+        return None
+
+    def locate(self, line: int) -> tuple[str, int]:
+        """Where a line of the assembled source came from."""
+        best = ("<generated>", line)
+        for start, path, _ in self.pieces:
+            if line >= start:
+                best = (path, 1 + line - start)
+        return best
+
+
+def _display(path: Path) -> str:
+    try:
+        return path.resolve().relative_to(KERNELS.parent).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def _clean(text: str, path: Path) -> str:
+    if re.search(r"^\s*#\s*include\b", text, re.M):
+        raise ValueError(f"{_display(path)}: sections are pasted, not included: remove the #include "
+                         "(the assembly already provides portability.cuh and the earlier sections)")
+    return re.sub(r"^[ \t]*#[ \t]*pragma[ \t]+once[ \t]*$", "", text, flags=re.M)
+
+
+def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: dict[str, str] | None = None) -> Assembled:
+    """The full kernel source. `overrides` maps a section name to replacement text (an edit not yet on disk)."""
+    overrides = overrides or {}
+    variants = dict(opt.variants)
+    head = ["// monokernel — generated by workbench.assemble; edit the sections, not this text",
+            *(f"#define {k} {v}" for k, v in defines(cfg, opt).items())]
+    out, pieces = list(head), []
+
+    def paste(path: Path, text: str):
+        pieces.append((len(out) + 2, _display(path), text))
+        out.append(f'#line 1 "{_display(path)}"')
+        out.extend(_clean(text, path).splitlines())
+
+    paste(KERNELS / "portability.cuh", (KERNELS / "portability.cuh").read_text())
+    gen = params_struct() + "enum Stage { " + ", ".join(f"ST_{s.upper()}" for s in STAGES) + " };\n"
+    pieces.append((len(out) + 2, "<generated: Params, Stage>", gen))
+    out.append('#line 1 "<generated: Params, Stage>"')
+    out.extend(gen.splitlines())
+    for name in SECTIONS + ["monokernel"]:
+        if name in overrides:
+            path = section_path(name, variants.get(name))
+            paste(path, overrides[name])
+            continue
+        path = KERNELS / "monokernel.cuh" if name == "monokernel" else section_path(name, variants.get(name))
+        if not path.exists():
+            raise FileNotFoundError(f"section {name!r}: {_display(path)} does not exist")
+        paste(path, path.read_text())
+    source = "\n".join(out) + "\n"
+    return Assembled(source, pieces, hashlib.sha256(source.encode()).hexdigest()[:16])

@@ -1,0 +1,319 @@
+"""Running the monokernel: one cooperative launch per generation, tokens streamed back through mapped memory,
+a host watchdog, and errors that name the stage and block that stopped.
+
+Needs CuPy with a CUDA GPU. Everything the kernel touches is allocated once per `Monokernel` (the KV cache persists
+across calls, so a later call may continue at `pos0 > 0`); each call resets the control words, so a run that ended
+in an error or a hang leaves nothing behind that disturbs the next.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import time
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .assemble import LAYER_STAGES, STAGES, Assembled, BuildOptions, Params, assemble, smem_bytes
+from .compile import NVRTC_OPTIONS, CompileError, parse_log
+from .config import ModelConfig
+from .model import Prepared
+
+ST_CODE, ST_STAGE, ST_LAYER, ST_STEP, ST_BLOCK, ST_EPOCH, ST_MISSING_BLOCK, ST_MISSING_WHERE, ST_N_MISSING = range(9)
+ERR_HANG, ERR_ABORTED, ERR_BAD_TOKEN = 1, 2, 3
+
+
+class KernelError(RuntimeError):
+    """The kernel stopped with an error; the process and the GPU stay usable."""
+
+
+class KernelHang(KernelError):
+    pass
+
+
+class KernelAborted(KernelError):
+    pass
+
+
+class NonFiniteLogits(KernelError):
+    pass
+
+
+def decode_where(w: int) -> str:
+    if w < 0:
+        return "unknown"
+    stage, layer, step = w & 31, ((w >> 5) & 127) - 1, w >> 12
+    name = STAGES[stage] if stage < len(STAGES) else f"stage {stage}"
+    return f"{name}" + (f" of layer {layer}" if layer >= 0 else "") + f" at step {step}"
+
+
+@dataclasses.dataclass
+class Sampling:
+    temperature: float = 0.0     # 0: greedy
+    top_k: int = 0               # 0: off
+    top_p: float = 1.0           # 1: off
+    seed: int = 0
+
+    def check(self, vocab: int):
+        if not (self.temperature >= 0 and np.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be ≥ 0 (0 = greedy), got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be ≥ 0 (0 = off), got {self.top_k}")
+
+
+@dataclasses.dataclass
+class Result:
+    tokens: list[int]               # generated tokens (prompt excluded)
+    steps: int                      # decode steps the kernel ran (prompt tokens + generated − 1)
+    kernel_ms: float                # launch to completion, CUDA events
+    logits: np.ndarray | None       # recorded logits [n_recorded, V] (fp32), in recorded-step order
+    recorded_steps: list[int]
+    draws: np.ndarray | None = None
+    timing: np.ndarray | None = None   # [steps, slots, blocks, 2] globaltimer ns, when built with timing
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.steps / (self.kernel_ms / 1e3) if self.kernel_ms > 0 else float("nan")
+
+
+class _Mapped:
+    """Pinned host memory mapped into the device address space: the kernel writes, the host reads while it runs."""
+
+    def __init__(self, n_words: int):
+        import cupy
+        rt = cupy.cuda.runtime
+        self.nbytes = 4 * n_words
+        self.host = rt.hostAlloc(self.nbytes, rt.hostAllocMapped | rt.hostAllocPortable)
+        self.dev = self.host             # unified addressing: a mapped allocation has the same address on the device
+        self.words = np.ctypeslib.as_array((ctypes.c_int32 * n_words).from_address(self.host))
+        self.words[:] = 0
+        self._rt = rt
+
+    def ptr(self, offset_words: int = 0) -> int:
+        return self.dev + 4 * offset_words
+
+    def __del__(self):
+        try:
+            self._rt.freeHost(self.host)
+        except Exception:
+            pass
+
+
+class Monokernel:
+    """A compiled monokernel bound to prepared weights on the GPU."""
+
+    def __init__(self, prepared: Prepared, options: BuildOptions = BuildOptions(), *,
+                 overrides: dict[str, str] | None = None, max_record: int = 64, max_steps: int | None = None):
+        import cupy
+        self.cp = cupy
+        if prepared.xp is not cupy:
+            raise TypeError("prepare the weights on the GPU: prepare(weights, xp=cupy)")
+        self.p, self.cfg, self.opt = prepared, prepared.cfg, options
+        cfg = self.cfg
+        dev = cupy.cuda.Device()
+        self.n_sm = dev.attributes["MultiProcessorCount"]
+        self.asm = assemble(cfg, options, overrides)
+        t0 = time.perf_counter()
+        self.module, self.fn = self._compile(self.asm)
+        self.compile_s = time.perf_counter() - t0
+        self.smem = smem_bytes(cfg, options.threads)
+        self.fn.max_dynamic_shared_size_bytes = self.smem
+        occ = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(self.fn.kernel.ptr, options.threads, self.smem)
+        if occ < 1:
+            raise KernelError(f"kernel cannot be resident: {options.threads} threads, {self.smem} B shared memory")
+        self.grid = self.n_sm            # one block per SM: all resident, so grid barriers cannot deadlock
+        self.attn_max_splits = max(1, self.grid // cfg.n_kv_heads)
+        self.max_steps = max_steps or cfg.max_seq
+        self.max_record = max_record
+        self._alloc()
+
+    # -- build ---------------------------------------------------------------------------------------------------
+    def _compile(self, asm: Assembled):
+        cp = self.cp
+        try:
+            mod = cp.RawModule(code=asm.source, options=NVRTC_OPTIONS, backend="nvrtc")
+            fn = mod.get_function("wb_generate")
+            fn.kernel                       # compile now, inside the try
+        except cp.cuda.compiler.CompileException as e:
+            log = str(e)
+            raise CompileError(parse_log(log, asm), log) from None
+        return mod, fn
+
+    def resources(self) -> dict:
+        a = self.fn.attributes
+        return dict(registers=a["num_regs"], local_bytes=a["local_size_bytes"], static_shared=a["shared_size_bytes"],
+                    dynamic_shared=self.smem, threads=self.opt.threads, blocks=self.grid)
+
+    def _alloc(self):
+        cp, cfg = self.cp, self.cfg
+        f32, i32, u32 = cp.float32, cp.int32, cp.uint32
+        L, Hkv, hd = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+        self.x = cp.empty(cfg.hidden, f32)
+        self.q = cp.empty(cfg.q_dim, f32)
+        self.o = cp.empty(cfg.q_dim, f32)
+        self.hmlp = cp.empty(cfg.intermediate, f32)
+        self.k_cache = cp.zeros((L, Hkv, cfg.max_seq, hd), cp.uint16)
+        self.v_cache = cp.zeros((L, Hkv, cfg.max_seq, hd), cp.uint16)
+        self.logits = cp.empty(cfg.vocab, f32)
+        self.logits_hist = cp.empty((self.max_record, cfg.vocab), f32)
+        self.rec_slot = cp.full(self.max_steps, -1, i32)
+        self.attn_part = cp.empty(cfg.n_heads * self.attn_max_splits * (hd + 2), f32)
+        self.attn_count = cp.zeros(Hkv, u32)
+        self.blk_max = cp.empty(self.grid, f32)
+        self.blk_arg = cp.empty(self.grid, i32)
+        self.bar_count = cp.zeros(1, u32)
+        self.arrive = cp.zeros(self.grid, u32)
+        self.where = cp.zeros(self.grid, u32)
+        self.dev_flags = cp.zeros(4, i32)
+        self.tokens_in = cp.zeros(self.max_steps + 1, i32)
+        self.eos = cp.zeros(max(1, len(cfg.eos_token_ids)) + 8, i32)
+        self.draws = cp.zeros(1, i32)
+        self.timing = cp.zeros(1, cp.uint64)
+        # mapped: status[16] | host_abort | n_out | progress | pad | tokens_out[max_steps]
+        self.mapped = _Mapped(16 + 4 + self.max_steps + 1)
+        self.params_dev = cp.empty(ctypes.sizeof(Params), cp.uint8)
+        self.stream = cp.cuda.Stream(non_blocking=True)
+
+    # -- run -----------------------------------------------------------------------------------------------------
+    def _params(self, n_in, n_steps, max_new, pos0, sampling: Sampling, eos, n_draws, timing_steps, timeout_s):
+        p, m = self.p, self.mapped
+        P = Params()
+        for name in ("embed", "wqkv", "wo", "wgu", "wd", "lm_head", "rope_cos", "rope_sin"):
+            setattr(P, name, getattr(p, name).data.ptr)
+        for name in ("x", "q", "o", "hmlp", "k_cache", "v_cache", "logits", "logits_hist", "rec_slot", "attn_part",
+                     "attn_count", "blk_max", "blk_arg", "bar_count", "arrive", "where", "dev_flags", "tokens_in",
+                     "eos", "draws", "timing"):
+            setattr(P, name, getattr(self, name).data.ptr)
+        P.status, P.host_abort, P.n_out, P.progress, P.tokens_out = m.ptr(0), m.ptr(16), m.ptr(17), m.ptr(18), m.ptr(20)
+        P.seed, P.timeout_ns = sampling.seed & (2**64 - 1), int(timeout_s * 1e9)
+        P.n_in, P.n_steps, P.max_new, P.pos0, P.n_eos = n_in, n_steps, max_new, pos0, len(eos)
+        P.top_k, P.n_draws, P.attn_max_splits, P.timing_steps = sampling.top_k, n_draws, self.attn_max_splits, timing_steps
+        P.temperature, P.top_p = sampling.temperature, sampling.top_p
+        return P
+
+    def stream_tokens(self, prompt: list[int], max_new: int, sampling: Sampling = Sampling(), *, pos0: int = 0,
+                      eos: list[int] | None = None, record: list[int] | None = None, n_draws: int = 0,
+                      timing_steps: int = 0, timeout_s: float = 5.0, host_timeout_s: float = 20.0,
+                      on_token: Callable[[int], None] | None = None) -> Iterator[int]:
+        """Launch once; yield each generated token as the kernel publishes it; the generator's return value (also
+        in `self.last`) is the Result. `record`: decode steps whose logits are kept (step i feeds prompt[i], or
+        the (i − len(prompt) + 1)-th generated token, at position pos0 + i)."""
+        cp, cfg = self.cp, self.cfg
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("the prompt needs at least one token")
+        bad = [t for t in prompt if not 0 <= t < cfg.vocab]
+        if bad:
+            raise ValueError(f"prompt token {bad[0]} is outside the vocabulary [0, {cfg.vocab})")
+        if max_new < 1:
+            raise ValueError("max_new must be ≥ 1")
+        sampling.check(cfg.vocab)
+        n_steps = len(prompt) + max_new - 1
+        if pos0 < 0 or pos0 + n_steps > cfg.max_seq:
+            raise ValueError(f"positions {pos0}..{pos0 + n_steps - 1} do not fit the KV cache of {cfg.max_seq}")
+        if n_steps > self.max_steps:
+            raise ValueError(f"{n_steps} steps exceed this kernel's max_steps={self.max_steps}")
+        record = sorted(set(record or []))
+        if len(record) > self.max_record:
+            raise ValueError(f"at most {self.max_record} recorded steps (asked {len(record)}); raise max_record")
+        if record and not (0 <= record[0] and record[-1] < n_steps):
+            raise ValueError(f"recorded steps must be in [0, {n_steps})")
+        eos = list(cfg.eos_token_ids if eos is None else eos)
+        if len(eos) > self.eos.size:
+            raise ValueError("too many EOS ids")
+        if n_draws > self.draws.size:
+            self.draws = cp.zeros(n_draws, cp.int32)
+        if self.opt.timing and timing_steps:
+            need = timing_steps * (1 + 5 * cfg.n_layers + 2) * self.grid * 2
+            if self.timing.size < need:
+                self.timing = cp.zeros(need, cp.uint64)
+        elif not self.opt.timing:
+            timing_steps = 0
+
+        with self.stream:
+            self.tokens_in[:len(prompt)].set(np.asarray(prompt, np.int32), stream=self.stream)
+            if eos:
+                self.eos[:len(eos)].set(np.asarray(eos, np.int32), stream=self.stream)
+            self.rec_slot.fill(-1)
+            if record:
+                self.rec_slot[cp.asarray(record)] = cp.arange(len(record), dtype=cp.int32)
+                self.logits_hist[:len(record)].fill(cp.nan)          # poison: an unwritten logit cannot pass
+            for buf in (self.bar_count, self.arrive, self.where, self.dev_flags, self.attn_count):
+                buf.fill(0)
+            self.x.fill(cp.nan)
+            P = self._params(len(prompt), n_steps, max_new, pos0, sampling, eos, n_draws, timing_steps, timeout_s)
+            self.params_dev.set(np.frombuffer(bytes(P), np.uint8), stream=self.stream)
+            self.stream.synchronize()
+        w = self.mapped.words
+        w[:] = 0
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        start.record(self.stream)
+        # cooperative launch: the driver refuses (rather than deadlocks) a grid that cannot be resident at once
+        self.fn.kernel((self.grid,), (self.opt.threads,), (self.params_dev,), shared_mem=self.smem,
+                       stream=self.stream, enable_cooperative_groups=True)
+        end.record(self.stream)
+
+        seen, last_progress, last_change, aborted_by_host = 0, -1, time.monotonic(), False
+        while True:
+            done = self.stream.done
+            n = int(w[17])
+            while seen < n:
+                tok = int(w[20 + seen])
+                seen += 1
+                if on_token:
+                    on_token(tok)
+                yield tok
+            if done:
+                break
+            prog = int(w[18])
+            now = time.monotonic()
+            if prog != last_progress:
+                last_progress, last_change = prog, now
+            elif now - last_change > host_timeout_s and not aborted_by_host:
+                w[16] = 1                                   # ask the kernel to stop at its next bounded wait
+                aborted_by_host, last_change = True, now
+            elif aborted_by_host and now - last_change > host_timeout_s:
+                raise KernelError("the kernel ignores the abort flag: a wait that is not bounded (a spin that never "
+                                  "checks the flag); the GPU context cannot be recovered in this process")
+            time.sleep(0.0002 if seen else 0.001)
+        self.stream.synchronize()                           # raises on CUDA errors (illegal address, ...)
+        kernel_ms = cp.cuda.get_elapsed_time(start, end)
+        self._raise_on_status(aborted_by_host, host_timeout_s)
+        steps = int(w[18])
+        toks = [int(t) for t in w[20:20 + int(w[17])]]
+        logits = self.logits_hist[:len(record)].get() if record else None
+        draws = self.draws[:n_draws].get() if n_draws else None
+        timing = None
+        if timing_steps:
+            ts = min(timing_steps, steps)
+            timing = self.timing[:ts * (1 + 5 * self.cfg.n_layers + 2) * self.grid * 2].get().reshape(
+                ts, -1, self.grid, 2)
+        self.last = Result(toks, steps, kernel_ms, logits, record, draws, timing)
+        return self.last
+
+    def generate(self, prompt, max_new, sampling: Sampling = Sampling(), **kw) -> Result:
+        it = self.stream_tokens(prompt, max_new, sampling, **kw)
+        for _ in it:
+            pass
+        return self.last
+
+    def _raise_on_status(self, aborted_by_host: bool, host_timeout_s: float):
+        w = self.mapped.words
+        code = int(w[ST_CODE])
+        if code == 0:
+            return
+        if code == ERR_HANG:
+            stage = STAGES[w[ST_STAGE]] if 0 <= w[ST_STAGE] < len(STAGES) else "?"
+            layer = f" of layer {w[ST_LAYER]}" if w[ST_LAYER] >= 0 else ""
+            raise KernelHang(
+                f"grid barrier timed out after the {stage} stage{layer} at step {w[ST_STEP]}: block {w[ST_BLOCK]} "
+                f"waited, {w[ST_N_MISSING]} block(s) never arrived, the first being block {w[ST_MISSING_BLOCK]}, "
+                f"last seen in {decode_where(int(w[ST_MISSING_WHERE]))}")
+        if code == ERR_ABORTED:
+            why = f"no progress for {host_timeout_s:.0f} s (host watchdog)" if aborted_by_host else "abort requested"
+            raise KernelAborted(f"kernel aborted: {why}; it stopped at step {int(w[18])}")
+        if code == ERR_BAD_TOKEN:
+            raise NonFiniteLogits(f"no valid token at step {int(w[ST_STEP])}: the logits are NaN or infinite")
+        raise KernelError(f"kernel reported error code {code}")
