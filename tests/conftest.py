@@ -1,0 +1,85 @@
+"""Shared test set-up: the `gpu` marker, a per-test random generator, and a tiny random Hugging Face checkpoint.
+
+Tests marked `gpu` run only where cupy can see a CUDA device; everywhere else they are skipped with the reason.
+"""
+from __future__ import annotations
+
+import functools
+import zlib
+
+import numpy as np
+import pytest
+
+from workbench.config import get_config
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU through cupy (skipped without one)")
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_unavailable_reason() -> str | None:
+    try:
+        import cupy
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:                                      # no cupy, no driver, no libcuda: all mean "no GPU"
+        return f"no CUDA device ({type(e).__name__}: {str(e)[:120]})"
+    return None if n > 0 else "no CUDA device (cupy sees 0)"
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]   # not keywords: a param id can be "gpu"
+    if gpu_items and (reason := gpu_unavailable_reason()):
+        for item in gpu_items:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture
+def rng(request):
+    """A generator seeded from the test's own id: reproducible, and different for every test (and parameter)."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def _build_tiny_llama(seed: int = 0):
+    """LlamaForCausalLM at the 'tiny' preset's shapes, re-initialised so that every layer does something:
+    projections with std 1/sqrt(fan_in), norm gains 1 + 0.2·N(0, 1), embeddings with std 0.1 (HF's default init,
+    std 0.02 everywhere and unit gains, leaves the residual stream nearly untouched by the layers)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**get_config("tiny").to_hf_dict())
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "embed_tokens" in name or "lm_head" in name:
+                p.normal_(0.0, 0.1)
+            elif p.ndim == 1:                                   # RMSNorm gains
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:                                               # nn.Linear weight [out, in]
+                p.normal_(0.0, p.shape[1] ** -0.5)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_checkpoint(tmp_path_factory):
+    """A folder with config.json and a single model.safetensors of a random tiny Llama, stored in bf16 as HF
+    checkpoints normally are."""
+    import torch
+
+    path = tmp_path_factory.mktemp("tiny_hf")
+    # safetensors is save_pretrained's default format (in transformers 5 the only one)
+    _build_tiny_llama().to(torch.bfloat16).save_pretrained(path)
+    assert (path / "model.safetensors").exists()
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_checkpoint_sharded(tmp_path_factory):
+    """The same weights as tiny_hf_checkpoint, split into several shards with a model.safetensors.index.json."""
+    import torch
+
+    path = tmp_path_factory.mktemp("tiny_hf_sharded")
+    _build_tiny_llama().to(torch.bfloat16).save_pretrained(path, max_shard_size="1MB")
+    assert (path / "model.safetensors.index.json").exists()
+    return path

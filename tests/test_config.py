@@ -1,0 +1,167 @@
+"""ModelConfig: presets, derived sizes, reading HF config.json, and refusing what the kernel cannot run."""
+import dataclasses
+import json
+
+import pytest
+
+from workbench.config import PRESETS, ConfigError, ModelConfig, RopeScaling, get_config
+from workbench.model import expected_shapes
+
+# config.json of meta-llama/Llama-3.2-1B-Instruct and meta-llama/Llama-3.1-8B-Instruct, as published
+LLAMA_32_1B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072,
+    "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 16,
+    "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 128256,
+}
+LLAMA_31_8B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256,
+}
+
+
+def test_llama_32_1b_sizes():
+    cfg = get_config("llama-3.2-1b")
+    assert (cfg.q_dim, cfg.kv_dim, cfg.qkv_rows, cfg.group) == (2048, 512, 3072, 4)
+    assert cfg.weight_bytes_per_token() == 2_471_493_632
+    assert cfg.n_params() == 1_235_814_400                     # the published parameter count
+    assert cfg.kv_bytes_per_token(0) == 2 * 2 * 16 * 512       # k and v, bf16, 16 layers, one position
+    assert cfg.kv_bytes_per_token(4095) == 4096 * cfg.kv_bytes_per_token(0)
+
+
+def test_published_parameter_counts():
+    assert get_config("llama-3.2-3b").n_params() == 3_212_749_824
+    assert get_config("llama-3.1-8b").n_params() == 8_030_261_248
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_weight_bytes_agree_with_tensor_shapes(name):
+    """The streamed bytes are every matrix once, the LM head included (the embedding is only read a row at a time,
+    so an untied embedding does not count); norm gains are folded into the matrices."""
+    cfg = get_config(name)
+    streamed = [shape for name, shape in expected_shapes(cfg).items()
+                if len(shape) == 2 and name != "model.embed_tokens.weight"]
+    if cfg.tie_embeddings:
+        streamed.append((cfg.vocab, cfg.hidden))                # the LM head reads the embedding matrix
+    assert cfg.weight_bytes_per_token() == 2 * sum(rows * cols for rows, cols in streamed)
+    assert cfg.weight_bytes_per_token(1) * 2 == cfg.weight_bytes_per_token()
+
+
+def test_n_params_matches_transformers():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = get_config("tiny")
+    torch.manual_seed(3)
+    model = LlamaForCausalLM(LlamaConfig(**cfg.to_hf_dict()))
+    assert model.num_parameters() == cfg.n_params()
+
+
+@pytest.mark.parametrize("d, preset", [(LLAMA_32_1B, "llama-3.2-1b"), (LLAMA_31_8B, "llama-3.1-8b")])
+def test_from_hf_dict_matches_preset(d, preset):
+    cfg = ModelConfig.from_hf_dict(d, name=preset)
+    assert cfg == PRESETS[preset]
+    assert cfg.max_seq == 8192                                 # capped: 131072 would be a 4 GiB cache at 8B
+
+
+def test_from_hf_dict_details():
+    cfg = ModelConfig.from_hf_dict(LLAMA_31_8B)
+    assert cfg.head_dim == 4096 // 32                          # derived when config.json has no head_dim
+    assert cfg.rope_scaling == RopeScaling(8.0, 1.0, 4.0, 8192)
+    assert not cfg.tie_embeddings and cfg.eos_token_ids == (128001, 128008, 128009)
+    assert ModelConfig.from_hf_dict(LLAMA_32_1B, max_seq=1024).max_seq == 1024
+    single_eos = ModelConfig.from_hf_dict({**LLAMA_32_1B, "eos_token_id": 128001})
+    assert single_eos.eos_token_ids == (128001,)
+    plain = ModelConfig.from_hf_dict({**LLAMA_32_1B, "rope_scaling": None})
+    assert plain.rope_scaling is None and plain.rope_theta == 500000.0
+
+
+def test_transformers_5_rope_parameters_round_trip():
+    """transformers 5 writes rope_parameters (with rope_theta inside) instead of rope_scaling + rope_theta."""
+    from transformers import LlamaConfig
+
+    for name in ("tiny", "llama-3.2-1b"):
+        cfg = get_config(name)
+        saved = json.loads(LlamaConfig(**cfg.to_hf_dict()).to_json_string())
+        assert ModelConfig.from_hf_dict(saved, name=name) == cfg
+
+
+def test_from_json(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_32_1B))
+    assert get_config(str(tmp_path)).with_(name="llama-3.2-1b") == PRESETS["llama-3.2-1b"]
+    assert ModelConfig.from_json(tmp_path / "config.json").hidden == 2048
+    with pytest.raises(ConfigError, match="no config.json"):
+        ModelConfig.from_json(tmp_path / "elsewhere")
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        ModelConfig.from_json(tmp_path / "bad")
+    with pytest.raises(ConfigError, match="neither a preset"):
+        get_config("no-such-model")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_size": None}, "lacks 'hidden_size'"),
+    ({"vocab_size": None}, "lacks 'vocab_size'"),
+    ({"num_key_value_heads": 6}, "multiple of n_kv_heads"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not implemented"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic' is not implemented"),
+    ({"model_type": "qwen3"}, "qk_norm"),
+    ({"model_type": "gpt2"}, "not a Llama-family"),
+    ({"hidden_act": "gelu"}, "only silu"),
+    ({"attention_bias": True}, "biases"),
+    ({"model_type": "qwen2"}, "qwen2 has q/k/v biases"),       # by architecture: no config key says so
+    ({"head_dim": 72}, "multiple of 16"),
+    ({"head_dim": 512}, "above 256"),
+    ({"intermediate_size": 8190}, "multiple of 8"),
+    ({"rms_norm_eps": 0.0}, "rms_eps must be positive"),
+    ({"num_hidden_layers": 0}, "n_layers must be a positive integer"),
+])
+def test_bad_configs_are_refused_with_the_reason(change, message):
+    d = {k: v for k, v in {**LLAMA_32_1B, **change}.items() if v is not None}
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf_dict(d)
+
+
+def test_sliding_window_caps_max_seq():
+    """Mistral 7B v0.1 attends to the last 4096 positions only; up to there that is full attention."""
+    mistral = {**LLAMA_31_8B, "model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768,
+               "rope_scaling": None, "rope_theta": 10000.0}
+    assert ModelConfig.from_hf_dict(mistral).max_seq == 4096
+    assert ModelConfig.from_hf_dict(mistral, max_seq=2048).max_seq == 2048
+    with pytest.raises(ConfigError, match="sliding_window 4096"):
+        ModelConfig.from_hf_dict(mistral, max_seq=8192)
+    unused = {**mistral, "use_sliding_window": False}          # qwen-style configs carry a window they do not use
+    assert ModelConfig.from_hf_dict(unused).max_seq == 8192
+    assert ModelConfig.from_hf_dict({**mistral, "sliding_window": None}).max_seq == 8192
+
+
+def test_defines():
+    cfg = get_config("tiny")
+    assert cfg.defines() == {
+        "WB_D": "264", "WB_LAYERS": "2", "WB_HEADS": "6", "WB_KV_HEADS": "2", "WB_HEAD_DIM": "32",
+        "WB_FF": "712", "WB_VOCAB": "1003", "WB_MAX_SEQ": "4352", "WB_RMS_EPS": "1e-05f",
+    }
+    big = get_config("llama-3.2-1b", max_seq=4096).defines()
+    assert big["WB_MAX_SEQ"] == "4096" and big["WB_VOCAB"] == "128256" and big["WB_KV_HEADS"] == "8"
+    eps = cfg.with_(rms_eps=1e-6).defines()["WB_RMS_EPS"]
+    assert eps.endswith("f") and float(eps[:-1]) == 1e-6       # a float literal C++ reads back exactly
+
+
+def test_presets_are_frozen_and_hashable():
+    cfg = get_config("tiny")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.hidden = 8
+    assert hash(cfg) == hash(get_config("tiny"))
