@@ -25,6 +25,37 @@
         WB_STAMP_LEAVE(slot, step);                                                                                 \
     } while (0)
 
+#if WB_TAPS
+// Debug build: after a stage's barrier, block 0 copies what the stage produced into the tap buffer of the step
+// (only for steps the host asked for), so the host can compare every stage of every layer with the reference.
+// The copies read buffers that the next stage does not write, so they need no extra barrier.
+__device__ void wb_tap(const Params* __restrict__ P, int tap, int layer, int step, int pos) {
+    const int slot = P->tap_slot[step];
+    if (slot < 0 || wb_bid() != 0) return;
+    float* dst = P->taps + (long long)slot * WB_TAP_STEP_FLOATS + (long long)layer * WB_TAP_LAYER_FLOATS;
+    const long long kv = ((long long)layer * WB_KV_HEADS * WB_MAX_SEQ + pos) * WB_HEAD_DIM;
+    constexpr int KVD = WB_KV_HEADS * WB_HEAD_DIM;
+    switch (tap) {
+    case 0: for (int i = wb_tid(); i < WB_D; i += wb_ntid()) dst[WB_TAP_X_IN + i] = wb_ld_cg(P->x + i); break;
+    case 1:
+        for (int i = wb_tid(); i < WB_HEADS * WB_HEAD_DIM; i += wb_ntid()) dst[WB_TAP_Q + i] = wb_ld_cg(P->q + i);
+        for (int i = wb_tid(); i < KVD; i += wb_ntid()) {
+            const long long c = kv + (long long)(i / WB_HEAD_DIM) * WB_MAX_SEQ * WB_HEAD_DIM + i % WB_HEAD_DIM;
+            dst[WB_TAP_K + i] = bf16_to_f32(((volatile bf16*)P->k_cache)[c]);
+            dst[WB_TAP_V + i] = bf16_to_f32(((volatile bf16*)P->v_cache)[c]);
+        }
+        break;
+    case 2: for (int i = wb_tid(); i < WB_HEADS * WB_HEAD_DIM; i += wb_ntid()) dst[WB_TAP_ATTN + i] = wb_ld_cg(P->o + i); break;
+    case 3: for (int i = wb_tid(); i < WB_D; i += wb_ntid()) dst[WB_TAP_X_ATTN + i] = wb_ld_cg(P->x + i); break;
+    case 4: for (int i = wb_tid(); i < WB_FF; i += wb_ntid()) dst[WB_TAP_H_MLP + i] = wb_ld_cg(P->hmlp + i); break;
+    case 5: for (int i = wb_tid(); i < WB_D; i += wb_ntid()) dst[WB_TAP_X_OUT + i] = wb_ld_cg(P->x + i); break;
+    }
+}
+#define WB_TAP(tap, layer) wb_tap(P, tap, layer, step, pos)
+#else
+#define WB_TAP(tap, layer) ((void)0)
+#endif
+
 #define WB_STAGE(stage, layer) do { wb_enter(P, stage, layer, step); wb_maybe_hang(P, stage, layer); } while (0)
 
 extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) wb_generate(const Params* __restrict__ P) {
@@ -41,21 +72,27 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) wb_generate(const Pa
         for (int layer = 0; layer < WB_LAYERS; ++layer) {
             const int s0 = 1 + layer * 5;
             (void)s0;
+            WB_TAP(0, layer);
             WB_STAGE(ST_QKV_ROPE_APPEND, layer);
             stage_qkv_rope_append(P, layer, pos, act, red);
             WB_SYNC(ST_QKV_ROPE_APPEND, layer, s0);
+            WB_TAP(1, layer);
             WB_STAGE(ST_ATTENTION_DECODE, layer);
             stage_attention_decode(P, layer, pos, smem);
             WB_SYNC(ST_ATTENTION_DECODE, layer, s0 + 1);
+            WB_TAP(2, layer);
             WB_STAGE(ST_O_PROJ_RESIDUAL, layer);
             stage_o_proj_residual(P, layer, act);
             WB_SYNC(ST_O_PROJ_RESIDUAL, layer, s0 + 2);
+            WB_TAP(3, layer);
             WB_STAGE(ST_GATE_UP_SILU, layer);
             stage_gate_up_silu(P, layer, act, red);
             WB_SYNC(ST_GATE_UP_SILU, layer, s0 + 3);
+            WB_TAP(4, layer);
             WB_STAGE(ST_DOWN_RESIDUAL, layer);
             stage_down_residual(P, layer, act);
             WB_SYNC(ST_DOWN_RESIDUAL, layer, s0 + 4);
+            WB_TAP(5, layer);
         }
         const int slot = P->rec_slot ? P->rec_slot[step] : -1;
         float* logits = slot >= 0 ? P->logits_hist + (long long)slot * WB_VOCAB : P->logits;

@@ -39,6 +39,7 @@ PARAMS = [
     ("bar_count", "u32*"), ("arrive", "u32*"), ("where", "u32*"), ("dev_flags", "int*"), ("status", "int*"),
     ("host_abort", "const int*"), ("tokens_out", "int*"), ("n_out", "int*"), ("progress", "int*"),
     ("tokens_in", "const int*"), ("eos", "const int*"), ("draws", "int*"), ("timing", "u64*"),
+    ("taps", "float*"), ("tap_slot", "const int*"),
     # scalars
     ("seed", "u64"), ("timeout_ns", "u64"),
     ("n_in", "int"), ("n_steps", "int"), ("max_new", "int"), ("pos0", "int"), ("n_eos", "int"), ("top_k", "int"),
@@ -62,8 +63,30 @@ class BuildOptions:
     threads: int = 512           # per block; one block per SM
     timing: bool = False         # WB_TIMING: per-stage %globaltimer stamps
     attn_min_chunk: int = 32     # fewest cache positions per attention split
+    taps: bool = False           # WB_TAPS: copy every stage's output of chosen steps into tap buffers
     hang: tuple | None = None    # (stage, layer, block): fault injection for hang-safety tests
     variants: tuple = ()         # ((section, variant), ...): alternative section files, see section_path
+
+
+# What a debug build taps per layer, in buffer order, with the stage that produces it. Names match the reference's
+# taps (workbench.reference.decode_step).
+TAPS = [("x_in", "embedding"), ("q", "qkv_rope_append"), ("k", "qkv_rope_append"), ("v", "qkv_rope_append"),
+        ("attn", "attention_decode"), ("x_attn", "o_proj_residual"), ("h_mlp", "gate_up_silu"),
+        ("x_out", "down_residual")]
+
+
+def tap_sizes(cfg: ModelConfig) -> dict[str, int]:
+    return {"x_in": cfg.hidden, "q": cfg.q_dim, "k": cfg.kv_dim, "v": cfg.kv_dim, "attn": cfg.q_dim,
+            "x_attn": cfg.hidden, "h_mlp": cfg.intermediate, "x_out": cfg.hidden}
+
+
+def tap_offsets(cfg: ModelConfig) -> tuple[dict[str, int], int]:
+    """Offset of each tap inside a layer's record, and the record's length (floats)."""
+    off, n = {}, 0
+    for name, _ in TAPS:
+        off[name] = n
+        n += tap_sizes(cfg)[name]
+    return off, n
 
 
 def section_path(name: str, variant: str | None = None) -> Path:
@@ -89,7 +112,10 @@ def defines(cfg: ModelConfig, opt: BuildOptions) -> dict[str, str]:
     d = dict(cfg.defines())
     d.update(WB_THREADS=str(opt.threads), WB_ACT_FLOATS=str(smem_floats(cfg, opt.threads)["act"]),
              WB_SLOTS=str(1 + 5 * cfg.n_layers + 2), WB_TIMING=str(int(opt.timing)),
-             WB_ATTN_MIN_CHUNK=str(opt.attn_min_chunk))
+             WB_ATTN_MIN_CHUNK=str(opt.attn_min_chunk), WB_TAPS=str(int(opt.taps)))
+    off, per_layer = tap_offsets(cfg)
+    d.update({f"WB_TAP_{k.upper()}": str(v) for k, v in off.items()})
+    d.update(WB_TAP_LAYER_FLOATS=str(per_layer), WB_TAP_STEP_FLOATS=str(per_layer * cfg.n_layers))
     if opt.hang:
         stage, layer, block = opt.hang
         d.update(WB_HANG_STAGE=f"ST_{stage.upper()}", WB_HANG_LAYER=str(layer), WB_HANG_BLOCK=str(block))

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .assemble import LAYER_STAGES, STAGES, Assembled, BuildOptions, Params, assemble, smem_bytes
+from .assemble import STAGES, TAPS, Assembled, BuildOptions, Params, assemble, smem_bytes, tap_offsets, tap_sizes
 from .compile import NVRTC_OPTIONS, CompileError, parse_log
 from .config import ModelConfig
 from .model import Prepared
@@ -72,6 +72,7 @@ class Result:
     recorded_steps: list[int]
     draws: np.ndarray | None = None
     timing: np.ndarray | None = None   # [steps, slots, blocks, 2] globaltimer ns, when built with timing
+    taps: dict | None = None           # {(tap, layer, step): fp32 array}, when built with taps
 
     @property
     def tok_per_s(self) -> float:
@@ -114,15 +115,8 @@ class Monokernel:
         cfg = self.cfg
         dev = cupy.cuda.Device()
         self.n_sm = dev.attributes["MultiProcessorCount"]
-        self.asm = assemble(cfg, options, overrides)
-        t0 = time.perf_counter()
-        self.module, self.fn = self._compile(self.asm)
-        self.compile_s = time.perf_counter() - t0
-        self.smem = smem_bytes(cfg, options.threads)
-        self.fn.max_dynamic_shared_size_bytes = self.smem
-        occ = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(self.fn.kernel.ptr, options.threads, self.smem)
-        if occ < 1:
-            raise KernelError(f"kernel cannot be resident: {options.threads} threads, {self.smem} B shared memory")
+        self.module = self.fn = None
+        self._install(options, overrides)
         self.grid = self.n_sm            # one block per SM: all resident, so grid barriers cannot deadlock
         self.attn_max_splits = max(1, self.grid // cfg.n_kv_heads)
         self.max_steps = max_steps or cfg.max_seq
@@ -130,6 +124,34 @@ class Monokernel:
         self._alloc()
 
     # -- build ---------------------------------------------------------------------------------------------------
+    def _install(self, options: BuildOptions, overrides: dict[str, str] | None):
+        """Assemble and compile; only when that succeeds does the new module replace the loaded one."""
+        asm = assemble(self.cfg, options, overrides)
+        t0 = time.perf_counter()
+        module, fn = self._compile(asm)
+        compile_s = time.perf_counter() - t0
+        smem = smem_bytes(self.cfg, options.threads)
+        fn.max_dynamic_shared_size_bytes = smem
+        occ = self.cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, options.threads, smem)
+        if occ < 1:
+            raise KernelError(f"kernel cannot be resident: {options.threads} threads, {smem} B shared memory")
+        if getattr(self, "grid", None) and options.threads != self.opt.threads:
+            raise ValueError("threads per block cannot change on reload; build a new Monokernel")
+        old = self.module
+        self.asm, self.module, self.fn, self.compile_s, self.smem = asm, module, fn, compile_s, smem
+        self.opt, self.overrides = options, dict(overrides or {})
+        if old is not None:
+            # CuPy memoises every compiled module; forget them so replaced versions are unloaded (the loaded one
+            # stays alive through self.module) and a long editing session does not grow without bound
+            del old
+            self.cp._util.clear_memo()
+
+    def reload(self, options: BuildOptions | None = None, overrides: dict[str, str] | None = None) -> float:
+        """Rebuild from the sections on disk (plus `overrides`). On a compile error the last good kernel stays
+        loaded and runnable, and CompileError (section file, line, source line) is raised. Returns compile seconds."""
+        self._install(options or self.opt, self.overrides if overrides is None else overrides)
+        return self.compile_s
+
     def _compile(self, asm: Assembled):
         cp = self.cp
         try:
@@ -171,6 +193,8 @@ class Monokernel:
         self.eos = cp.zeros(max(1, len(cfg.eos_token_ids)) + 8, i32)
         self.draws = cp.zeros(1, i32)
         self.timing = cp.zeros(1, cp.uint64)
+        self.taps = cp.zeros(1, f32)
+        self.tap_slot = cp.full(self.max_steps, -1, i32)
         # mapped: status[16] | host_abort | n_out | progress | pad | tokens_out[max_steps]
         self.mapped = _Mapped(16 + 4 + self.max_steps + 1)
         self.params_dev = cp.empty(ctypes.sizeof(Params), cp.uint8)
@@ -184,7 +208,7 @@ class Monokernel:
             setattr(P, name, getattr(p, name).data.ptr)
         for name in ("x", "q", "o", "hmlp", "k_cache", "v_cache", "logits", "logits_hist", "rec_slot", "attn_part",
                      "attn_count", "blk_max", "blk_arg", "bar_count", "arrive", "where", "dev_flags", "tokens_in",
-                     "eos", "draws", "timing"):
+                     "eos", "draws", "timing", "taps", "tap_slot"):
             setattr(P, name, getattr(self, name).data.ptr)
         P.status, P.host_abort, P.n_out, P.progress, P.tokens_out = m.ptr(0), m.ptr(16), m.ptr(17), m.ptr(18), m.ptr(20)
         P.seed, P.timeout_ns = sampling.seed & (2**64 - 1), int(timeout_s * 1e9)
@@ -195,8 +219,10 @@ class Monokernel:
 
     def stream_tokens(self, prompt: list[int], max_new: int, sampling: Sampling = Sampling(), *, pos0: int = 0,
                       eos: list[int] | None = None, record: list[int] | None = None, n_draws: int = 0,
-                      timing_steps: int = 0, timeout_s: float = 5.0, host_timeout_s: float = 20.0,
-                      on_token: Callable[[int], None] | None = None) -> Iterator[int]:
+                      timing_steps: int = 0, tap_steps: list[int] | None = None, timeout_s: float = 5.0,
+                      host_timeout_s: float = 20.0, on_token: Callable[[int], None] | None = None,
+                      on_poll: Callable[["Monokernel", int], None] | None = None,
+                      poll_interval_s: float = 0.05) -> Iterator[int]:
         """Launch once; yield each generated token as the kernel publishes it; the generator's return value (also
         in `self.last`) is the Result. `record`: decode steps whose logits are kept (step i feeds prompt[i], or
         the (i − len(prompt) + 1)-th generated token, at position pos0 + i)."""
@@ -231,18 +257,33 @@ class Monokernel:
                 self.timing = cp.zeros(need, cp.uint64)
         elif not self.opt.timing:
             timing_steps = 0
+        tap_steps = sorted(set(tap_steps or []))
+        if tap_steps and not self.opt.taps:
+            raise ValueError("tap_steps needs a build with BuildOptions(taps=True)")
+        if tap_steps and not (0 <= tap_steps[0] and tap_steps[-1] < n_steps):
+            raise ValueError(f"tap steps must be in [0, {n_steps})")
+        tap_floats = tap_offsets(cfg)[1] * cfg.n_layers
+        if tap_steps and self.taps.size < len(tap_steps) * tap_floats:
+            self.taps = cp.zeros(len(tap_steps) * tap_floats, cp.float32)
+        self.timing_steps = timing_steps
 
         with self.stream:
             self.tokens_in[:len(prompt)].set(np.asarray(prompt, np.int32), stream=self.stream)
             if eos:
                 self.eos[:len(eos)].set(np.asarray(eos, np.int32), stream=self.stream)
             self.rec_slot.fill(-1)
+            self.tap_slot.fill(-1)
+            if tap_steps:
+                self.tap_slot[cp.asarray(tap_steps)] = cp.arange(len(tap_steps), dtype=cp.int32)
+                self.taps[:len(tap_steps) * tap_floats].fill(cp.nan)       # poison
             if record:
                 self.rec_slot[cp.asarray(record)] = cp.arange(len(record), dtype=cp.int32)
                 self.logits_hist[:len(record)].fill(cp.nan)          # poison: an unwritten logit cannot pass
             for buf in (self.bar_count, self.arrive, self.where, self.dev_flags, self.attn_count):
                 buf.fill(0)
             self.x.fill(cp.nan)
+            if timing_steps:
+                self.timing[:timing_steps * (1 + 5 * cfg.n_layers + 2) * self.grid * 2].fill(0)
             P = self._params(len(prompt), n_steps, max_new, pos0, sampling, eos, n_draws, timing_steps, timeout_s)
             self.params_dev.set(np.frombuffer(bytes(P), np.uint8), stream=self.stream)
             self.stream.synchronize()
@@ -256,6 +297,7 @@ class Monokernel:
         end.record(self.stream)
 
         seen, last_progress, last_change, aborted_by_host = 0, -1, time.monotonic(), False
+        next_poll = time.monotonic() + poll_interval_s
         while True:
             done = self.stream.done
             n = int(w[17])
@@ -269,6 +311,9 @@ class Monokernel:
                 break
             prog = int(w[18])
             now = time.monotonic()
+            if on_poll is not None and now >= next_poll:
+                on_poll(self, prog)                         # e.g. a dashboard reading timing_snapshot()
+                next_poll = now + poll_interval_s
             if prog != last_progress:
                 last_progress, last_change = prog, now
             elif now - last_change > host_timeout_s and not aborted_by_host:
@@ -290,8 +335,27 @@ class Monokernel:
             ts = min(timing_steps, steps)
             timing = self.timing[:ts * (1 + 5 * self.cfg.n_layers + 2) * self.grid * 2].get().reshape(
                 ts, -1, self.grid, 2)
-        self.last = Result(toks, steps, kernel_ms, logits, record, draws, timing)
+        taps = None
+        if tap_steps:
+            host = self.taps[:len(tap_steps) * tap_floats].get().reshape(len(tap_steps), cfg.n_layers, -1)
+            off, sizes = tap_offsets(cfg)[0], tap_sizes(cfg)
+            taps = {(name, layer, step): host[i, layer, off[name]:off[name] + sizes[name]].copy()
+                    for i, step in enumerate(tap_steps) for layer in range(cfg.n_layers) for name, _ in TAPS}
+        self.last = Result(toks, steps, kernel_ms, logits, record, draws, timing, taps)
         return self.last
+
+    def timing_snapshot(self) -> np.ndarray | None:
+        """The timing stamps so far, copied on a side stream while the kernel may still be running (stamps not yet
+        written read 0). [timing_steps, slots, blocks, 2]."""
+        if not self.opt.timing or not getattr(self, "timing_steps", 0):
+            return None
+        n = self.timing_steps * (1 + 5 * self.cfg.n_layers + 2) * self.grid * 2
+        side = getattr(self, "_side", None) or self.cp.cuda.Stream(non_blocking=True)
+        self._side = side
+        out = np.empty(n, np.uint64)
+        self.timing[:n].get(stream=side, out=out)
+        side.synchronize()
+        return out.reshape(self.timing_steps, -1, self.grid, 2)
 
     def generate(self, prompt, max_new, sampling: Sampling = Sampling(), **kw) -> Result:
         it = self.stream_tokens(prompt, max_new, sampling, **kw)
