@@ -6,11 +6,13 @@
 #if WB_TIMING
 // Stamps of %globaltimer at each barrier: when this block arrived (its work done) and when it left (all arrived).
 // The stage's work is [previous leave, arrive); its wait is [arrive, leave). Compiled away when WB_TIMING is 0.
-#define WB_STAMP_ARRIVE(slot) u64 t_arrive_ = wb_globaltimer_ns()
+// The arrival stamp waits in shared memory, not a register: nothing extra stays live across the stage calls.
+__shared__ u64 wb_t_arrive;
+#define WB_STAMP_ARRIVE(slot) if (wb_tid() == 0) wb_t_arrive = wb_globaltimer_ns()
 #define WB_STAMP_LEAVE(slot, step)                                                                                  \
     if (wb_tid() == 0 && (step) < P->timing_steps) {                                                                \
         u64* t_ = P->timing + (((long long)(step) * WB_SLOTS + (slot)) * wb_nbid() + wb_bid()) * 2;                 \
-        t_[0] = t_arrive_; t_[1] = wb_globaltimer_ns();                                                             \
+        t_[0] = wb_t_arrive; t_[1] = wb_globaltimer_ns();                                                           \
     }
 #else
 #define WB_STAMP_ARRIVE(slot) ((void)0)
@@ -21,7 +23,7 @@
 #define WB_SYNC(stage, layer, slot)                                                                                \
     do {                                                                                                            \
         WB_STAMP_ARRIVE(slot);                                                                                      \
-        if (grid_sync(P, epoch, stage, layer, step)) return;                                                       \
+        if (grid_sync(P, stage, layer, step)) return;                                                            \
         WB_STAMP_LEAVE(slot, step);                                                                                 \
     } while (0)
 
@@ -29,7 +31,7 @@
 // Debug build: after a stage's barrier, block 0 copies what the stage produced into the tap buffer of the step
 // (only for steps the host asked for), so the host can compare every stage of every layer with the reference.
 // The copies read buffers that the next stage does not write, so they need no extra barrier.
-__device__ void wb_tap(const Params* __restrict__ P, int tap, int layer, int step, int pos) {
+WB_SECTION void wb_tap(const Params* __restrict__ P, int tap, int layer, int step, int pos) {
     const int slot = P->tap_slot[step];
     if (slot < 0 || wb_bid() != 0) return;
     float* dst = P->taps + (long long)slot * WB_TAP_STEP_FLOATS + (long long)layer * WB_TAP_LAYER_FLOATS;
@@ -62,7 +64,7 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) wb_generate(const Pa
     extern __shared__ __attribute__((aligned(16))) float smem[];
     float* act = smem;                        // the stage's input vector, fp32
     float* red = smem + WB_ACT_FLOATS;        // block reductions: 32 floats + 32 ints
-    u32 epoch = 0;
+    wb_grid_sync_init();
     int step = 0;
     if (wb_bid() == 0) embed_token(P, P->tokens_in[0]);
     WB_SYNC(ST_EMBEDDING, -1, 0);
@@ -118,16 +120,19 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) wb_generate(const Pa
                 } else if (!forced) {
                     const int g = step + 1 - P->n_in;               // index among generated tokens
                     P->tokens_out[g] = next;
-                    wb_fence_system();
+                    wb_fence_system();                              // the token is visible before its count
                     *(volatile int*)P->n_out = g + 1;               // the host streams tokens[0..n_out)
                     for (int e = 0; e < P->n_eos; ++e) done |= next == P->eos[e];
                     done |= g + 1 >= P->max_new;
                 }
                 done |= step + 1 >= P->n_steps || P->pos0 + step + 1 >= WB_MAX_SEQ;
-                if (wb_load_volatile(P->host_abort)) { ((volatile int*)P->dev_flags)[0] = WB_ERR_ABORTED; done = 1; }
-                *(volatile int*)P->progress = step + 1;
+                // reading host memory costs a PCIe round trip: look at the abort word every 16 steps only
+                if ((step & 15) == 15 && wb_load_volatile(P->host_abort)) {
+                    ((volatile int*)P->dev_flags)[0] = WB_ERR_ABORTED;
+                    done = 1;
+                }
+                *(volatile int*)P->progress = step + 1;             // the host watchdog's heartbeat
                 P->dev_flags[1] = done;
-                wb_fence_system();
             }
             wb_syncthreads();
             embed_token(P, next);

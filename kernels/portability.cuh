@@ -17,13 +17,20 @@ typedef u16 bf16;   // bf16 kept as bits: no vendor header needed, identical on 
 
 #if WB_AMD
 // With -nogpulib -nogpuinc nothing of HIP is predefined: supply the few keywords we use.
+// Under hipRTC or with the HIP headers these already exist (a macro each, and HIP's own float4): keep theirs.
 #ifndef __global__
 #define __global__ __attribute__((global))
 #define __device__ __attribute__((device))
+#define __host__ __attribute__((host))
+#define __constant__ __attribute__((constant))
+// `__shared__` on a block-scope or namespace-scope variable puts it in LDS; `extern __shared__ T name[]` (no size)
+// is clang's dynamic-LDS convention, sized by the launch (hidden_dynamic_lds_size), exactly as in CUDA.
 #define __shared__ __attribute__((shared))
 #define __forceinline__ inline __attribute__((always_inline))
 #define __restrict__ __restrict
+// CUDA's second argument (min blocks per SM) has no AMD meaning for a persistent one-block-per-CU grid: dropped
 #define __launch_bounds__(t, b) __attribute__((amdgpu_flat_work_group_size(1, t)))
+struct float4 { float x, y, z, w; } __attribute__((aligned(16)));
 #endif
 #define WB_WARP 64
 __device__ __forceinline__ int wb_tid()   { return __builtin_amdgcn_workitem_id_x(); }
@@ -56,13 +63,17 @@ __device__ __forceinline__ int wb_load_volatile(const volatile int* p) { return 
 __device__ __forceinline__ u64 wb_globaltimer_ns() { return __builtin_amdgcn_s_memrealtime() * 10ull; }
 __device__ __forceinline__ void wb_nanosleep(u32) { __builtin_amdgcn_s_sleep(2); }
 struct wb_u4 { u32 x, y, z, w; };
-struct float4 { float x, y, z, w; } __attribute__((aligned(16)));
+// The loads below only ever read global memory (weights, KV cache, activations): saying so (address space 1) gives
+// global_load_* instead of flat_load_*, which would also wait on the LDS counter and cannot take a scalar base.
+#define WB_GLOBAL(T, p) ((const __attribute__((address_space(1))) T*)(p))
 // Weights are read once per token: non-temporal, so they do not evict the activations and KV cache
 __device__ __forceinline__ wb_u4 wb_ld_stream(const void* p) {
     typedef u32 v4u __attribute__((ext_vector_type(4)));
-    v4u v = __builtin_nontemporal_load((const v4u*)p);
+    v4u v = __builtin_nontemporal_load(WB_GLOBAL(v4u, p));
     return wb_u4{v.x, v.y, v.z, v.w};
 }
+// gfx942 has no fire-and-forget L2 prefetch; the hint is dropped (correctness never depends on it)
+__device__ __forceinline__ void wb_prefetch_l2(const void*) {}
 __device__ __forceinline__ float wb_exp(float x)  { return __builtin_expf(x); }
 __device__ __forceinline__ float wb_rsqrt(float x) { return __builtin_amdgcn_rsqf(x); }
 __device__ __forceinline__ float wb_fmaxf(float a, float b) { return __builtin_fmaxf(a, b); }
@@ -71,9 +82,19 @@ __device__ __forceinline__ u32 wb_float_as_u32(float f) { return __builtin_bit_c
 __device__ __forceinline__ float wb_log(float x) { return __builtin_logf(x); }
 __device__ __forceinline__ float wb_exp_precise(float x) { return __builtin_expf(x); }
 __device__ __forceinline__ float wb_fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
-__device__ __forceinline__ float4 wb_ld_cg_f4(const float* p) { return *(const float4*)p; }
-__device__ __forceinline__ float wb_ld_cg(const float* p) { return *p; }
-__device__ __forceinline__ wb_u4 wb_ld_cg_u4(const void* p) { return *(const wb_u4*)p; }
+// Data other blocks wrote during the kernel: the agent-scope fences of the grid barrier (and of the attention merge)
+// write back and invalidate the caches that are not coherent, so plain global loads see it.
+__device__ __forceinline__ float4 wb_ld_cg_f4(const float* p) {
+    typedef float v4f __attribute__((ext_vector_type(4)));
+    v4f v = *WB_GLOBAL(v4f, p);
+    return float4{v.x, v.y, v.z, v.w};
+}
+__device__ __forceinline__ float wb_ld_cg(const float* p) { return *WB_GLOBAL(float, p); }
+__device__ __forceinline__ wb_u4 wb_ld_cg_u4(const void* p) {
+    typedef u32 v4u __attribute__((ext_vector_type(4)));
+    v4u v = *WB_GLOBAL(v4u, p);
+    return wb_u4{v.x, v.y, v.z, v.w};
+}
 #define WB_INF __builtin_inff()
 #else  // ---------------------------------------------------------------------------------------------- NVIDIA
 #define WB_WARP 32
@@ -104,6 +125,8 @@ __device__ __forceinline__ wb_u4 wb_ld_stream(const void* p) {
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
+// Ask L2 to fetch a line now (no register, no wait): next-stage weights stream in while a block waits at a barrier
+__device__ __forceinline__ void wb_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }
 __device__ __forceinline__ float wb_exp(float x)  { return __expf(x); }
 __device__ __forceinline__ float wb_rsqrt(float x) { return rsqrtf(x); }
 __device__ __forceinline__ float wb_fmaxf(float a, float b) { return fmaxf(a, b); }
@@ -120,6 +143,20 @@ __device__ __forceinline__ wb_u4 wb_ld_cg_u4(const void* p) { uint4 v = __ldcg((
 #endif
 
 // ---- vendor-neutral helpers built on the layer above ---------------------------------------------------------
+// A stage of the decode step. Kept out of line on NVIDIA: the persistent kernel would otherwise be one function with
+// every stage's live ranges competing for the 128 registers a 512-thread block allows, and it spills. On AMD a
+// 512-thread block (8 waves, 2 per SIMD) gets 256 VGPRs a lane, so the stages fit inlined; out of line, every call
+// would save the callee-saved VGPRs it uses to scratch.
+#if WB_AMD
+#define WB_SECTION __device__
+#else
+#ifndef WB_SECTION
+#define WB_SECTION __device__ __attribute__((noinline))
+#endif
+#endif
+// Warps in a block of the largest size (1024 threads on both vendors): 32 on NVIDIA, 16 on AMD. Per-warp scratch
+// (e.g. one float and one int per warp for block reductions) is sized by this, never by a literal.
+#define WB_MAX_WARPS (1024 / WB_WARP)
 __device__ __forceinline__ int wb_lane() { return wb_tid() % WB_WARP; }
 __device__ __forceinline__ int wb_warp() { return wb_tid() / WB_WARP; }
 __device__ __forceinline__ int wb_nwarps() { return wb_ntid() / WB_WARP; }

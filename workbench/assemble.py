@@ -66,6 +66,7 @@ class BuildOptions:
     taps: bool = False           # WB_TAPS: copy every stage's output of chosen steps into tap buffers
     hang: tuple | None = None    # (stage, layer, block): fault injection for hang-safety tests
     variants: tuple = ()         # ((section, variant), ...): alternative section files, see section_path
+    defines: tuple = ()          # ((NAME, value), ...): extra compile-time knobs (e.g. WB_PREFETCH_BYTES)
 
 
 # What a debug build taps per layer, in buffer order, with the stage that produces it. Names match the reference's
@@ -116,6 +117,7 @@ def defines(cfg: ModelConfig, opt: BuildOptions) -> dict[str, str]:
     off, per_layer = tap_offsets(cfg)
     d.update({f"WB_TAP_{k.upper()}": str(v) for k, v in off.items()})
     d.update(WB_TAP_LAYER_FLOATS=str(per_layer), WB_TAP_STEP_FLOATS=str(per_layer * cfg.n_layers))
+    d.update({k: str(v) for k, v in opt.defines})
     if opt.hang:
         stage, layer, block = opt.hang
         d.update(WB_HANG_STAGE=f"ST_{stage.upper()}", WB_HANG_LAYER=str(layer), WB_HANG_BLOCK=str(block))

@@ -19,11 +19,25 @@ __device__ __forceinline__ int attn_splits(const Params* __restrict__ P, int n) 
 // exp(m - M), with an empty state (m = -inf) weighing nothing
 __device__ __forceinline__ float att_rescale(float m, float M) { return m == -WB_INF ? 0.f : wb_exp(m - M); }
 
-__device__ void stage_attention_decode(const Params* __restrict__ P, int layer, int pos, float* smem) {
+// Merge the per-warp states (m, l, acc) of query head g, dimension d: max, rescaled sum, rescaled accumulator
+__device__ __forceinline__ void att_merge_warps(const float* ws, int g, int d, float& M, float& L, float& A) {
+    constexpr int HD = WB_HEAD_DIM;
+    M = -WB_INF;
+    for (int w = 0; w < wb_nwarps(); ++w) M = wb_fmaxf(M, ws[(w * ATT_GQ + g) * (HD + 2)]);
+    L = 0.f; A = 0.f;
+    for (int w = 0; w < wb_nwarps(); ++w) {
+        const float* st = ws + (w * ATT_GQ + g) * (HD + 2);
+        const float e = att_rescale(st[0], M);
+        L += st[1] * e;
+        A += st[2 + d] * e;
+    }
+}
+
+WB_SECTION void stage_attention_decode(const Params* __restrict__ P, int layer, int pos, float* smem) {
     constexpr int HD = WB_HEAD_DIM;
     const int n = pos + 1, S = attn_splits(P, n), chunk = (n + S - 1) / S;
     const int item = wb_bid();
-    if (item >= WB_KV_HEADS * S) return;
+    if (item >= WB_KV_HEADS * S) return;            // idle blocks: the O-projection is being prefetched already
     const int kvh = item / S, split = item % S;
     const int start = split * chunk, end = start + chunk < n ? start + chunk : n;
 
@@ -87,19 +101,21 @@ __device__ void stage_attention_decode(const Params* __restrict__ P, int layer, 
         }
     }
     wb_syncthreads();
-    // merge the warps; this block's partial for (head, split) goes to global memory
+    // merge the warps; with one split that is the answer, else this block's partial for (head, split)
     const int Smax = P->attn_max_splits;
+    if (S == 1) {
+        for (int i = wb_tid(); i < ATT_GQ * HD; i += wb_ntid()) {
+            const int g = i / HD, d = i % HD;
+            float M, L, A;
+            att_merge_warps(ws, g, d, M, L, A);
+            P->o[(kvh * ATT_GQ + g) * HD + d] = A / L;
+        }
+        return;
+    }
     for (int i = wb_tid(); i < ATT_GQ * HD; i += wb_ntid()) {
         const int g = i / HD, d = i % HD;
-        float M = -WB_INF;
-        for (int w = 0; w < wb_nwarps(); ++w) M = wb_fmaxf(M, ws[(w * ATT_GQ + g) * (HD + 2)]);
-        float L = 0.f, A = 0.f;
-        for (int w = 0; w < wb_nwarps(); ++w) {
-            const float* st = ws + (w * ATT_GQ + g) * (HD + 2);
-            const float e = att_rescale(st[0], M);
-            L += st[1] * e;
-            A += st[2 + d] * e;
-        }
+        float M, L, A;
+        att_merge_warps(ws, g, d, M, L, A);
         const int hs = (kvh * ATT_GQ + g) * Smax + split;
         P->attn_part[(long long)hs * (HD + 2) + 2 + d] = A;
         if (d == 0) { P->attn_part[(long long)hs * (HD + 2)] = M; P->attn_part[(long long)hs * (HD + 2) + 1] = L; }

@@ -46,12 +46,21 @@ __device__ void wb_report(const Params* __restrict__ P, int code, int stage, int
     wb_fence_system();
 }
 
+// Barriers this block has passed. In shared memory, so nothing of the barrier stays live in the caller's registers
+// across the out-of-line stages; reset by wb_grid_sync_init at kernel start.
+__shared__ u32 wb_epoch;
+
+__device__ __forceinline__ void wb_grid_sync_init() {
+    if (wb_tid() == 0) wb_epoch = 0;
+    wb_syncthreads();
+}
+
 // Returns true when the kernel must stop (error or abort); callers return at once.
-__device__ __forceinline__ bool grid_sync(const Params* __restrict__ P, u32& epoch, int stage, int layer, int step) {
+__device__ __forceinline__ bool grid_sync(const Params* __restrict__ P, int stage, int layer, int step) {
     __shared__ int stop;
     wb_syncthreads();
-    ++epoch;
     if (wb_tid() == 0) {
+        const u32 epoch = ++wb_epoch;
         stop = wb_load_volatile(P->dev_flags) != 0;
         const u32 target = epoch * (u32)wb_nbid();
         wb_fence_gpu();                                       // this block's writes before its arrival

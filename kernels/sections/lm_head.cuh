@@ -2,7 +2,7 @@
 // leaves its best (value, index); the sampler reduces 1 pair per block instead of rereading the vocabulary.
 #pragma once
 
-__device__ void stage_lm_head(const Params* __restrict__ P, float* __restrict__ logits, float* act, float* red) {
+WB_SECTION void stage_lm_head(const Params* __restrict__ P, float* __restrict__ logits, float* act, float* red) {
     load_rms_normalized(act, P->x, WB_D, red);
     float best = -WB_INF;
     int arg = 0x7fffffff;
@@ -12,8 +12,11 @@ __device__ void stage_lm_head(const Params* __restrict__ P, float* __restrict__ 
         if (y[0] > best) { best = y[0]; arg = v; }             // rows rise within a warp: ties keep the lowest
         if (wb_lane() == 0) logits[v] = y[0];
     }
+    // the next token starts with layer 0's QKV
+    constexpr int QKV_ROWS = (WB_HEADS + 2 * WB_KV_HEADS) * WB_HEAD_DIM;
+    warp_prefetch_units<WB_D, 2>(P->wqkv, QKV_ROWS / 2, WB_PREFETCH_BYTES);
     // block reduction of (best, arg): larger value wins, equal values keep the lower index
-    int* red_arg = (int*)(red + 32);
+    int* red_arg = (int*)(red + WB_MAX_WARPS);
     if (wb_lane() == 0) { red[wb_warp()] = best; red_arg[wb_warp()] = arg; }
     wb_syncthreads();
     if (wb_tid() == 0) {

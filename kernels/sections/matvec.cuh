@@ -74,3 +74,20 @@ __device__ __forceinline__ void load_rms_normalized(float* __restrict__ dst, con
 // Rows are dealt to warps round-robin over the whole grid: warp g takes rows g, g + NW, g + 2·NW ...
 __device__ __forceinline__ int grid_warp() { return wb_bid() * wb_nwarps() + wb_warp(); }
 __device__ __forceinline__ int grid_nwarps() { return wb_nbid() * wb_nwarps(); }
+
+// A warp that has finished its share of a stage asks L2 for the first `budget` bytes of its share of the next one
+// (units of UNIT_ROWS adjacent rows of K bf16, dealt as above). HBM keeps streaming while the stragglers finish and
+// the barrier completes, and the next stage's first loads hit L2 instead of paying the full memory latency.
+// The budget keeps the sum over the grid (≤ 2112 warps × budget) well inside the 60 MB L2.
+template <int K, int UNIT_ROWS>
+__device__ __forceinline__ void warp_prefetch_units(const bf16* __restrict__ W, int n_units, int budget) {
+    constexpr int UNIT_BYTES = UNIT_ROWS * K * 2;
+    for (int u = grid_warp(); u < n_units && budget > 0; u += grid_nwarps(), budget -= UNIT_BYTES) {
+        const char* p = (const char*)(W + (long long)u * UNIT_ROWS * K);
+        const int n = UNIT_BYTES < budget ? UNIT_BYTES : budget;
+        for (int off = wb_lane() * 128; off < n; off += WB_WARP * 128) wb_prefetch_l2(p + off);
+    }
+}
+#ifndef WB_PREFETCH_BYTES
+#define WB_PREFETCH_BYTES 0
+#endif

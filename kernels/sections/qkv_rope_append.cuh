@@ -5,7 +5,7 @@
 // between warps, and q/k never round-trip through memory unrotated.
 #pragma once
 
-__device__ void stage_qkv_rope_append(const Params* __restrict__ P, int layer, int pos, float* act, float* red) {
+WB_SECTION void stage_qkv_rope_append(const Params* __restrict__ P, int layer, int pos, float* act, float* red) {
     constexpr int HALF = WB_HEAD_DIM / 2;
     constexpr int Q_DIM = WB_HEADS * WB_HEAD_DIM, KV_DIM = WB_KV_HEADS * WB_HEAD_DIM;
     constexpr int PAIRS = (Q_DIM + 2 * KV_DIM) / 2;
@@ -39,4 +39,6 @@ __device__ void stage_qkv_rope_append(const Params* __restrict__ P, int layer, i
             v[rr % WB_HEAD_DIM + 1] = f32_to_bf16(r[1]);
         }
     }
+    // attention reads no weights: stream this layer's O-projection in meanwhile
+    warp_prefetch_units<Q_DIM, 1>(P->wo + (long long)layer * WB_D * Q_DIM, WB_D, WB_PREFETCH_BYTES);
 }

@@ -66,19 +66,25 @@ __device__ u32 samp_radix_select(const float* __restrict__ logits, float T, floa
 
 // Returns the sampled token (valid in thread 0). Called by one block only; `draws` > 1 repeats the final draw
 // with successive draw counters into P->draws (for the statistical test), the first draw being the token.
-__device__ int sample_token(const Params* __restrict__ P, const float* __restrict__ logits, int step, float* smem) {
+WB_SECTION int sample_token(const Params* __restrict__ P, const float* __restrict__ logits, int step, float* smem) {
     // max logit and greedy argmax from the LM head's per-block partials
     __shared__ float best_v;
     __shared__ int best_i;
-    if (wb_tid() == 0) {
+    if (wb_warp() == 0) {                        // one warp: a strided pass, then a shuffle tree
         float bv = -WB_INF;
-        int bi = -1;
-        for (int b = 0; b < wb_nbid(); ++b) {
+        int bi = 0x7fffffff;
+        for (int b = wb_lane(); b < wb_nbid(); b += WB_WARP) {
             const float v = wb_ld_cg(P->blk_max + b);
             const int i = ((volatile int*)P->blk_arg)[b];
             if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
         }
-        best_v = bv; best_i = bi;
+#pragma unroll
+        for (int m = WB_WARP / 2; m > 0; m >>= 1) {
+            const float v = wb_shfl_xor(bv, m);
+            const int i = wb_shfl_xor(bi, m);
+            if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
+        }
+        if (wb_lane() == 0) { best_v = bv; best_i = bv > -WB_INF ? bi : -1; }   // all NaN / -inf: no token
     }
     wb_syncthreads();
     const float T = P->temperature;

@@ -1,0 +1,83 @@
+"""A/B of build variants on one GPU: verify each quickly, then tok/s (median of repeats) at a short and a long
+position, plus the per-stage table of each from a timing build.
+
+    python scripts/ab.py --model llama-3.2-1b --variant base: --variant nopf:WB_PREFETCH_BYTES=0 ...
+
+A variant is NAME:DEFINE=VALUE,DEFINE=VALUE or NAME:@section=variant (a kernels/sections/NAME@VARIANT.cuh file).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import cupy as cp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from workbench.assemble import BuildOptions  # noqa: E402
+from workbench.config import get_config  # noqa: E402
+from workbench.model import prepare, random_weights  # noqa: E402
+from workbench.runtime import Monokernel  # noqa: E402
+from workbench.timing import format_table, stage_table  # noqa: E402
+from workbench.verify import verify  # noqa: E402
+
+
+def parse(spec: str):
+    name, _, rest = spec.partition(":")
+    defines, variants = [], []
+    for item in filter(None, rest.split(",")):
+        if item.startswith("@"):
+            sec, _, var = item[1:].partition("=")
+            variants.append((sec, var))
+        else:
+            k, _, v = item.partition("=")
+            defines.append((k, v))
+    return name, tuple(defines), tuple(variants)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="llama-3.2-1b")
+    ap.add_argument("--variant", action="append", required=True)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=512)
+    ap.add_argument("--positions", type=int, nargs="+", default=[0, 3700])
+    ap.add_argument("--stages", action="store_true", help="also the per-stage table (timing build)")
+    a = ap.parse_args()
+    cfg = get_config(a.model)
+    p = prepare(random_weights(cfg, 7, xp=cp, progress=False), xp=cp, progress=False)
+    results = {}
+    for spec in a.variant:
+        name, defines, variants = parse(spec)
+        opt = BuildOptions(threads=a.threads, defines=defines, variants=variants)
+        mk = Monokernel(p, opt, max_steps=4400)
+        rep = verify(mk, prompt_len=6, max_new=10, seed=3)
+        row = {"verify": rep.summary(), "passed": rep.passed, "resources": mk.resources()}
+        for pos in a.positions:
+            runs = [mk.generate([1], a.tokens, eos=[], pos0=pos).tok_per_s for _ in range(a.repeats)]
+            row[f"tok_s@{pos}"] = float(np.median(runs))
+        if a.stages:
+            mkt = Monokernel(p, BuildOptions(threads=a.threads, defines=defines, variants=variants, timing=True),
+                             max_steps=4400)
+            r = mkt.generate([1], 48, eos=[], timing_steps=48)
+            row["stages"] = format_table(stage_table(cfg, r.timing, 0))
+            del mkt
+        results[name] = row
+        print(f"{name:16s} {'PASS' if rep.passed else 'FAIL'} " +
+              " ".join(f"{k}={v:.0f}" for k, v in row.items() if k.startswith("tok_s")) +
+              f" regs={row['resources']['registers']} local={row['resources']['local_bytes']}", flush=True)
+        if a.stages:
+            print(row["stages"], flush=True)
+        del mk
+    out = Path(os.environ.get("OUT", "out"))
+    out.mkdir(exist_ok=True)
+    (out / "ab.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

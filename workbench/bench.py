@@ -1,0 +1,164 @@
+"""`python -m workbench bench`: the monokernel against PyTorch, in one process, on one GPU, same weights.
+
+Rows, at a short (≈128) and a long (≈4,096) starting position, each the median of `repeats` timed runs of `tokens`
+greedy decode steps (spread = min–max):
+* monokernel — one launch per run, CUDA-event time of the launch;
+* gpt-fast-style model under torch.compile(mode="reduce-overhead") with gpt-fast's inductor settings (CUDA graphs);
+* HF transformers generate() with a static cache: decode time isolated as the difference between generating
+  2·tokens and tokens new tokens after the same prompt (prefill cancels out);
+* the streaming-read roofline: a tuned read of the model's weight bytes; tok/s at the roofline = TB/s / bytes per token
+  (the KV cache read at the position is added to the bytes of that position's roofline).
+Verification (teacher-forced, against the reference) runs first; a failing kernel is reported and not timed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import numpy as np
+
+
+@dataclasses.dataclass
+class Row:
+    path: str
+    position: int
+    us_per_token: float
+    tok_s: float
+    spread: tuple
+    pct_roofline: float
+    note: str = ""
+
+
+def _median_runs(fn, repeats):
+    runs = [fn() for _ in range(repeats)]
+    return float(np.median(runs)), (float(min(runs)), float(max(runs)))
+
+
+def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 5, positions=(128, 4096),
+              torch_paths: bool = True, hf: bool = True, verify_first: bool = True, seed: int = 0,
+              log=print) -> dict:
+    import cupy as cp
+
+    from .assemble import BuildOptions
+    from .baselines import stream_read_tbps
+    from .config import get_config
+    from .model import prepare, random_weights
+    from .runtime import Monokernel
+    from .verify import verify
+
+    cfg = get_config(model)
+    max_pos = max(positions) + 2 * tokens + 8
+    if max_pos > cfg.max_seq:
+        cfg = cfg.with_(max_seq=max_pos)
+    w = random_weights(cfg, seed, xp=cp, progress=False)
+    p = prepare(w, xp=cp, progress=False)
+    out = {"model": cfg.name, "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
+           "tokens": tokens, "repeats": repeats, "rows": []}
+    mk = Monokernel(p, BuildOptions(), max_steps=max_pos)
+    out["kernel"] = mk.resources()
+    if verify_first:
+        rep = verify(mk, prompt_len=8, max_new=16, seed=seed + 1)
+        log(rep.summary())
+        out["verify"] = rep.summary()
+        if not rep.passed:
+            out["error"] = "verification failed: not timed"
+            return out
+
+    wbytes = cfg.weight_bytes_per_token()
+    roof = stream_read_tbps(wbytes)
+    out["roofline_tbps"], out["roofline_spread"] = roof["tbps"], roof["spread"]
+    log(f"streaming read: {roof['tbps']:.2f} TB/s")
+
+    def roof_tps(pos):
+        mid = pos + tokens // 2
+        return roof["tbps"] * 1e12 / (wbytes + cfg.kv_bytes_per_token(mid))
+
+    def add(path, pos, tps, spread, note=""):
+        row = Row(path, pos, 1e6 / tps, tps, spread, 100 * tps / roof_tps(pos), note)
+        out["rows"].append(dataclasses.asdict(row))
+        log(f"{path:34s} pos {pos:5d}: {row.us_per_token:7.1f} µs/token {tps:7.0f} tok/s "
+            f"[{spread[0]:.0f}–{spread[1]:.0f}] {row.pct_roofline:5.1f}% of roofline {note}")
+
+    for pos in positions:
+        add("roofline (streaming read)", pos, roof_tps(pos), (roof_tps(pos), roof_tps(pos)))
+        mk.generate([1], 4, eos=[], pos0=pos)                              # warm
+        tps, spread = _median_runs(lambda: mk.generate([1], tokens, eos=[], pos0=pos).tok_per_s, repeats)
+        add("monokernel", pos, tps, spread)
+
+    if torch_paths:
+        import torch
+
+        from .baselines import gpt_fast_model, gpt_fast_tok_per_s
+        from .reference_torch import tensors_from_weights
+        t = tensors_from_weights(w, torch.device("cuda"), torch.bfloat16)
+        gf = gpt_fast_model(cfg, t, torch.device("cuda"), max_pos)
+        for pos in positions:
+            runs = [gpt_fast_tok_per_s(gf, pos0=pos, n_tokens=tokens, inductor_flags=True, warm=3 if i else 8)
+                    for i in range(max(2, repeats // 2))]
+            tps = [r["tok_per_s"] for r in runs]
+            add("torch.compile reduce-overhead", pos, float(np.median(tps)), (min(tps), max(tps)),
+                f"compile {runs[0]['compile_s']:.0f} s")
+        del gf
+        torch.cuda.empty_cache()
+        if hf:
+            for pos in positions:
+                tps, spread, note = hf_static_tok_s(cfg, t, pos, tokens)
+                add("HF generate() static cache", pos, tps, spread, note)
+        del t
+    mono = {r["position"]: r["tok_s"] for r in out["rows"] if r["path"] == "monokernel"}
+    for r in out["rows"]:
+        if r["path"] not in ("monokernel",) and not r["path"].startswith("roofline"):
+            r["monokernel_speedup"] = mono[r["position"]] / r["tok_s"]
+    return out
+
+
+def hf_static_tok_s(cfg, tensors, pos: int, tokens: int):
+    """Decode tok/s of HF generate() with a static cache, prefill cancelled by differencing two lengths."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    hfc = LlamaConfig(**cfg.to_hf_dict())
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(hfc).to(torch.bfloat16).eval()
+    sd = {k: v for k, v in tensors.items()}
+    if cfg.tie_embeddings:
+        sd.pop("lm_head.weight", None)
+    model.load_state_dict(sd, strict=False)
+    prompt = torch.randint(0, cfg.vocab, (1, max(pos, 1)), device="cuda")
+
+    def gen(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                       cache_implementation="static", pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+    gen(tokens)                                                  # compile / warm
+    diffs = []
+    for _ in range(2):
+        a, b = gen(tokens), gen(2 * tokens)
+        diffs.append(tokens / max(b - a, 1e-9))
+    del model
+    torch.cuda.empty_cache()
+    return float(np.median(diffs)), (min(diffs), max(diffs)), "decode = t(2n) − t(n)"
+
+
+def format_rows(out: dict) -> str:
+    lines = [f"{out['model']} on {out['device']}, {out['tokens']} tokens × {out['repeats']} runs; "
+             f"roofline {out.get('roofline_tbps', float('nan')):.2f} TB/s",
+             f"{'path':34s} {'pos':>5s} {'µs/tok':>8s} {'tok/s':>8s} {'spread':>15s} {'%roof':>6s} {'mono ×':>7s}"]
+    for r in out["rows"]:
+        sp = f"{r['spread'][0]:.0f}–{r['spread'][1]:.0f}"
+        x = f"{r['monokernel_speedup']:.2f}" if "monokernel_speedup" in r else ""
+        lines.append(f"{r['path']:34s} {r['position']:5d} {r['us_per_token']:8.1f} {r['tok_s']:8.0f} {sp:>15s} "
+                     f"{r['pct_roofline']:6.1f} {x:>7s}")
+    return "\n".join(lines)
+
+
+def main(model: str, tokens: int, repeats: int, json_path: str | None, no_torch: bool, no_hf: bool) -> int:
+    out = run_bench(model, tokens=tokens, repeats=repeats, torch_paths=not no_torch, hf=not no_hf)
+    print(format_rows(out))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=1)
+    return 1 if "error" in out else 0
