@@ -55,6 +55,8 @@ __device__ __forceinline__ void wb_fence_gpu()    { __builtin_amdgcn_fence(__ATO
 __device__ __forceinline__ void wb_fence_system() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, ""); }
 __device__ __forceinline__ u32 wb_atomic_add(u32* p, u32 v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT); }
 __device__ __forceinline__ u64 wb_atomic_add(u64* p, u64 v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP); }
+__device__ __forceinline__ void wb_red_release_add(u32* p, u32 v) { __hip_atomic_fetch_add(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT); }
+__device__ __forceinline__ void wb_atomic_or(u32* p, u32 v) { __hip_atomic_fetch_or(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT); }
 __device__ __forceinline__ int wb_atomic_cas(int* p, int cmp, int v) {
     __hip_atomic_compare_exchange_strong(p, &cmp, v, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); return cmp; }
 __device__ __forceinline__ u32 wb_load_acquire(const u32* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT); }
@@ -72,8 +74,6 @@ __device__ __forceinline__ wb_u4 wb_ld_stream(const void* p) {
     v4u v = __builtin_nontemporal_load(WB_GLOBAL(v4u, p));
     return wb_u4{v.x, v.y, v.z, v.w};
 }
-// gfx942 has no fire-and-forget L2 prefetch; the hint is dropped (correctness never depends on it)
-__device__ __forceinline__ void wb_prefetch_l2(const void*) {}
 __device__ __forceinline__ float wb_exp(float x)  { return __builtin_expf(x); }
 __device__ __forceinline__ float wb_rsqrt(float x) { return __builtin_amdgcn_rsqf(x); }
 __device__ __forceinline__ float wb_fmaxf(float a, float b) { return __builtin_fmaxf(a, b); }
@@ -109,6 +109,11 @@ __device__ __forceinline__ float wb_shfl(float v, int src)   { return __shfl_syn
 __device__ __forceinline__ void wb_fence_gpu()    { __threadfence(); }
 __device__ __forceinline__ void wb_fence_system() { __threadfence_system(); }
 __device__ __forceinline__ u32 wb_atomic_add(u32* p, u32 v) { return atomicAdd(p, v); }
+// Arrive at a barrier: an atomic add with release semantics (this thread's writes, and those of its block ordered
+// before it by a block barrier, are visible to whoever acquires the new value); no separate full fence needed
+__device__ __forceinline__ void wb_red_release_add(u32* p, u32 v) {
+    asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
+__device__ __forceinline__ void wb_atomic_or(u32* p, u32 v) { atomicOr(p, v); }
 __device__ __forceinline__ u64 wb_atomic_add(u64* p, u64 v) { return atomicAdd((unsigned long long*)p, (unsigned long long)v); }
 __device__ __forceinline__ int wb_atomic_cas(int* p, int cmp, int v) { return atomicCAS(p, cmp, v); }
 __device__ __forceinline__ u32 wb_load_acquire(const u32* p) {
@@ -125,8 +130,6 @@ __device__ __forceinline__ wb_u4 wb_ld_stream(const void* p) {
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
 }
-// Ask L2 to fetch a line now (no register, no wait): next-stage weights stream in while a block waits at a barrier
-__device__ __forceinline__ void wb_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" :: "l"(p)); }
 __device__ __forceinline__ float wb_exp(float x)  { return __expf(x); }
 __device__ __forceinline__ float wb_rsqrt(float x) { return rsqrtf(x); }
 __device__ __forceinline__ float wb_fmaxf(float a, float b) { return fmaxf(a, b); }

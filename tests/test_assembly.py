@@ -71,8 +71,8 @@ def test_missing_variant_is_named():
 def test_compile_error_names_section_file_and_line():
     text = section_path("gate_up_silu").read_text()
     lines = text.splitlines()
-    k = next(i for i, l in enumerate(lines) if "float gu[2];" in l)
-    lines[k] = lines[k].replace("float gu[2];", "float gu[2]; undeclared_symbol += 1;")
+    k = next(i for i, l in enumerate(lines) if "P->hmlp[j] =" in l)
+    lines[k] = lines[k] + " undeclared_symbol += 1;"
     with pytest.raises(CompileError) as e:
         compile_cubin(assemble(get_config("tiny"), overrides={"gate_up_silu": "\n".join(lines)}))
     err = e.value

@@ -93,7 +93,8 @@ def test_hang_is_reported_and_next_run_works():
 def test_compile_error_names_section_line(tiny):
     from workbench.assemble import section_path
     from workbench.runtime import Monokernel
-    text = section_path("down_residual").read_text().replace("float y[1];", "float y[1] = nonsense;")
+    text = section_path("down_residual").read_text().replace("P->x[r] = wb_ld_cg(P->x + r) + y[0];",
+                                                               "P->x[r] = wb_ld_cg(P->x + r) + y[0] + nonsense;")
     line = text.splitlines().index(next(l for l in text.splitlines() if "nonsense" in l)) + 1
     with pytest.raises(CompileError) as e:
         Monokernel(tiny.p, BuildOptions(), overrides={"down_residual": text})

@@ -106,28 +106,67 @@ def cmd_verify(args) -> int:
 
 
 def cmd_build(args) -> int:
-    from .assemble import BuildOptions, assemble
-    from .compile import CompileError, compile_cubin, resource_usage
-    cfg = get_config(args.model, max_seq=args.max_seq)
+    from . import compile as C
+    from .assemble import BuildOptions, assemble, smem_bytes
+    target = args.target or ("hip" if args.dump == "amdgcn" else "cuda")
+    arch = args.arch or {"cuda": "sm_90", "hip": "gfx942"}[target]
+    if args.dump and (args.dump == "amdgcn") != (target == "hip"):
+        print(f"--dump {args.dump} needs --target {'hip' if args.dump == 'amdgcn' else 'cuda'}", file=sys.stderr)
+        return 2
+    if args.section and not args.dump:
+        print("--section goes with --dump ptx|sass|amdgcn", file=sys.stderr)
+        return 2
+    names = list(PRESETS) if args.all_presets else [args.model]
     opt = BuildOptions(threads=args.threads, timing=args.timing)
-    t0 = time.perf_counter()
-    try:
-        cubin, log = compile_cubin(assemble(cfg, opt), arch=args.arch)
-    except CompileError as e:
-        print(e, file=sys.stderr)
-        return 1
-    dt = time.perf_counter() - t0
-    if log.strip():
-        print(log.strip(), file=sys.stderr)
-    bad = False
-    for r in resource_usage(cubin):
-        print(f"{cfg.name} {args.arch} {r.kernel}: {r.registers} registers, {r.stack} B local (spills), "
-              f"{r.shared} B static shared + {__import__('workbench.assemble', fromlist=['x']).smem_bytes(cfg, args.threads)} B dynamic, "
-              f"compiled in {dt:.2f} s")
-        bad |= r.spills
-    if bad:
-        print("local memory in use: registers spill", file=sys.stderr)
-    return 1 if bad and args.no_spills else 0
+    failed = False
+    for name in names:
+        cfg = get_config(name, max_seq=args.max_seq)
+        asm = assemble(cfg, opt)
+        t0 = time.perf_counter()
+        try:
+            if args.dump:
+                text = C.dump_section(asm, args.dump, args.section, arch)
+                if len(names) > 1:
+                    print(f"{C.DUMP_COMMENT[args.dump]} ==== {cfg.name} {arch} {args.section or 'wb_generate'}")
+                print(text, end="")
+                if not text.strip():
+                    print(f"{cfg.name}: no {args.dump} attributed to {args.section or 'the kernel'}", file=sys.stderr)
+                continue
+            if target == "cuda":
+                cubin, log = C.compile_cubin(asm, arch=arch)
+                res = C.resource_usage(cubin)
+            else:
+                text, log = C.compile_hip(asm, arch=arch)
+                res = C.amdgpu_resources(text)
+        except C.CompileError as e:
+            print(f"{cfg.name} {arch}: {e}", file=sys.stderr)
+            failed = True
+            continue
+        except (ValueError, FileNotFoundError) as e:          # an unknown section, a missing compiler or tool
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        dt = time.perf_counter() - t0
+        if log.strip():
+            print(log.strip(), file=sys.stderr)
+        dyn = smem_bytes(cfg, args.threads)
+        bad = False
+        for r in res:
+            if target == "cuda":
+                print(f"{cfg.name} {arch} {r.kernel}: {r.registers} registers, {r.stack} B local (spills), "
+                      f"{r.shared} B static shared + {dyn} B dynamic, compiled in {dt:.2f} s")
+            else:
+                print(f"{cfg.name} {arch} {r.kernel}: {r.vgprs} VGPRs, {r.sgprs} SGPRs, {r.agprs} AGPRs, "
+                      f"{r.scratch} B scratch (spills), {r.lds} B static LDS + {dyn} B dynamic, "
+                      f"wave{r.wavefront}, compiled in {dt:.2f} s")
+                if r.lds + dyn > 65536:
+                    print(f"{cfg.name}: {r.lds + dyn} B of LDS exceeds the 64 KiB a {arch} workgroup can have",
+                          file=sys.stderr)
+            bad |= r.spills
+        if bad:
+            print(f"{cfg.name} {arch}: " + ("local memory in use: registers spill" if target == "cuda" else
+                                             "scratch in use: registers spill"), file=sys.stderr)
+            failed |= args.no_spills
+    return 1 if failed else 0
 
 
 def main(argv=None) -> int:
@@ -153,11 +192,19 @@ def main(argv=None) -> int:
     v.add_argument("--draws", type=int, default=20000)
     b = sub.add_parser("build", help="compile only (no GPU): registers, spills, shared memory")
     b.add_argument("--model", default=DEFAULT_MODEL)
+    b.add_argument("--all-presets", action="store_true", help=f"build every preset ({', '.join(PRESETS)})")
     b.add_argument("--max-seq", type=int)
     b.add_argument("--threads", type=int, default=512)
-    b.add_argument("--arch", default="sm_90")
+    b.add_argument("--target", choices=["cuda", "hip"],
+                   help="cuda: NVRTC for NVIDIA; hip: clang-19 for AMD (default cuda, hip with --dump amdgcn)")
+    b.add_argument("--arch", help="sm_90 for cuda, gfx942 for hip (the defaults)")
     b.add_argument("--timing", action="store_true", help="with per-stage timing instrumentation")
-    b.add_argument("--no-spills", action="store_true", help="exit 1 when registers spill")
+    b.add_argument("--no-spills", action="store_true",
+                   help="exit 1 when registers spill (NVIDIA local memory, AMD scratch)")
+    b.add_argument("--dump", choices=["ptx", "sass", "amdgcn"],
+                   help="print the machine code instead (PTX, SASS: cuda; AMDGCN: hip), headed by source lines")
+    b.add_argument("--section", help="with --dump: only the code of this section (e.g. qkv_rope_append, "
+                                     "matvec, monokernel, portability), what is inlined into it included")
     args = ap.parse_args(argv)
     if getattr(args, "rtol", 0) is None:
         from .verify import DEFAULT_RTOL

@@ -23,12 +23,18 @@ _SCORE_ELEMENTS = 1 << 25
 
 
 def forward(cfg: ModelConfig, tensors: dict[str, torch.Tensor], tokens: torch.Tensor, *, kv_bf16: bool = True,
-            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            dtype: torch.dtype = torch.float32, taps: dict | None = None,
+            tap_positions=None) -> torch.Tensor:
     """Logits [n, V] for tokens [n] fed at positions 0..n-1, every position at once (teacher-forced).
 
     `tensors` are float tensors by HF name, gains included, on one device (see tensors_from_weights); they are
     cast to `dtype` where they are used, so pass them in `dtype` already to avoid copies. Activation memory is
-    O(n·max(D, F)) plus one attention block; the logits themselves are n·V."""
+    O(n·max(D, F)) plus one attention block; the logits themselves are n·V.
+
+    If `taps` is a dict, the intermediates of the positions `tap_positions` (default: all) land in it under the
+    names of workbench.reference.TAP_STAGES: taps[(stage, layer)] is a tensor [len(tap_positions), size] on the
+    tensors' device, row i holding position tap_positions[i], plus taps[("logits", -1)]. Only those rows are kept,
+    so tapping a few positions of a long sequence costs nothing like n × layers."""
     tokens = _check_tokens(cfg, tokens)
     missing = [k for k in expected_shapes(cfg) if k not in tensors]
     if missing:
@@ -43,23 +49,37 @@ def forward(cfg: ModelConfig, tensors: dict[str, torch.Tensor], tokens: torch.Te
     cos, sin = (torch.from_numpy(t[:n]).to(device=device, dtype=dtype)[:, None, :] for t in rope_tables(cfg))
     lm_name = "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
 
+    tap = _tapper(taps, tap_positions, n, device)
     with _ieee_fp32_matmuls(), torch.no_grad():
         x = W("model.embed_tokens.weight")[tokens]                                          # [n, D]
         for l in range(cfg.n_layers):
             names = layer_names(l)
+            tap("x_in", l, x)
             h = rmsnorm(x, W(names["attn_norm"]), eps)
             q = rope((h @ W(names["wq"]).T).view(n, cfg.n_heads, hd), cos, sin)
             k = rope((h @ W(names["wk"]).T).view(n, cfg.n_kv_heads, hd), cos, sin)
             v = (h @ W(names["wv"]).T).view(n, cfg.n_kv_heads, hd)
             if kv_bf16:
                 k, v = round_bf16(k), round_bf16(v)
-            x = x + causal_attention(q, k, v) @ W(names["wo"]).T
+            tap("q", l, q)
+            tap("k", l, k)
+            tap("v", l, v)
+            o = causal_attention(q, k, v)
             del q, k, v
+            tap("attn", l, o)
+            x = x + o @ W(names["wo"]).T
+            del o
+            tap("x_attn", l, x)
 
             h = rmsnorm(x, W(names["mlp_norm"]), eps)
-            x = x + (torch.nn.functional.silu(h @ W(names["wg"]).T) * (h @ W(names["wu"]).T)) @ W(names["wd"]).T
+            h = torch.nn.functional.silu(h @ W(names["wg"]).T) * (h @ W(names["wu"]).T)
+            tap("h_mlp", l, h)
+            x = x + h @ W(names["wd"]).T
             del h
-        return rmsnorm(x, W("model.norm.weight"), eps) @ W(lm_name).T
+            tap("x_out", l, x)
+        logits = rmsnorm(x, W("model.norm.weight"), eps) @ W(lm_name).T
+        tap("logits", -1, logits)
+        return logits
 
 
 def rmsnorm(x: torch.Tensor, gain: torch.Tensor, eps: float) -> torch.Tensor:
@@ -103,6 +123,20 @@ def tensors_from_weights(w: Weights, device="cpu", dtype: torch.dtype = torch.fl
 
 
 # -- plumbing ---------------------------------------------------------------------------------------------------
+
+def _tapper(taps: dict | None, positions, n: int, device):
+    """taps[(stage, layer)] = rows `positions` of an [n, ...] activation, flattened to [len(positions), size]."""
+    if taps is None:
+        return lambda stage, layer, value: None
+    idx = torch.arange(n) if positions is None else torch.as_tensor(list(positions), dtype=torch.long)
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= n):
+        raise ValueError(f"tap positions must be in [0, {n}), got {idx.tolist()}")
+    idx = idx.to(device)
+
+    def tap(stage: str, layer: int, value: torch.Tensor):
+        taps[stage, layer] = value.index_select(0, idx).reshape(idx.numel(), -1)     # a copy: only these rows
+    return tap
+
 
 def _to_torch(a) -> torch.Tensor:
     bf16 = a.dtype == np.uint16                                 # bf16 bits: reinterpret, then widen

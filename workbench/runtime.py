@@ -365,7 +365,7 @@ class Monokernel:
 
     def _raise_on_status(self, aborted_by_host: bool, host_timeout_s: float):
         w = self.mapped.words
-        code = int(w[ST_CODE])
+        code = int(w[ST_CODE]) or int(self.dev_flags[0].get())     # an abort leaves its reason on the device only
         if code == 0:
             return
         if code == ERR_HANG:

@@ -37,7 +37,7 @@ WB_SECTION void stage_attention_decode(const Params* __restrict__ P, int layer, 
     constexpr int HD = WB_HEAD_DIM;
     const int n = pos + 1, S = attn_splits(P, n), chunk = (n + S - 1) / S;
     const int item = wb_bid();
-    if (item >= WB_KV_HEADS * S) return;            // idle blocks: the O-projection is being prefetched already
+    if (item >= WB_KV_HEADS * S) return;
     const int kvh = item / S, split = item % S;
     const int start = split * chunk, end = start + chunk < n ? start + chunk : n;
 

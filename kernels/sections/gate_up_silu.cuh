@@ -3,12 +3,9 @@
 #pragma once
 
 WB_SECTION void stage_gate_up_silu(const Params* __restrict__ P, int layer, float* act, float* red) {
-    load_rms_normalized(act, P->x, WB_D, red);
     const bf16* __restrict__ W = P->wgu + (long long)layer * 2 * WB_FF * WB_D;
-    for (int j = grid_warp(); j < WB_FF; j += grid_nwarps()) {
-        float gu[2];
-        warp_rows_dot<WB_D, 2>(W + (long long)(2 * j) * WB_D, WB_D, act, gu);
+    auto prologue = [&] { load_rms_normalized(act, P->x, WB_D, red); };
+    for_warp_units<WB_D, 2>(W, WB_FF, act, prologue, [&](int j, const float* gu) {
         if (wb_lane() == 0) P->hmlp[j] = gu[0] / (1.f + wb_exp(-gu[0])) * gu[1];
-    }
-    warp_prefetch_units<WB_FF, 1>(P->wd + (long long)layer * WB_D * WB_FF, WB_D, WB_PREFETCH_BYTES);
+    });
 }

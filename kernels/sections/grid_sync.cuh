@@ -1,7 +1,9 @@
 // Grid-wide barrier for the persistent kernel, hang-safe.
 //
 // One monotonically increasing arrival counter: barrier number e is passed when the counter reaches e·G, so it
-// never needs resetting inside a launch. Every spin is bounded: a waiter gives up when the host raises its abort
+// never needs resetting inside a launch. Arrival is a single release-add (no full fence) and the wait a spin of
+// acquire loads; the counter's top bit is the stop signal, so a waiter learns of an error or an abort from the very
+// load it spins on, without reading another word on the fast path. Every spin is bounded: a waiter gives up when the host raises its abort
 // flag (mapped memory), when another block has already reported an error, or after `timeout_ns` of %globaltimer.
 // The block that times out names the stage, layer and step it was waiting in and the first block that never
 // arrived, with the stage that block last entered, so a hung section is reported instead of freezing the host.
@@ -13,11 +15,20 @@ enum WbError { WB_OK = 0, WB_ERR_HANG = 1, WB_ERR_ABORTED = 2, WB_ERR_BAD_TOKEN 
 enum WbStatus { ST_CODE = 0, ST_STAGE, ST_LAYER, ST_STEP, ST_BLOCK, ST_EPOCH, ST_MISSING_BLOCK, ST_MISSING_WHERE,
                 ST_N_MISSING, ST_ARRIVED, ST_WORDS = 16 };
 
+#define WB_BAR_STOP 0x80000000u
+
+// Stop every block at its next barrier: dev_flags[0] keeps the reason, the counter's top bit releases the waiters.
+__device__ __forceinline__ void wb_raise_stop(const Params* __restrict__ P, int code) {
+    ((volatile int*)P->dev_flags)[0] = code;
+    wb_fence_gpu();
+    wb_atomic_or(P->bar_count, WB_BAR_STOP);
+}
+
 // dev_flags[0] is the device's copy of "stop now" (an error or a host abort seen by some block): cheap to poll.
 // host_abort lives in mapped host memory: a read crosses PCIe, so it is polled only on slow paths.
 __device__ __forceinline__ bool wb_should_stop(const Params* __restrict__ P) {
     if (wb_load_volatile(P->dev_flags) != 0) return true;
-    if (wb_load_volatile(P->host_abort) != 0) { ((volatile int*)P->dev_flags)[0] = WB_ERR_ABORTED; return true; }
+    if (wb_load_volatile(P->host_abort) != 0) { wb_raise_stop(P, WB_ERR_ABORTED); return true; }
     return false;
 }
 
@@ -30,7 +41,7 @@ __device__ __forceinline__ void wb_enter(const Params* __restrict__ P, int stage
 }
 
 __device__ void wb_report(const Params* __restrict__ P, int code, int stage, int layer, int step, u32 epoch) {
-    ((volatile int*)P->dev_flags)[0] = code;
+    wb_raise_stop(P, code);
     if (wb_atomic_cas(P->dev_flags + 2, 0, 1) != 0) return;  // someone else reported first
     volatile int* st = P->status;
     st[ST_STAGE] = stage; st[ST_LAYER] = layer; st[ST_STEP] = step; st[ST_BLOCK] = wb_bid(); st[ST_EPOCH] = (int)epoch;
@@ -61,13 +72,13 @@ __device__ __forceinline__ bool grid_sync(const Params* __restrict__ P, int stag
     wb_syncthreads();
     if (wb_tid() == 0) {
         const u32 epoch = ++wb_epoch;
-        stop = wb_load_volatile(P->dev_flags) != 0;
         const u32 target = epoch * (u32)wb_nbid();
-        wb_fence_gpu();                                       // this block's writes before its arrival
-        wb_atomic_add(P->bar_count, 1u);
+        stop = 0;
+        wb_red_release_add(P->bar_count, 1u);                 // the block's writes (ordered by the barrier above) go with it
         ((volatile u32*)P->arrive)[wb_bid()] = epoch;
         u64 t0 = 0;
-        for (u32 spin = 0; wb_load_acquire(P->bar_count) < target; ++spin) {
+        u32 seen;
+        for (u32 spin = 0; ((seen = wb_load_acquire(P->bar_count)) & ~WB_BAR_STOP) < target && !(seen & WB_BAR_STOP); ++spin) {
             if ((spin & 63) == 63) {                          // the slow checks, off the fast path
                 if (wb_should_stop(P)) { stop = 1; break; }
                 const u64 now = wb_globaltimer_ns();
@@ -75,7 +86,7 @@ __device__ __forceinline__ bool grid_sync(const Params* __restrict__ P, int stag
                 else if (now - t0 > P->timeout_ns) { wb_report(P, WB_ERR_HANG, stage, layer, step, epoch); stop = 1; break; }
             }
         }
-        wb_fence_gpu();                                       // everyone's writes before this block reads on
+        if (seen & WB_BAR_STOP) stop = 1;
     }
     wb_syncthreads();
     return stop != 0;

@@ -3,18 +3,13 @@
 #pragma once
 
 WB_SECTION void stage_lm_head(const Params* __restrict__ P, float* __restrict__ logits, float* act, float* red) {
-    load_rms_normalized(act, P->x, WB_D, red);
     float best = -WB_INF;
     int arg = 0x7fffffff;
-    for (int v = grid_warp(); v < WB_VOCAB; v += grid_nwarps()) {
-        float y[1];
-        warp_rows_dot<WB_D, 1>(P->lm_head + (long long)v * WB_D, WB_D, act, y);
+    auto prologue = [&] { load_rms_normalized(act, P->x, WB_D, red); };
+    for_warp_units<WB_D, 1>(P->lm_head, WB_VOCAB, act, prologue, [&](int v, const float* y) {
         if (y[0] > best) { best = y[0]; arg = v; }             // rows rise within a warp: ties keep the lowest
         if (wb_lane() == 0) logits[v] = y[0];
-    }
-    // the next token starts with layer 0's QKV
-    constexpr int QKV_ROWS = (WB_HEADS + 2 * WB_KV_HEADS) * WB_HEAD_DIM;
-    warp_prefetch_units<WB_D, 2>(P->wqkv, QKV_ROWS / 2, WB_PREFETCH_BYTES);
+    });
     // block reduction of (best, arg): larger value wins, equal values keep the lower index
     int* red_arg = (int*)(red + WB_MAX_WARPS);
     if (wb_lane() == 0) { red[wb_warp()] = best; red_arg[wb_warp()] = arg; }

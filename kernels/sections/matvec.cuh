@@ -6,38 +6,74 @@
 // FMA, which is what keeps enough bytes moving to approach the bandwidth roofline.
 #pragma once
 
+// Rows are dealt to warps round-robin over the whole grid: warp g takes rows g, g + NW, g + 2·NW ...
+__device__ __forceinline__ int grid_warp() { return wb_bid() * wb_nwarps() + wb_warp(); }
+__device__ __forceinline__ int grid_nwarps() { return wb_nbid() * wb_nwarps(); }
+
+#ifndef WB_UNROLL_1
+#define WB_UNROLL_1 8
+#endif
+#ifndef WB_UNROLL_2
+#define WB_UNROLL_2 4
+#endif
+template <int K, int NR>
+struct RowLoads {
+    static constexpr int STEP = WB_WARP * 8;                  // elements one warp-wide load covers
+    static constexpr int ITERS = (K + STEP - 1) / STEP;
+    static constexpr int UNROLL = NR == 1 ? WB_UNROLL_1 : WB_UNROLL_2;   // 16-byte loads in flight per lane per row
+};
+
+// acc[r] += the chunk of UNROLL loads starting at step i0, for each of the NR rows
+template <int K, int NR>
+__device__ __forceinline__ void warp_rows_fma(const wb_u4 (&w)[NR][RowLoads<K, NR>::UNROLL], int i0,
+                                              const float* __restrict__ act, float (&acc)[NR]) {
+    using L = RowLoads<K, NR>;
+#pragma unroll
+    for (int u = 0; u < L::UNROLL; ++u) {
+        const int k = (i0 + u) * L::STEP + wb_lane() * 8;
+        if (i0 + u < L::ITERS && (K % L::STEP == 0 || k < K)) {
+#pragma unroll
+            for (int r = 0; r < NR; ++r) acc[r] = wb_dot8(w[r][u], act + k, acc[r]);
+        }
+    }
+}
+
+// out[r] = row r · act for NR rows of K (UNROLL loads per row in flight before the first FMA)
 template <int K, int NR>
 __device__ __forceinline__ void warp_rows_dot(const bf16* __restrict__ row0, long long row_stride,
-                                              const float* __restrict__ act, float out[NR]) {
-    constexpr int STEP = WB_WARP * 8;                 // elements one warp-wide load covers
-    constexpr int ITERS = (K + STEP - 1) / STEP;
-    constexpr int UNROLL = NR == 1 ? 8 : 4;
-    const int lane = wb_lane();
+                                              const float* __restrict__ act, float (&out)[NR]) {
+    using L = RowLoads<K, NR>;
     float acc[NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r) acc[r] = 0.f;
 #pragma unroll
-    for (int i0 = 0; i0 < ITERS; i0 += UNROLL) {
-        wb_u4 w[NR][UNROLL];
+    for (int i0 = 0; i0 < L::ITERS; i0 += L::UNROLL) {
+        wb_u4 w[NR][L::UNROLL];
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int k = (i0 + u) * STEP + lane * 8;
-            if (i0 + u < ITERS && (K % STEP == 0 || k < K)) {
+        for (int u = 0; u < L::UNROLL; ++u) {
+            const int k = (i0 + u) * L::STEP + wb_lane() * 8;
+            if (i0 + u < L::ITERS && (K % L::STEP == 0 || k < K)) {
 #pragma unroll
                 for (int r = 0; r < NR; ++r) w[r][u] = wb_ld_stream(row0 + r * row_stride + k);
             }
         }
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const int k = (i0 + u) * STEP + lane * 8;
-            if (i0 + u < ITERS && (K % STEP == 0 || k < K)) {
-#pragma unroll
-                for (int r = 0; r < NR; ++r) acc[r] = wb_dot8(w[r][u], act + k, acc[r]);
-            }
-        }
+        warp_rows_fma<K, NR>(w, i0, act, acc);
     }
 #pragma unroll
     for (int r = 0; r < NR; ++r) out[r] = wb_warp_sum(acc[r]);
+}
+
+// A weight stage: the block's `prologue` fills `act`, then this warp's units (NR adjacent rows of K, dealt
+// round-robin), each result handed to `done(unit, y[NR])`, the stage's epilogue.
+template <int K, int NR, typename Prologue, typename Done>
+__device__ __forceinline__ void for_warp_units(const bf16* __restrict__ W, int n_units, const float* act,
+                                               Prologue prologue, Done done) {
+    prologue();                                        // block-wide: every thread takes part
+    float y[NR];
+    for (int u = grid_warp(); u < n_units; u += grid_nwarps()) {
+        warp_rows_dot<K, NR>(W + (long long)u * NR * K, K, act, y);
+        done(u, y);
+    }
 }
 
 // Sum of one value per thread over the block; every thread gets the total. `red` holds one float per warp.
@@ -71,23 +107,4 @@ __device__ __forceinline__ void load_rms_normalized(float* __restrict__ dst, con
     wb_syncthreads();
 }
 
-// Rows are dealt to warps round-robin over the whole grid: warp g takes rows g, g + NW, g + 2·NW ...
-__device__ __forceinline__ int grid_warp() { return wb_bid() * wb_nwarps() + wb_warp(); }
-__device__ __forceinline__ int grid_nwarps() { return wb_nbid() * wb_nwarps(); }
 
-// A warp that has finished its share of a stage asks L2 for the first `budget` bytes of its share of the next one
-// (units of UNIT_ROWS adjacent rows of K bf16, dealt as above). HBM keeps streaming while the stragglers finish and
-// the barrier completes, and the next stage's first loads hit L2 instead of paying the full memory latency.
-// The budget keeps the sum over the grid (≤ 2112 warps × budget) well inside the 60 MB L2.
-template <int K, int UNIT_ROWS>
-__device__ __forceinline__ void warp_prefetch_units(const bf16* __restrict__ W, int n_units, int budget) {
-    constexpr int UNIT_BYTES = UNIT_ROWS * K * 2;
-    for (int u = grid_warp(); u < n_units && budget > 0; u += grid_nwarps(), budget -= UNIT_BYTES) {
-        const char* p = (const char*)(W + (long long)u * UNIT_ROWS * K);
-        const int n = UNIT_BYTES < budget ? UNIT_BYTES : budget;
-        for (int off = wb_lane() * 128; off < n; off += WB_WARP * 128) wb_prefetch_l2(p + off);
-    }
-}
-#ifndef WB_PREFETCH_BYTES
-#define WB_PREFETCH_BYTES 0
-#endif

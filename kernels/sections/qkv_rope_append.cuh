@@ -9,15 +9,13 @@ WB_SECTION void stage_qkv_rope_append(const Params* __restrict__ P, int layer, i
     constexpr int HALF = WB_HEAD_DIM / 2;
     constexpr int Q_DIM = WB_HEADS * WB_HEAD_DIM, KV_DIM = WB_KV_HEADS * WB_HEAD_DIM;
     constexpr int PAIRS = (Q_DIM + 2 * KV_DIM) / 2;
-    load_rms_normalized(act, P->x, WB_D, red);
     const bf16* __restrict__ W = P->wqkv + (long long)layer * (2 * PAIRS) * WB_D;
     const float* __restrict__ cs = P->rope_cos + (long long)pos * HALF;
     const float* __restrict__ sn = P->rope_sin + (long long)pos * HALF;
     const long long kv_base = (long long)layer * WB_KV_HEADS * WB_MAX_SEQ * WB_HEAD_DIM + (long long)pos * WB_HEAD_DIM;
-    for (int u = grid_warp(); u < PAIRS; u += grid_nwarps()) {
-        float r[2];
-        warp_rows_dot<WB_D, 2>(W + (long long)(2 * u) * WB_D, WB_D, act, r);
-        if (wb_lane() != 0) continue;
+    auto prologue = [&] { load_rms_normalized(act, P->x, WB_D, red); };
+    for_warp_units<WB_D, 2>(W, PAIRS, act, prologue, [&](int u, const float* r) {
+        if (wb_lane() != 0) return;
         const int row = 2 * u;
         if (row < Q_DIM + KV_DIM) {                            // q or k: rotate the pair (p, p + hd/2)
             const int rr = row < Q_DIM ? row : row - Q_DIM;
@@ -38,7 +36,5 @@ WB_SECTION void stage_qkv_rope_append(const Params* __restrict__ P, int layer, i
             v[rr % WB_HEAD_DIM] = f32_to_bf16(r[0]);
             v[rr % WB_HEAD_DIM + 1] = f32_to_bf16(r[1]);
         }
-    }
-    // attention reads no weights: stream this layer's O-projection in meanwhile
-    warp_prefetch_units<Q_DIM, 1>(P->wo + (long long)layer * WB_D * Q_DIM, WB_D, WB_PREFETCH_BYTES);
+    });
 }

@@ -1,0 +1,144 @@
+"""The editing loop on a real GPU (marked gpu: skipped without one): reload → verify every stage → time, a
+deliberately wrong edit named by its first failing stage, a compile error that keeps the last good kernel running,
+A/B comparison, and loop_benchmark on tiny. Sources are edited in a private copy of kernels/ (or in memory), so the
+real section files are never touched. Seeds are printed so a failure can be replayed."""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+
+import pytest
+
+from workbench import assemble, session
+
+pytestmark = pytest.mark.gpu
+
+
+def fresh_seed() -> int:
+    s = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {s}")
+    return s
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    new = tmp_path_factory.mktemp("gpu_wb") / "kernels"
+    shutil.copytree(assemble.KERNELS, new, ignore=shutil.ignore_patterns(".history", "__pycache__", "*.pyc"))
+    mp.setattr(assemble, "KERNELS", new)
+    mp.setattr(assemble, "SECTIONS_DIR", new / "sections")
+    yield new
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def wb(kernels):
+    w = session.Workbench("tiny", seed=fresh_seed(), activate=False)
+    yield w
+    w.close()
+
+
+def test_initial_reload_verifies_and_times(wb):
+    rec = wb.history[0]
+    print(rec.report())
+    print(rec.stages)
+    print(rec.timing_text)
+    assert wb.device == "gpu" and rec.trigger == "initial"
+    assert rec.status == session.OK and rec.passed, rec.report() + "\n" + str(rec.stages)
+    assert rec.stages.passed and rec.tokens_ok is not False
+    assert rec.tok_per_s > 0 and rec.timing and {r.stage for r in rec.timing} >= {"lm_head", "gate_up_silu"}
+    for t in (rec.compile_s, rec.verify_s, rec.time_s, rec.total_s):
+        assert math.isfinite(t) and t > 0
+    assert rec.total_s >= rec.compile_s + rec.verify_s + rec.time_s - 1e-3
+    assert rec.resources["registers"] > 0
+
+
+def test_edit_reload_undo(wb):
+    text = session.section_file("lm_head").read_text()
+    wb.edit("lm_head", text + "\n// a harmless edit\n")
+    rec = wb.reload(trigger="edit", section="lm_head")
+    assert rec.status == session.OK and rec.passed and rec.key != wb.history[0].key
+    rec = wb.undo("lm_head")
+    assert rec.status == session.OK and rec.key == wb.history[0].key
+    assert session.section_file("lm_head").read_text() == text
+
+
+def test_wrong_rope_variant_is_named_q_at_layer_0(wb):
+    base = session.section_file("qkv_rope_append").read_text()
+    wb.edit("qkv_rope_append", session.wrong_rope(base), variant="wrong_sin")
+    try:
+        rec = wb.use_variant("qkv_rope_append", "wrong_sin")
+        print(rec.report())
+        print(rec.stages)
+        assert rec.status == session.VERIFY_FAILED and rec.passed is False
+        assert rec.failure.where == ("q", 0) and rec.failure.stage == "qkv_rope_append"
+        assert rec.first_failure.startswith("q at layer 0 (qkv_rope_append)")
+        assert not rec.stages.cell("k", 0).passed and rec.stages.cell("x_in", 0).passed
+    finally:
+        rec = wb.use_variant("qkv_rope_append", None)
+    assert rec.status == session.OK and rec.passed
+
+
+def test_wrong_rope_override_in_memory(wb):
+    wb.overrides["qkv_rope_append"] = session.wrong_rope(session.section_file("qkv_rope_append").read_text())
+    try:
+        rec = wb.reload()
+        assert rec.failure is not None and rec.failure.where == ("q", 0), rec.report()
+    finally:
+        wb.overrides.clear()
+    assert wb.reload().passed
+
+
+def test_compile_error_keeps_the_last_good_kernel(wb):
+    good_key = wb.debug.asm.key
+    text = session.section_file("down_residual").read_text().rstrip("\n") + "\n"
+    line = len(text.splitlines()) + 1
+    wb.overrides["down_residual"] = text + "__device__ void wb_broken() { float y = nonsense; }\n"
+    try:
+        rec = wb.reload()
+        print(rec.report())
+        assert rec.status == session.COMPILE_ERROR and f"kernels/sections/down_residual.cuh:{line}:" in rec.error
+        assert "nonsense" in rec.error
+        assert wb.debug.asm.key == good_key                        # the last good kernels stay loaded ...
+        table, tokens_ok, _ = wb.verify()                          # ... and runnable
+        assert table.passed and tokens_ok is not False
+        res, rows = wb.time_run(steps=8)
+        assert len(res.tokens) == 8 and rows
+    finally:
+        wb.overrides.clear()
+    assert wb.reload().status == session.OK
+
+
+def test_compare_variants(wb):
+    base = session.section_file("qkv_rope_append").read_text()
+    wb.edit("qkv_rope_append", session.wrong_rope(base), variant="wrong_ab")
+    ab = wb.compare({}, {"qkv_rope_append": "wrong_ab"}, tokens=32, repeats=2)
+    print(ab.report())
+    assert ab.a_passed is True and ab.b_passed is False and ab.b_failure.startswith("q at layer 0")
+    assert ab.a_tok_s > 0 and ab.b_tok_s > 0 and len(ab.a_runs) == 2 and ab.stage_deltas()
+    ab.to_dict()
+    assert wb.reload().passed                                       # the workbench's own builds are untouched
+
+
+def test_records_reach_subscribers(wb):
+    seen = []
+    wb.on_record.append(seen.append)
+    try:
+        rec = wb.reload()
+    finally:
+        wb.on_record.remove(seen.append)
+    assert seen == [rec]
+    d = rec.to_dict()
+    assert d["stages"]["passed"] and d["timing"] and d["tok_per_s"] > 0
+
+
+def test_loop_benchmark_restores_files(kernels):
+    before = {p: p.read_bytes() for p in kernels.rglob("*.cuh")}
+    out = session.loop_benchmark("tiny", edits=2, overhead_tokens=64, overhead_repeats=2, seed=fresh_seed())
+    print({k: v for k, v in out.items() if k not in ("stages_text", "timing_text", "edit_runs")})
+    assert out["files_restored"]
+    assert {p: p.read_bytes() for p in kernels.rglob("*.cuh")} == before
+    assert out["edit"]["all_passed"] and out["initial"]["passed"]
+    assert out["wrong_edit"]["caught_as_q_layer0"], out["wrong_edit"]
+    assert out["overhead"]["plain_tok_s"] > 0
