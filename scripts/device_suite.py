@@ -142,12 +142,16 @@ def do_throughput(name, skip_torch, n_tokens=256):
                             "pct_roofline": 100 * tps / roof_tps})
         log(f"monokernel pos0={pos0}: {tps:.0f} tok/s ({100 * tps / roof_tps:.1f}% of roofline) runs {runs}")
     # where the time goes: the same kernel built with %globaltimer stamps
-    from workbench.timing import format_table, stage_table
+    from workbench.timing import barrier_cost, format_table, stage_table
     mkt = Monokernel(p, BuildOptions(timing=True), max_steps=4200)
     for pos0 in (0, 3700):
         r = mkt.generate([1], 64, eos=[], pos0=pos0, timing_steps=64)
         table = format_table(stage_table(cfg, r.timing, pos0), roof["tbps"])
-        log(f"timing build pos0={pos0}: {r.tok_per_s:.0f} tok/s\n{table}")
+        bc = barrier_cost(r.timing)
+        log(f"timing build pos0={pos0}: {r.tok_per_s:.0f} tok/s\n{table}\nbarrier: last arrival → first departure "
+            f"{bc['first_out_ns'] / 1e3:.2f} µs, → last departure {bc['last_out_ns'] / 1e3:.2f} µs, "
+            f"{bc['barriers_per_token']} per token")
+        out[f"barrier_pos{pos0}"] = bc
         out[f"stages_pos{pos0}"] = table
         np.save(Path(os.environ.get("OUT", "out")) / f"timing_1b_pos{pos0}.npy", r.timing)
     del mkt
@@ -175,6 +179,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--only", nargs="*", default=["tiny", "1b", "hang", "throughput", "pytest"])
+    ap.add_argument("--bench-models", nargs="*", default=["llama-3.2-1b"])
+    ap.add_argument("--skip-hf", action="store_true")
     a = ap.parse_args()
     Path(a.out).mkdir(parents=True, exist_ok=True)
     if "tiny" in a.only:
@@ -187,10 +193,35 @@ def main():
         R["sections"].pop("verify")
     if "throughput" in a.only:
         do_throughput("llama-3.2-1b", a.skip_torch)
+    if "loop" in a.only:
+        from workbench.session import loop_benchmark
+        log("\n=== edit → reload → verify → time loop (llama-3.2-1b)")
+        try:
+            lb = loop_benchmark("llama-3.2-1b")
+            log(json.dumps(lb, indent=1, default=str)[:4000])
+            R["sections"]["loop"] = {"ok": True, **{k: v for k, v in lb.items() if not isinstance(v, (list, dict))}}
+            Path(a.out, "loop.json").write_text(json.dumps(lb, indent=1, default=str))
+        except Exception as e:
+            traceback.print_exc()
+            R["sections"]["loop"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+    if "bench" in a.only:
+        from workbench.bench import format_rows, run_bench
+        log("\n=== bench")
+        for model in a.bench_models:
+            try:
+                b = run_bench(model, tokens=128, repeats=5, torch_paths=not a.skip_torch,
+                              hf=not a.skip_hf and model == "llama-3.2-1b", log=log)
+                log(format_rows(b))
+                Path(a.out, f"bench_{model}.json").write_text(json.dumps(b, indent=1, default=str))
+                R["sections"][f"bench-{model}"] = {"ok": "error" not in b, "table": format_rows(b)}
+            except Exception as e:
+                traceback.print_exc()
+                R["sections"][f"bench-{model}"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
     if "pytest" in a.only:
         import subprocess
         log("\n=== GPU test suite")
-        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_gpu.py"],
+        r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_gpu.py",
+                            "tests/test_gpu_session.py"],
                            cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True)
         log(r.stdout[-3000:], r.stderr[-2000:])
         R["sections"]["pytest-gpu"] = {"ok": r.returncode == 0, "tail": r.stdout.strip().splitlines()[-1:]}

@@ -1,4 +1,4 @@
-"""python -m workbench generate | verify | build — see README.md."""
+"""python -m workbench generate | verify | build | bench — see README.md."""
 from __future__ import annotations
 
 import argparse
@@ -169,6 +169,11 @@ def cmd_build(args) -> int:
     return 1 if failed else 0
 
 
+def cmd_bench(args) -> int:
+    from .bench import main as bench_main
+    return bench_main(args.model, args.tokens, args.repeats, args.json, args.no_torch, args.no_hf)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m workbench", description="batch-1 decode monokernel workbench")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -205,12 +210,19 @@ def main(argv=None) -> int:
                    help="print the machine code instead (PTX, SASS: cuda; AMDGCN: hip), headed by source lines")
     b.add_argument("--section", help="with --dump: only the code of this section (e.g. qkv_rope_append, "
                                      "matvec, monokernel, portability), what is inlined into it included")
+    be = sub.add_parser("bench", help="monokernel vs torch.compile, HF generate() and the bandwidth roofline (GPU)")
+    be.add_argument("--model", default=DEFAULT_MODEL)
+    be.add_argument("--tokens", type=int, default=128, help="decode steps per timed run")
+    be.add_argument("--repeats", type=int, default=5)
+    be.add_argument("--json", help="write the table as JSON here")
+    be.add_argument("--no-torch", action="store_true", help="skip the PyTorch paths")
+    be.add_argument("--no-hf", action="store_true", help="skip HF generate()")
     args = ap.parse_args(argv)
     if getattr(args, "rtol", 0) is None:
         from .verify import DEFAULT_RTOL
         args.rtol = DEFAULT_RTOL
     try:
-        return {"generate": cmd_generate, "verify": cmd_verify, "build": cmd_build}[args.cmd](args)
+        return {"generate": cmd_generate, "verify": cmd_verify, "build": cmd_build, "bench": cmd_bench}[args.cmd](args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

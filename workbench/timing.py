@@ -92,3 +92,14 @@ def format_table(rows: list[StageRow], roofline_tbps: float | None = None) -> st
         out.append(line)
     out.append(f"{'total':18s} {total:9.1f}   ({1e6 / total:.0f} tok/s)")
     return "\n".join(out)
+
+
+def barrier_cost(t: np.ndarray, skip_first: int = 1) -> dict:
+    """The grid barrier measured in the kernel: from the last block's arrival to the first block's and to the last
+    block's departure (ns, medians over every barrier of the recorded steps)."""
+    arrive, leave = t[skip_first:, 1:, :, 0].astype(np.int64), t[skip_first:, 1:, :, 1].astype(np.int64)
+    last_in = arrive.max(axis=2)
+    first_out = leave.min(axis=2) - last_in
+    last_out = leave.max(axis=2) - last_in
+    return {"first_out_ns": float(np.median(first_out)), "last_out_ns": float(np.median(last_out)),
+            "barriers_per_token": int(t.shape[1] - 1)}
