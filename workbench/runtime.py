@@ -267,6 +267,10 @@ class Monokernel:
             self.taps = cp.zeros(len(tap_steps) * tap_floats, cp.float32)
         self.timing_steps = timing_steps
 
+        # Our stream does not synchronise with the legacy default stream, where the weights were generated or
+        # prepared (or edited since): without this the kernel can start reading weights that are still being
+        # written. Found by a run whose module came from CuPy's cache, so no compile time hid the race.
+        cp.cuda.Device().synchronize()
         with self.stream:
             self.tokens_in[:len(prompt)].set(np.asarray(prompt, np.int32), stream=self.stream)
             if eos:
