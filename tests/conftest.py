@@ -5,6 +5,7 @@ Tests marked `gpu` run only where cupy can see a CUDA device; everywhere else th
 from __future__ import annotations
 
 import functools
+import os
 import zlib
 
 import numpy as np
@@ -83,3 +84,10 @@ def tiny_hf_checkpoint_sharded(tmp_path_factory):
     _build_tiny_llama().to(torch.bfloat16).save_pretrained(path, max_shard_size="1MB")
     assert (path / "model.safetensors.index.json").exists()
     return path
+
+
+def fresh_seed() -> int:
+    """A new seed for every check (printed, so a failure can be replayed)."""
+    s = int.from_bytes(os.urandom(4), "little")
+    print(f"seed {s}")
+    return s

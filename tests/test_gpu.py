@@ -2,11 +2,11 @@
 printed so a failure can be replayed."""
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
 import pytest
+from conftest import fresh_seed
 
 from workbench.assemble import BuildOptions
 from workbench.compile import CompileError
@@ -15,10 +15,6 @@ from workbench.config import get_config
 pytestmark = pytest.mark.gpu
 
 
-def fresh_seed() -> int:
-    s = int.from_bytes(os.urandom(4), "little")
-    print(f"seed {s}")
-    return s
 
 
 @pytest.fixture(scope="module")

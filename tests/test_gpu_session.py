@@ -5,20 +5,16 @@ real section files are never touched. Seeds are printed so a failure can be repl
 from __future__ import annotations
 
 import math
-import os
 import shutil
 
 import pytest
+from conftest import fresh_seed
 
 from workbench import assemble, session
 
 pytestmark = pytest.mark.gpu
 
 
-def fresh_seed() -> int:
-    s = int.from_bytes(os.urandom(4), "little")
-    print(f"seed {s}")
-    return s
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,578 @@
+"""Timing traces (workbench.trace) and the dashboards (workbench.dashboard), in-process, no GPU.
+
+A synthetic trace with hand-computable spans checks the numbers every figure shows; the recorded H200 fixtures check
+the file format, the metadata and the titles; snapshots with unwritten (0) stamps check the live path.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+
+pytest.importorskip("plotly")
+pytest.importorskip("ipywidgets")
+pytest.importorskip("anywidget")
+
+from workbench import dashboard as D                           # noqa: E402
+from workbench import trace as T                               # noqa: E402
+from workbench.config import PRESETS                           # noqa: E402
+from workbench.timing import slot_names, stage_bytes, stage_table  # noqa: E402
+
+CFG = PRESETS["tiny"]                  # 2 layers: 13 slots
+L_NS = 500                             # barrier latency of the synthetic trace
+T0 = 10**15
+
+
+def synthetic(cfg=CFG, steps=5, blocks=4, work_scale=None, t0=T0):
+    """Stamps where block b spends W[k] + 100·b ns on slot k after leaving the previous barrier, the barrier lets go
+    L_NS after the last arrival, and block b leaves 10·b ns after that. Then every slot's span (release to release)
+    is W[k] + 300 + L_NS + 30 ns, with W[k] = 1000·(k + 1)."""
+    n_slots = len(slot_names(cfg))
+    t = np.zeros((steps, n_slots, blocks, 2), np.uint64)
+    b = np.arange(blocks, dtype=np.int64)
+    prev = None
+    for s in range(steps):
+        for k in range(n_slots):
+            if s > 0 and k == 0:
+                continue                                  # the first embedding is stamped in step 0 only
+            w = 1000 * (k + 1) * (1 if work_scale is None else work_scale(k)) + 100 * b
+            start = np.full(blocks, t0, np.int64) if prev is None else prev
+            arrive = start + w
+            leave = arrive.max() + L_NS + 10 * b
+            t[s, k, :, 0], t[s, k, :, 1] = arrive, leave
+            prev = leave
+    return t
+
+
+def slot_span_ns(k):
+    return 1000 * (k + 1) + 100 * 3 + L_NS + 30           # 4 blocks: the slowest is block 3
+
+
+STEP_NS = sum(slot_span_ns(k) for k in range(1, 13))     # a step after the first: slots 1..12
+
+
+# -- synthetic: the analysis ----------------------------------------------------------------------------------------
+
+def test_synthetic_spans_are_what_the_construction_says():
+    rows = {r.stage: r for r in stage_table(CFG, synthetic(), 0)}
+    qkv_slots = [k for k, (s, _) in enumerate(slot_names(CFG)) if s == "qkv_rope_append"]
+    assert qkv_slots == [1, 6]
+    assert rows["qkv_rope_append"].us_per_token == pytest.approx(sum(slot_span_ns(k) for k in qkv_slots) / 1e3)
+    assert rows["qkv_rope_append"].spread == pytest.approx((rows["qkv_rope_append"].us_per_token,) * 2)
+    assert rows["lm_head"].us_per_token == pytest.approx(slot_span_ns(11) / 1e3)
+    assert sum(r.us_per_token for r in rows.values()) == pytest.approx(STEP_NS / 1e3)
+    assert np.allclose(T.step_ns(synthetic())[1:], STEP_NS)
+
+
+def test_complete_steps_and_partial_stamps():
+    t = synthetic()
+    assert T.complete_steps(t) == 5
+    p = t.copy()
+    p[3, 5:] = 0
+    p[4] = 0
+    assert T.complete_steps(p) == 3
+    p[0, 0, 2, 1] = 0                                    # one leave stamp of the first embedding missing
+    assert T.complete_steps(p) == 0
+    assert T.complete_steps(np.zeros_like(t)) == 0
+    assert T.stage_rows(np.zeros_like(t), CFG) == []
+    assert T.step_ns(np.zeros_like(t)).size == 0
+    one = t.copy()
+    one[1:] = 0
+    assert len(T.stage_rows(one, CFG)) == 7               # a single complete step is used, not skipped
+
+
+def test_intervals_tile_each_block_without_gaps():
+    t = synthetic()
+    iv = T.intervals(t)
+    assert not iv.known[1:, 0].any() and iv.known[0].all() and iv.known[1:, 1:].all()
+    assert (iv.work[iv.known] >= 0).all() and (iv.wait[iv.known] > 0).all()    # step 0 starts at the first arrival
+    for s in range(1, 5):
+        for b in range(4):
+            total = (iv.work[s, 1:, b] + iv.wait[s, 1:, b]).sum()
+            assert total == int(t[s, -1, b, 1]) - int(t[s - 1, -1, b, 1])
+    assert (iv.work[2, 3] == 1000 * 4 + 100 * np.arange(4)).all()
+
+
+# -- the trace file -------------------------------------------------------------------------------------------------
+
+def test_save_load_roundtrip_with_unwritten_stamps(tmp_path):
+    t = synthetic()
+    t[4, 7:] = 0
+    meta = T.recording_meta(CFG, position=12, tok_s=1234.5, roofline_tbps=4.2, device="Test GPU",
+                            date="2026-01-02", commit="abc1234", note="ümlaut ok")
+    path = T.save_trace(tmp_path / "x.npz", t, meta)
+    tr = T.load_trace(path)
+    assert np.array_equal(tr.stamps, t) and tr.stamps.dtype == np.uint64
+    assert tr.meta["note"] == "ümlaut ok" and tr.meta["format"] == T.FORMAT
+    assert tr.pos0 == 12 and tr.tok_s == 1234.5 and tr.roofline_tbps == 4.2 and tr.recorded
+    assert tr.cfg == CFG
+    assert tr.title == "recorded on Test GPU, 2026-01-02, commit abc1234"
+    with np.load(path) as z:
+        assert z["delta_ns"].dtype == np.int32 and (z["delta_ns"][4, 7:] == -1).all()
+
+
+def test_long_runs_use_int64_deltas(tmp_path):
+    t = synthetic()
+    t[-1, -1, :, 1] += np.uint64(3 * 10**9)              # a step that took 3 s
+    T.save_trace(tmp_path / "long.npz", t, T.recording_meta(CFG, device="x", commit="y"))
+    with np.load(tmp_path / "long.npz") as z:
+        assert z["delta_ns"].dtype == np.int64
+    assert np.array_equal(T.load_trace(tmp_path / "long.npz").stamps, t)
+
+
+def test_not_a_trace_is_refused(tmp_path):
+    np.savez(tmp_path / "other.npz", a=np.zeros(3))
+    with pytest.raises(ValueError, match="not a workbench timing trace"):
+        T.load_trace(tmp_path / "other.npz")
+
+
+def test_cli_pack_info_perfetto(tmp_path, capsys):
+    np.save(tmp_path / "raw.npy", synthetic())
+    assert T.main(["pack", str(tmp_path / "raw.npy"), str(tmp_path / "t.npz"), "--model", "tiny", "--steps", "3",
+                   "--device", "Test GPU", "--date", "2026-01-02", "--commit", "abc1234", "--tok-s", "9000",
+                   "--roofline-tbps", "3.5", "--meta", '{"weights": "random"}']) == 0
+    tr = T.load_trace(tmp_path / "t.npz")
+    assert tr.stamps.shape[0] == 3 and tr.meta["steps_in_run"] == 5 and tr.meta["weights"] == "random"
+    assert T.main(["info", str(tmp_path / "t.npz")]) == 0
+    assert "recorded on Test GPU, 2026-01-02, commit abc1234" in capsys.readouterr().out
+    assert T.main(["perfetto", str(tmp_path / "t.npz"), str(tmp_path / "t.json"), "--steps", "1-2"]) == 0
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert {e["args"]["step"] for e in doc["traceEvents"] if e["ph"] == "X"} == {1, 2}
+
+
+# -- the recorded fixtures ------------------------------------------------------------------------------------------
+
+def test_recorded_fixtures_are_small_and_labelled():
+    total = 0
+    for pos, tok_s in ((0, 1063), (3700, 971)):
+        path = T.recorded_path(pos)
+        total += path.stat().st_size
+        tr = T.load_trace(path)
+        m = tr.meta
+        assert m["recorded"] is True and m["device"] == "NVIDIA H200" and m["date"] == "2026-11-29"
+        assert m["commit"] == "bd51f27" and m["model"] == "llama-3.2-1b" and m["position"] == pos
+        assert m["tok_s"] == tok_s and m["roofline_tbps"] == pytest.approx(4.48, abs=0.005)
+        assert tr.stamps.shape == (17, 83, 132, 2) and tr.complete_steps == 17
+        assert tr.cfg == PRESETS["llama-3.2-1b"]
+        assert tr.title == "recorded on NVIDIA H200, 2026-11-29, commit bd51f27"
+    assert total < 3e6
+
+
+def test_recorded_stage_table_matches_the_notes():
+    """NOTES.md's per-stage table (64 steps from position 0); the fixture keeps 16 of them (after step 0)."""
+    notes = {"qkv_rope_append": 109.2, "o_proj_residual": 89.9, "gate_up_silu": 299.1, "down_residual": 190.9,
+             "lm_head": 123.6, "sampling": 12.5}
+    rows = {r.stage: r for r in T.load_recorded(0).stage_table()}
+    for stage, us in notes.items():
+        assert rows[stage].us_per_token == pytest.approx(us, rel=0.02), stage
+    assert rows["lm_head"].tbps / 4.4785 == pytest.approx(0.95, abs=0.01)
+    far = {r.stage: r for r in T.load_recorded(3700).stage_table()}
+    assert far["attention_decode"].us_per_token == pytest.approx(196.3, rel=0.02)
+    assert far["attention_decode"].bytes == pytest.approx(122e6, rel=0.01)
+
+
+# -- Perfetto -------------------------------------------------------------------------------------------------------
+
+def _no_arrays(x) -> bool:
+    if isinstance(x, list):
+        return False
+    if isinstance(x, dict):
+        return all(_no_arrays(v) for v in x.values())
+    return True
+
+
+def check_perfetto(doc: dict, stamps: np.ndarray | None = None) -> dict:
+    """Structure Perfetto's JSON importer accepts (also its older tokenizer: traceEvents first, only known top-level
+    keys, no arrays inside an event, no \\u escapes); slices on a track never overlap once ts and dur are truncated
+    to integer ns; returns {tid: [(start_ns, end_ns, event)]}."""
+    assert list(doc)[0] == "traceEvents"
+    assert set(doc) <= {"traceEvents", "otherData", "displayTimeUnit", "metadata", "systemTraceEvents"}
+    text = json.dumps(doc)
+    assert text.isascii() and "\\u" not in text
+    named = {}
+    tracks: dict = {}
+    for e in doc["traceEvents"]:
+        assert isinstance(e, dict) and e["ph"] in ("X", "M") and _no_arrays(e)
+        assert isinstance(e["pid"], int) and isinstance(e["tid"], int) and isinstance(e["name"], str)
+        if e["ph"] == "M":
+            if e["name"] == "thread_name":
+                named[e["tid"]] = e["args"]["name"]
+            continue
+        assert isinstance(e["ts"], (int, float)) and isinstance(e["dur"], (int, float))
+        assert e["ts"] >= 0 and e["dur"] >= 0
+        start = int(e["ts"] * 1000)                       # what an importer that truncates makes of it
+        tracks.setdefault(e["tid"], []).append((start, start + int(e["dur"] * 1000), e))
+    assert set(tracks) <= set(named), "every track has a thread_name"
+    for tid, sl in tracks.items():
+        sl.sort(key=lambda x: x[0])
+        for (s0, e0, _), (s1, _, _) in zip(sl, sl[1:]):
+            assert e0 <= s1, f"overlapping slices on track {named[tid]}"
+    if stamps is not None:
+        base = int(stamps[stamps > 0].min())
+        for tid, sl in tracks.items():
+            for s, e, ev in sl:
+                a = ev["args"]
+                if ev["cat"] == "wait":
+                    assert s == int(stamps[a["step"], a["slot"], a["block"], 0]) - base
+                    assert e == int(stamps[a["step"], a["slot"], a["block"], 1]) - base
+    return {"tracks": tracks, "names": named}
+
+
+def test_perfetto_synthetic_structure_and_sums():
+    t = synthetic()
+    doc = T.to_perfetto(t, CFG, pos0=100, meta={"device": "Test GPU", "recorded": True, "commit": "abc"})
+    got = check_perfetto(doc, t)
+    tracks, names = got["tracks"], got["names"]
+    assert sorted(names.values()) == sorted([f"block {b}" for b in range(4)] + ["grid: barrier to barrier"])
+    blocks = {tid: sl for tid, sl in tracks.items() if names[tid].startswith("block")}
+    assert len(blocks) == 4
+    for tid, sl in blocks.items():
+        b = int(names[tid].split()[1])
+        assert all(ev["args"]["block"] == b for _, _, ev in sl)
+        for s in range(1, 5):
+            mine = [ev for _, _, ev in sl if ev["args"]["step"] == s]
+            assert len(mine) == 2 * 12                       # work and wait for slots 1..12
+            assert {ev["cat"] for ev in mine} == {"work", "wait"}
+            assert {ev["args"]["position"] for ev in mine} == {100 + s}
+            expect_ns = int(t[s, -1, b, 1]) - int(t[s - 1, -1, b, 1])
+            assert sum(int(ev["dur"] * 1000) for ev in mine) == expect_ns        # exact, in integer ns
+            assert sum(ev["dur"] for ev in mine) == pytest.approx(expect_ns / 1e3, abs=1e-2)
+        work = [ev for _, _, ev in sl if ev["cat"] == "work" and ev["args"]["step"] == 2]
+        layers = {(ev["name"], ev["args"]["layer"]) for ev in work}
+        assert ("qkv_rope_append", 0) in layers and ("qkv_rope_append", 1) in layers and ("lm_head", -1) in layers
+    grid = next(sl for tid, sl in tracks.items() if names[tid].startswith("grid"))
+    for s in range(1, 5):
+        assert sum(int(ev["dur"] * 1000) for _, _, ev in grid if ev["args"]["step"] == s) == STEP_NS
+    assert doc["otherData"]["device"] == "Test GPU" and doc["otherData"]["model"] == "tiny"
+
+
+def test_perfetto_of_partial_stamps_skips_unwritten_slots():
+    t = synthetic()
+    t[2, 4:] = 0
+    t[3:] = 0
+    doc = T.to_perfetto(t, CFG)
+    got = check_perfetto(doc, t)
+    steps = {ev["args"]["step"] for sl in got["tracks"].values() for _, _, ev in sl}
+    assert steps == {0, 1, 2}
+    slots2 = {ev["args"]["slot"] for sl in got["tracks"].values() for _, _, ev in sl if ev["args"]["step"] == 2}
+    assert slots2 == {1, 2, 3}
+
+
+def test_perfetto_of_the_recorded_fixture(tmp_path):
+    tr = T.load_recorded(0)
+    out = tr.write_perfetto(tmp_path / "trace.json", steps=[1], blocks=range(8))
+    doc = json.loads(out.read_text())
+    got = check_perfetto(doc, tr.stamps)
+    assert len([n for n in got["names"].values() if n.startswith("block")]) == 8
+    x = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] != "grid"]
+    assert len(x) == 8 * 82 * 2
+    assert doc["otherData"]["recorded"] is True and doc["otherData"]["device"] == "NVIDIA H200"
+    grid = [e for e in doc["traceEvents"] if e.get("cat") == "grid"]
+    assert sum(e["dur"] for e in grid) == pytest.approx(T.step_ns(tr.stamps)[1] / 1e3, abs=0.01)
+
+
+# -- the dashboard: synthetic ---------------------------------------------------------------------------------------
+
+def test_dashboard_figures_synthetic():
+    t = synthetic()
+    d = D.Dashboard(CFG, roofline_tbps=2.0, source="synthetic")
+    assert d.update_timing(t, pos0=100, tok_s=9999.0) == 5
+    rows = stage_table(CFG, t, 100)
+    st = d.figures["stages"].data[0]
+    assert list(st.x) == D.STAGES == [r.stage for r in rows]
+    assert list(st.y) == pytest.approx([r.us_per_token for r in rows])
+    assert list(st.error_y.array) == pytest.approx([0.0] * 7, abs=1e-9)     # every step alike
+    assert list(st.marker.color) == [D.COLORS[s] for s in D.STAGES]
+
+    bw = d.figures["bandwidth"]
+    moved = [r for r in rows if r.bytes > 0]
+    assert list(bw.data[0].x) == [r.stage for r in moved]
+    layers = CFG.n_layers
+    gu = next(r for r in rows if r.stage == "gate_up_silu")
+    assert gu.bytes == stage_bytes(CFG, "gate_up_silu", 102) * layers
+    assert bw.data[0].y[list(bw.data[0].x).index("gate_up_silu")] == pytest.approx(gu.bytes / gu.us_per_token / 1e6)
+    assert bw.layout.shapes[0].y0 == bw.layout.shapes[0].y1 == 2.0
+    assert "2.00 TB/s" in bw.layout.annotations[0].text
+
+    tk = d.figures["tok_s"]
+    assert list(tk.data[0].x) == [100, 101, 102, 103, 104]
+    assert list(tk.data[0].y)[1:] == pytest.approx([1e9 / STEP_NS] * 4)
+    roof = [2.0e12 / (CFG.weight_bytes_per_token() + CFG.kv_bytes_per_token(p)) for p in range(100, 105)]
+    assert list(tk.data[1].y) == pytest.approx(roof)
+
+    assert "synthetic" in d.header.value and "9,999 tok/s" in d.header.value
+    for fig in d.figures.values():
+        assert "synthetic" in fig.layout.title.text
+
+
+def test_gantt_synthetic():
+    t = synthetic()
+    d = D.Dashboard(CFG, source="synthetic")
+    d.update_timing(t)
+    assert d.step_slider.max == 4 and d.step_slider.value == 4    # follows the newest token
+    d.step_slider.value = 2
+    g = d.figures["gantt"]
+    by_name = {}
+    for tr in g.data:
+        by_name.setdefault(tr.name, []).append(tr)
+    qkv = by_name["qkv_rope_append"][0]
+    assert len(qkv.y) == 2 * 4                                    # two layers × four blocks
+    iv = T.intervals(t)
+    t0 = int(t[1, -1, :, 1].max())
+    for y, base, x, layer in zip(qkv.y, qkv.base, qkv.x, qkv.customdata):
+        k = 1 + 5 * layer
+        assert x == pytest.approx(iv.work[2, k, y] / 1e3, abs=1e-3)
+        assert base == pytest.approx((iv.start[2, k, y] - t0) / 1e3, abs=1e-3)
+    assert len(by_name["embedding"][0].y) == 0                      # only step 0 embeds by barrier
+    waits = by_name[D.WAIT_TRACE]
+    assert {tr.marker.color for tr in waits} == {D.WAIT_COLOR}
+    assert D.WAIT_COLOR not in {tr.marker.color for n, trs in by_name.items() if n in D.COLORS for tr in trs}
+    assert sum(len(tr.y) for tr in waits) == 12 * 4
+    assert sum(bool(tr.showlegend) for tr in waits) == 1
+    grid = g.data[0]
+    assert list(grid.y) == [D.GRID_Y] * 12
+    assert sum(grid.x) == pytest.approx(STEP_NS / 1e3, abs=1e-2)
+    assert list(grid.text)[:5] == ["qkv", "attn", "o-proj", "gate/up", "down"]
+    assert "Token 2" in g.layout.title.text
+    d.step_slider.value = 0
+    assert len(by_name["embedding"][0].y) == 4 and len(g.data[0].y) == 13
+
+
+def test_partial_snapshots_as_while_the_kernel_runs():
+    """Feed snapshots that fill up slot by slot; every call must work and the end equals the full run."""
+    full = synthetic()
+    d = D.Dashboard(CFG, roofline_tbps=2.0, source="live on Test GPU")
+    n_steps, n_slots = full.shape[:2]
+    order = [(s, k) for s in range(n_steps) for k in range(n_slots) if not (s > 0 and k == 0)]
+    seen = []
+    snap = np.zeros_like(full)
+    assert d.update_timing(snap, CFG, progress=0) == 0
+    assert d.rows == [] and len(d.figures["stages"].data[0].x) == 0
+    for i, (s, k) in enumerate(order):
+        snap[s, k, :, 0] = full[s, k, :, 0]                     # arrivals first ...
+        d.update_timing(snap, CFG, progress=s)
+        snap[s, k, :, 1] = full[s, k, :, 1]                     # ... then the barrier lets go
+        seen.append(d.update_timing(snap, CFG, progress=s))
+        if s == 2 and k == 6:
+            assert d.n_complete == 2 and d.step_slider.max == 2     # the step being written is on show
+            g = d.figures["gantt"]
+            assert len(g.data[D.STAGE_ORDER.index("qkv_rope_append") + 1].y) == 2 * 4
+            assert "being written" in g.layout.title.text
+            assert "kernel at step 2" in d.header.value
+    assert seen == sorted(seen) and seen[-1] == n_steps
+    ref = D.Dashboard(CFG, roofline_tbps=2.0, source="x")
+    ref.update_timing(full, CFG)
+    assert list(d.figures["stages"].data[0].y) == pytest.approx(list(ref.figures["stages"].data[0].y))
+    assert d.update_timing(None) == n_steps                     # a non-timing build's snapshot: nothing changes
+    with pytest.raises(ValueError, match="do not fit"):
+        d.update_timing(np.zeros((2, 7, 4, 2), np.uint64), CFG)
+
+
+def test_poller_reads_snapshots():
+    full = synthetic()
+
+    class FakeKernel:
+        cfg = CFG
+        calls = 0
+
+        def timing_snapshot(self):
+            FakeKernel.calls += 1
+            s = np.zeros_like(full)
+            s[:FakeKernel.calls] = full[:FakeKernel.calls]
+            return s
+
+    d = D.Dashboard(CFG, source="live")
+    poll = d.poller(pos0=7, every_s=0.0)
+    mk = FakeKernel()
+    for i in range(3):
+        poll(mk, i)
+    assert d.n_complete == 3 and d.pos0 == 7 and d.progress == 2
+    slow = d.poller(every_s=3600)
+    slow(mk, 9)
+    slow(mk, 10)                                                # throttled: one snapshot, not two
+    assert FakeKernel.calls == 4
+
+
+def test_step_slider_stays_where_the_user_put_it():
+    full = synthetic()
+    d = D.Dashboard(CFG, source="live")
+    part = full.copy()
+    part[3:] = 0
+    d.update_timing(part, CFG)
+    assert d.step_slider.value == 2
+    d.step_slider.value = 1
+    d.update_timing(full, CFG)
+    assert d.step_slider.value == 1 and d.step_slider.max == 4
+    d.step_slider.value = 4                                     # back at the newest: follow again
+    d.update_timing(synthetic(t0=T0 * 2), CFG)                  # a new run
+    assert d.step_slider.value == 4
+
+
+# -- the dashboard: recorded ----------------------------------------------------------------------------------------
+
+def test_dashboard_from_the_recorded_trace():
+    d = D.Dashboard.from_trace(T.recorded_path(0))
+    title = "recorded on NVIDIA H200, 2026-11-29, commit bd51f27"
+    assert d.title == title and title in d.header.value
+    for name, fig in d.figures.items():
+        assert title in fig.layout.title.text, name
+    rows = T.load_recorded(0).stage_table()
+    assert list(d.figures["stages"].data[0].y) == pytest.approx([r.us_per_token for r in rows])
+    assert d.figures["bandwidth"].layout.shapes[0].y0 == pytest.approx(4.4785)
+    assert "1,063 tok/s" in d.header.value and "4.48 TB/s" in d.header.value
+    g = d.figures["gantt"]
+    assert sum(len(tr.y) for tr in g.data if tr.name == D.WAIT_TRACE) == 82 * 132
+    assert len(g.data[0].y) == 82
+    toks = d.figures["tok_s"].data[0].y
+    assert len(toks) == 17 and 1000 < np.median(toks) < 1100
+    kids = d.widget.children
+    assert d.header in kids and d.figures["gantt"] in kids
+    assert d.panel("gantt").children[1] is g and d.panel("history") is d.history.widget
+    with pytest.raises(KeyError):
+        d.panel("nope")
+
+
+def test_save_from_the_dashboard(tmp_path):
+    d = D.Dashboard(CFG, roofline_tbps=2.0, source="live on Test GPU")
+    with pytest.raises(ValueError):
+        d.save_trace(tmp_path / "none.npz")
+    d.update_timing(synthetic(), CFG, pos0=5, tok_s=100.0)
+    p = d.save_trace(tmp_path / "live.npz", device="Test GPU", commit="abc", note="kept")
+    tr = T.load_trace(p)
+    assert tr.meta["note"] == "kept" and tr.pos0 == 5 and tr.roofline_tbps == 2.0 and tr.recorded
+    again = D.Dashboard.from_trace(p)
+    assert again.title == f"recorded on Test GPU, {tr.meta['date']}, commit abc"
+
+
+# -- history --------------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Rec:
+    section: str | None
+    variant: str | None
+    compile_s: float | None
+    passed: bool | None
+    tok_per_s: float | None
+
+
+def test_history_records():
+    d = D.Dashboard(CFG, source="x")
+    assert "no reloads yet" in d.history.widget.value
+    r1 = Rec("gate_up_silu", None, 1.234, True, 1071.4)
+    assert isinstance(r1, D.HistoryRecord)
+    d.add_record(r1)
+    d.add_record(Rec("qkv_rope_append", "split", 1.5, False, None))
+    d.add_record({"section": "lm_head", "compile_s": float("nan"), "passed": None, "status": "compile error",
+                  "error": "kernels/sections/lm_head.cuh:12: error: expected a \";\"\n   12 | x"})
+    d.add_record({"sections": ["a", "b"], "verified": "skipped", "tok_s": 900, "time": 0,
+                  "variants": (("qkv_rope_append", "split"), ("lm_head", "wide"))})
+    rows = d.history.rows
+    assert rows[0] == {"time": "", "section": "gate_up_silu", "variant": "—", "compile_s": 1.234,
+                       "verified": "PASS", "tok_s": 1071.4, "error": ""}
+    assert rows[1]["variant"] == "split" and rows[1]["verified"] == "FAIL" and rows[1]["tok_s"] is None
+    assert rows[2]["compile_s"] is None and rows[2]["verified"] == "compile error"
+    assert rows[2]["error"].startswith("kernels/sections/lm_head.cuh:12")
+    assert rows[3]["section"] == "a, b" and rows[3]["variant"] == "qkv_rope_append@split, lm_head@wide"
+    assert rows[3]["verified"] == "skipped" and rows[3]["tok_s"] == 900.0 and rows[3]["time"]
+    html = d.history.widget.value
+    assert html.count("<tr>") == 1 + 4 and "1,071" in html and "1.23 s" in html and "PASS" in html
+    assert "&quot;;&quot;" in html or "&quot;" in html                       # escaped
+    d.history.clear()
+    assert "no reloads yet" in d.history.widget.value
+
+
+def test_history_reads_session_records():
+    session = pytest.importorskip("workbench.session")
+    rec = session.ReloadRecord(time=1.7e9, trigger="edit", section="lm_head", variant=None,
+                               variants=(("qkv_rope_append", "split"),), status="ok", compile_s=2.5, passed=True,
+                               tok_per_s=1065.0)
+    assert isinstance(rec, D.HistoryRecord)
+    row = D.record_row(rec)
+    assert (row["section"], row["variant"], row["compile_s"], row["verified"], row["tok_s"]) == \
+        ("lm_head", "qkv_rope_append@split", 2.5, "PASS", 1065.0)
+    nogpu = session.ReloadRecord(time=1.7e9, trigger="magic", section="lm_head", variant=None, variants=(),
+                                 status=session.NO_GPU, compile_s=1.0)
+    row = D.record_row(nogpu)
+    assert row["verified"] == session.NO_GPU and row["tok_s"] is None and row["compile_s"] == 1.0
+
+
+def test_follow_a_workbench():
+    full = synthetic()
+
+    class Result:
+        timing = full
+        tok_per_s = 1234.0
+
+    class Timed:
+        last = Result()
+
+    class FakeWorkbench:
+        cfg = CFG
+        timed = Timed()
+
+        def __init__(self):
+            self.history = [Rec(None, None, 1.0, True, 1200.0)]
+            self.on_record = []
+
+    wb = FakeWorkbench()
+    d = D.Dashboard(source="live")
+    cb = d.follow(wb)
+    assert wb.on_record == [cb] and len(d.history.rows) == 1 and d.n_complete == 5
+    cb(Rec("lm_head", None, 0.5, True, 1300.0))
+    assert len(d.history.rows) == 2 and d.tok_s == 1300.0
+
+
+# -- A/B ------------------------------------------------------------------------------------------------------------
+
+def test_ab_rows_and_view_synthetic():
+    a = synthetic()
+    b = synthetic(work_scale=lambda k: 3 if k in (2, 7) else 1)      # attention three times the work
+    view = D.ABView((a, CFG, 0), (b, CFG, 0), labels=("base", "slow attention"))
+    rows = {r["stage"]: r for r in view.rows}
+    attn_extra = 2 * sum(1000 * (k + 1) for k in (2, 7)) / 1e3
+    assert rows["attention_decode"]["delta_us"] == pytest.approx(attn_extra)
+    assert rows["gate_up_silu"]["delta_us"] == pytest.approx(0.0, abs=1e-9)
+    assert rows["total"]["delta_us"] == pytest.approx(attn_extra)
+    assert rows["total"]["a_tok_s"] == pytest.approx(1e9 / STEP_NS)
+    fa, fb = view.fig.data
+    assert (fa.name, fb.name) == ("base", "slow attention")
+    assert list(fa.x) == list(fb.x) == D.STAGES
+    assert fb.y[D.STAGES.index("attention_decode")] - fa.y[D.STAGES.index("attention_decode")] == \
+        pytest.approx(attn_extra)
+    assert "slow attention" in view.table.value and f"+{attn_extra:.1f} µs" in view.table.value
+
+
+def test_ab_of_the_recorded_traces():
+    d = D.Dashboard.from_trace(T.recorded_path(3700))
+    assert d.ab.widget.layout.display == "none"
+    view = d.compare(T.recorded_path(0), T.load_recorded(3700))
+    assert d.ab.widget.layout.display is None
+    rows = {r["stage"]: r for r in view.rows}
+    assert rows["attention_decode"]["delta_us"] == pytest.approx(94, abs=5)
+    assert abs(rows["gate_up_silu"]["delta_pct"]) < 3
+    assert view.labels == ("llama-3.2-1b pos 0", "llama-3.2-1b pos 3,700")
+    assert "recorded on NVIDIA H200, 2026-11-29, commit bd51f27" in view.fig.layout.title.text
+    with pytest.raises(TypeError):
+        D.ABView([1, 2], [3, 4])
+    assert math.isfinite(rows["total"]["b_tok_s"])
+
+
+def test_ab_from_an_ab_record():
+    a, b = T.load_recorded(0).stage_table(), T.load_recorded(3700).stage_table()
+
+    @dataclasses.dataclass
+    class ABRec:
+        a: tuple
+        b: tuple
+        a_timing: list | None
+        b_timing: list | None
+
+    d = D.Dashboard(CFG, source="x")
+    view = d.compare(ABRec((), (("attention_decode", "split"),), a, b))
+    assert view.labels == ("base sections", "attention_decode@split")
+    assert view.rows[-1]["delta_us"] == pytest.approx(sum(r.us_per_token for r in b) - sum(r.us_per_token for r in a))
+    with pytest.raises(ValueError, match="no timing"):
+        D.ABView(ABRec((), (), None, None))
