@@ -167,7 +167,7 @@ def verify_sampling(mk: Monokernel, params: Sampling, *, draws: int = 20000, see
     # thousands of draws make the sampling stage of this one step long (block 0 draws serially): widen the
     # barrier timeout for it, so that the other blocks' wait is not reported as a hang
     res = mk.generate(prompt, 1, params, eos=[], record=[len(prompt) - 1], n_draws=draws,
-                      timeout_s=max(5.0, draws * 5e-4), host_timeout_s=max(20.0, draws * 1e-3))
+                      timeout_s=max(5.0, draws * 5e-3), host_timeout_s=max(20.0, draws * 1e-2))
     probs = reference_probs(res.logits[0].astype(np.float64), params.temperature, params.top_k, params.top_p)
     counts = np.bincount(res.draws[res.draws >= 0], minlength=mk.cfg.vocab).astype(np.float64)
     invalid = int((res.draws < 0).sum())

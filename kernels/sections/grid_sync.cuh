@@ -1,7 +1,7 @@
 // Grid-wide barrier for the persistent kernel, hang-safe.
 //
 // One monotonically increasing arrival counter: barrier number e is passed when the counter reaches e·G, so it
-// never needs resetting inside a launch. Arrival is a single release-add (no full fence) and the wait a spin of
+// never needs resetting inside a launch. Arrival is a fence and a release-add, the wait a spin of
 // acquire loads; the counter's top bit is the stop signal, so a waiter learns of an error or an abort from the very
 // load it spins on, without reading another word on the fast path. Every spin is bounded: a waiter gives up when the host raises its abort
 // flag (mapped memory), when another block has already reported an error, or after `timeout_ns` of %globaltimer.
@@ -74,7 +74,8 @@ __device__ __forceinline__ bool grid_sync(const Params* __restrict__ P, int stag
         const u32 epoch = ++wb_epoch;
         const u32 target = epoch * (u32)wb_nbid();
         stop = 0;
-        wb_red_release_add(P->bar_count, 1u);                 // the block's writes (ordered by the barrier above) go with it
+        wb_fence_gpu();                                       // every thread's writes, ordered by the barrier above
+        wb_red_release_add(P->bar_count, 1u);
         ((volatile u32*)P->arrive)[wb_bid()] = epoch;
         u64 t0 = 0;
         u32 seen;
@@ -87,6 +88,7 @@ __device__ __forceinline__ bool grid_sync(const Params* __restrict__ P, int stag
             }
         }
         if (seen & WB_BAR_STOP) stop = 1;
+        wb_fence_gpu();                                       // as cooperative groups do: nothing read early
     }
     wb_syncthreads();
     return stop != 0;

@@ -1,0 +1,720 @@
+"""Dashboards of the kernel's timing in Jupyter: ipywidgets and plotly FigureWidgets, live or from a recorded trace.
+
+    dash = Dashboard.from_trace(workbench.trace.recorded_path(0))     # no GPU: a recording, titled as one
+    dash.show()
+
+    dash = Dashboard(mk.cfg, roofline_tbps=4.48, source="live on NVIDIA H200")   # on a GPU, while the kernel runs
+    res = mk.generate(prompt, 64, timing_steps=64, on_poll=dash.poller(pos0=0))
+    dash.update_timing(res.timing, mk.cfg, pos0=0, tok_s=res.tok_per_s)
+
+Panels, each a FigureWidget (or an HTML table) the tests and notebooks can read back:
+  stages     per-stage time per token (summed over layers), median over tokens, p10–p90 as error bars
+  bandwidth  achieved TB/s per stage (stage bytes / time) against the measured streaming-read roofline
+  gantt      one token on every block: work (coloured by stage) and wait at the barrier (grey), stages labelled
+  tok_s      tok/s of every step of the run, against the roofline at that position
+  history    one row per reload record (HistoryRecord; `follow(workbench)` feeds it): section, variant,
+             compile time, verification, tok/s
+  ab         two runs' per-stage times side by side, with the differences (also alone: ABView)
+
+`update_timing` may be called again and again with a growing snapshot (`Monokernel.timing_snapshot()`: stamps not
+yet written are 0); only complete steps enter the tables, and a step still being written shows in the Gantt chart
+as far as it got.
+"""
+from __future__ import annotations
+
+import html
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import numpy as np
+
+from .config import ModelConfig
+from .timing import StageRow, slot_names
+from .trace import (STAGE_ORDER, Trace, complete_steps, intervals, load_trace, recording_meta, roofline_tok_s,
+                    save_trace, source_title, stage_rows, step_ns)
+
+STAGES = STAGE_ORDER[1:]          # the rows of timing.stage_table (the one embedding of step 0 is not one)
+COLORS = {"embedding": "#7f7f7f", "qkv_rope_append": "#1f77b4", "attention_decode": "#ff7f0e",
+          "o_proj_residual": "#2ca02c", "gate_up_silu": "#d62728", "down_residual": "#9467bd",
+          "lm_head": "#8c564b", "sampling": "#e377c2"}
+SHORT = {"embedding": "emb", "qkv_rope_append": "qkv", "attention_decode": "attn", "o_proj_residual": "o-proj",
+         "gate_up_silu": "gate/up", "down_residual": "down", "lm_head": "lm head", "sampling": "sample"}
+WAIT_COLOR = "#c8c8c8"
+WAIT_TRACE = "wait at the barrier"
+GRID_Y = -3                       # the Gantt chart's row of barrier-to-barrier spans, above block 0
+
+
+def _go():
+    import plotly.graph_objects as go
+    return go
+
+
+def _widgets():
+    import ipywidgets
+    return ipywidgets
+
+
+def _synced(*figs):
+    """Copy each FigureWidget's current traces and layout into the state its front end starts from. plotly does
+    this when a figure is displayed by itself (_repr_mimebundle_); inside an ipywidgets container it does not, and
+    the view then starts from the figure as it was created (styles set at creation were lost in the browser)."""
+    for f in figs:
+        f._repr_mimebundle_()
+    return figs
+
+
+# -- reload records ------------------------------------------------------------------------------------------------
+
+@runtime_checkable
+class HistoryRecord(Protocol):
+    """What the history table reads off a reload record: workbench.session.ReloadRecord is one; so is any object
+    (or mapping) with these fields. Optional, read when present: status (text shown when not verified), error and
+    first_failure (the note), time (epoch seconds or a datetime), variants (all (section, variant) pairs in force).
+    Other spellings accepted: verified for passed, tok_s for tok_per_s, compile_time_s / compile_time for
+    compile_s."""
+    section: str | None          # the section that was edited (None: a rebuild of everything)
+    variant: str | None          # the variant of that section (None: the base file)
+    compile_s: float | None      # seconds; None or nan: it did not compile (or did not get that far)
+    passed: bool | None          # verification; None: not verified (no GPU, or no kernel)
+    tok_per_s: float | None      # None: not timed
+
+
+_ALIASES = {"section": ("section", "sections"),
+            "variant": ("variants", "variant"),
+            "compile_s": ("compile_s", "compile_time_s", "compile_time", "compile_seconds"),
+            "passed": ("passed", "verified", "verification"),
+            "status": ("status",),
+            "tok_s": ("tok_per_s", "tok_s", "tokens_per_s"),
+            "error": ("error", "first_failure", "message"),
+            "time": ("time", "when", "timestamp")}
+
+
+def _field(rec: Any, key: str):
+    """The first alias of `key` that the record has with a value (None and empty collections skipped)."""
+    for name in _ALIASES[key]:
+        v = rec.get(name) if isinstance(rec, Mapping) else getattr(rec, name, None)
+        if v is None or (isinstance(v, (tuple, list, dict, str)) and len(v) == 0):
+            continue
+        return v
+    return None
+
+
+def _number(v) -> float | None:
+    try:
+        f = float(v)
+    except (TypeError, ValueError):
+        return None
+    return f if np.isfinite(f) else None
+
+
+def _variant_text(v) -> str | None:
+    """None, "name", {section: variant} or ((section, variant), ...) (BuildOptions.variants) → text."""
+    if not v:
+        return None
+    if isinstance(v, Mapping):
+        v = list(v.items())
+    if isinstance(v, (list, tuple)):
+        return ", ".join(f"{x[0]}@{x[1]}" if isinstance(x, (list, tuple)) and len(x) == 2 else str(x) for x in v)
+    return str(v)
+
+
+def record_row(rec: Any) -> dict:
+    """A record (HistoryRecord-like object or mapping) → the history table's cells, as plain values."""
+    section = _field(rec, "section")
+    if isinstance(section, (list, tuple)):
+        section = ", ".join(map(str, section))
+    ver = _field(rec, "passed")
+    if hasattr(ver, "passed"):                        # a VerifyReport
+        ver = ver.passed
+    status = _field(rec, "status")
+    if isinstance(ver, (bool, np.bool_)):
+        verified = "PASS" if ver else "FAIL"
+    elif isinstance(ver, str):
+        verified = ver
+    else:
+        verified = str(status) if status else "—"
+    when = _field(rec, "time")
+    if isinstance(when, (int, float)):
+        when = time.strftime("%H:%M:%S", time.localtime(when))
+    elif hasattr(when, "strftime"):
+        when = when.strftime("%H:%M:%S")
+    err = _field(rec, "error")
+    err = str(err).strip().splitlines()[0] if err else ""
+    if status and verified != str(status) and str(status) not in ("ok",):
+        err = f"{status}: {err}" if err else str(status)
+    return {"time": "" if when is None else str(when), "section": section or "(all)",
+            "variant": _variant_text(_field(rec, "variant")) or "—",
+            "compile_s": _number(_field(rec, "compile_s")), "verified": verified,
+            "tok_s": _number(_field(rec, "tok_s")), "error": err}
+
+
+class HistoryTable:
+    """The reloads so far, newest last, as an HTML table widget."""
+
+    COLUMNS = ("#", "time", "section", "variant", "compile", "verification", "tok/s", "note")
+
+    def __init__(self):
+        self.rows: list[dict] = []
+        self.widget = _widgets().HTML(self._html())
+
+    def add(self, rec: Any) -> dict:
+        row = record_row(rec)
+        self.rows.append(row)
+        self.widget.value = self._html()
+        return row
+
+    def clear(self):
+        self.rows.clear()
+        self.widget.value = self._html()
+
+    def _html(self) -> str:
+        head = "".join(f"<th style='text-align:left;padding:2px 8px'>{c}</th>" for c in self.COLUMNS)
+        body = []
+        colour = {"PASS": "#1a7f37", "FAIL": "#cf222e"}
+        for i, r in enumerate(self.rows, 1):
+            cells = [str(i), r["time"], r["section"], r["variant"],
+                     "—" if r["compile_s"] is None else f"{r['compile_s']:.2f} s",
+                     f"<span style='color:{colour.get(r['verified'], 'inherit')}'>{html.escape(r['verified'])}</span>",
+                     "—" if r["tok_s"] is None else f"{r['tok_s']:,.0f}", html.escape(r["error"][:160])]
+            cells = [c if k in (5, 7) else html.escape(c) for k, c in enumerate(cells)]
+            body.append("<tr>" + "".join(f"<td style='padding:2px 8px'>{c}</td>" for c in cells) + "</tr>")
+        if not body:
+            body = [f"<tr><td colspan={len(self.COLUMNS)} style='padding:2px 8px;color:#777'>"
+                    "no reloads yet</td></tr>"]
+        return ("<div class='wb-history'><b>Reloads</b><table style='border-collapse:collapse;font-size:12px'>"
+                f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></div>")
+
+
+# -- data for the figures ------------------------------------------------------------------------------------------
+
+def gantt_data(stamps: np.ndarray, cfg: ModelConfig, step: int, blocks=None) -> dict:
+    """One step on every block, in µs from the step's start (the previous step's last release; step 0: the first
+    arrival). {"work": {stage: (block, start, dur, layer)}, "wait": (block, start, dur, stage, layer),
+    "grid": (stage, start, dur, layer), "t0_ns": int}; only slots whose stamps are written."""
+    t = np.asarray(stamps)
+    iv = intervals(t)
+    names = slot_names(cfg)
+    n_blocks = t.shape[2]
+    blocks = np.arange(n_blocks) if blocks is None else np.asarray(list(blocks))
+    s = int(step)
+    if s > 0 and iv.leave[s - 1, -1].min() > 0:
+        t0 = int(iv.leave[s - 1, -1].max())
+    else:
+        t0 = int(iv.start[s][iv.known[s]].min()) if iv.known[s].any() else 0
+    stage_of = np.array([n for n, _ in names])
+    layer_of = np.array([l for _, l in names])
+    known = iv.known[s][:, blocks]                                         # [slots, blocks]
+    k_idx, b_idx = np.nonzero(known)
+    b = blocks[b_idx]
+    start = (iv.start[s][k_idx, b] - t0) / 1e3
+    arrive = (iv.arrive[s][k_idx, b] - t0) / 1e3
+    leave = (iv.leave[s][k_idx, b] - t0) / 1e3
+    work = {}
+    for stage in STAGE_ORDER:
+        m = stage_of[k_idx] == stage
+        if m.any():
+            work[stage] = (b[m], start[m], arrive[m] - start[m], layer_of[k_idx[m]])
+    wait = (b, arrive, leave - arrive, stage_of[k_idx], layer_of[k_idx])      # block, start, dur, stage, layer
+    full = iv.known[s].all(axis=1)                                         # slots stamped by every block
+    g_idx = np.flatnonzero(full)
+    g_start = np.array([(iv.start[s][k].max() if not (s == 0 and k == 0) else iv.start[0, 0, 0]) for k in g_idx])
+    g_end = iv.leave[s][g_idx].max(axis=1) if g_idx.size else np.zeros(0)
+    grid = (stage_of[g_idx], (g_start - t0) / 1e3 if g_idx.size else np.zeros(0),
+            (g_end - g_start) / 1e3 if g_idx.size else np.zeros(0), layer_of[g_idx])
+    return {"work": work, "wait": wait, "grid": grid, "t0_ns": t0}
+
+
+def ab_rows(rows_a: list[StageRow], rows_b: list[StageRow]) -> list[dict]:
+    """Per stage: A and B µs/token, B − A in µs and %; then a total row with tok/s."""
+    a = {r.stage: r for r in rows_a}
+    b = {r.stage: r for r in rows_b}
+    out = []
+    for st in [s for s in STAGES if s in a or s in b]:
+        ua = a[st].us_per_token if st in a else float("nan")
+        ub = b[st].us_per_token if st in b else float("nan")
+        out.append({"stage": st, "a_us": ua, "b_us": ub, "delta_us": ub - ua,
+                    "delta_pct": 100 * (ub - ua) / ua if ua else float("nan")})
+    ta, tb = sum(r.us_per_token for r in rows_a), sum(r.us_per_token for r in rows_b)
+    out.append({"stage": "total", "a_us": ta, "b_us": tb, "delta_us": tb - ta,
+                "delta_pct": 100 * (tb - ta) / ta if ta else float("nan"),
+                "a_tok_s": 1e6 / ta if ta else float("nan"), "b_tok_s": 1e6 / tb if tb else float("nan")})
+    return out
+
+
+def _rows_of(x, cfg: ModelConfig | None = None, pos0: int = 0) -> tuple[list[StageRow], str]:
+    """StageRows and a label from a Trace, a trace path, a (stamps, cfg[, pos0]) tuple, or StageRows."""
+    if isinstance(x, (str, bytes)) or hasattr(x, "__fspath__"):
+        x = load_trace(x)
+    if isinstance(x, Trace):
+        return x.stage_table(), x.label
+    if isinstance(x, tuple) and x and isinstance(x[0], np.ndarray):
+        stamps, c = x[0], (x[1] if len(x) > 1 else cfg)
+        p = x[2] if len(x) > 2 else pos0
+        return stage_rows(stamps, c, p), f"{c.name} pos {p:,}"
+    if isinstance(x, np.ndarray):
+        if cfg is None:
+            raise ValueError("stamps need a cfg")
+        return stage_rows(x, cfg, pos0), f"{cfg.name} pos {pos0:,}"
+    rows = list(x)
+    if rows and not isinstance(rows[0], StageRow):
+        raise TypeError(f"cannot compare {type(x).__name__}: pass a Trace, a path, (stamps, cfg, pos0) or StageRows")
+    return rows, "run"
+
+
+# -- A/B -----------------------------------------------------------------------------------------------------------
+
+class ABView:
+    """Two runs' per-stage times side by side (grouped bars, p10–p90 error bars) and a table of the differences."""
+
+    def __init__(self, a=None, b=None, labels: tuple[str, str] | None = None, title: str | None = None):
+        """Empty until `set` (see there for what a and b may be), unless given them here."""
+        go, w = _go(), _widgets()
+        self.fig = go.FigureWidget()
+        for name, colour in (("A", "#4c78a8"), ("B", "#f58518")):
+            self.fig.add_bar(name=name, x=[], y=[], marker_color=colour,
+                             error_y=dict(type="data", symmetric=False, array=[], arrayminus=[]),
+                             hovertemplate="%{x}: %{y:.1f} µs/token<extra>%{fullData.name}</extra>")
+        self.fig.update_layout(barmode="group", width=760, height=420, margin=dict(l=60, r=20, t=70, b=60),
+                               yaxis_title="µs per token (all layers)",
+                               legend=dict(orientation="h", y=-0.12, x=0.5, xanchor="center", yanchor="top"))
+        self.table = w.HTML()
+        self.rows: list[dict] = []
+        self._box = w.VBox([self.fig, self.table])
+        if a is not None:
+            self.set(a, b, labels, title)
+
+    def set(self, a, b=None, labels: tuple[str, str] | None = None, title: str | None = None, *,
+            cfg: ModelConfig | None = None):
+        """a, b: Traces, trace paths, (stamps, cfg, pos0) tuples or StageRows; or `a` alone an A/B record with
+        a_timing / b_timing StageRows and a / b variant pairs (workbench.session.ABRecord)."""
+        if b is None and hasattr(a, "a_timing") and hasattr(a, "b_timing"):
+            rec = a
+            if not rec.a_timing or not rec.b_timing:
+                raise ValueError("the A/B record has no timing (no GPU, or a build failed)")
+            labels = labels or tuple(_variant_text(getattr(rec, k, None)) or "base sections" for k in ("a", "b"))
+            a, b = rec.a_timing, rec.b_timing
+        a, b = (load_trace(x) if isinstance(x, (str, bytes)) or hasattr(x, "__fspath__") else x for x in (a, b))
+        ra, la = _rows_of(a, cfg)
+        rb, lb = _rows_of(b, cfg)
+        la, lb = labels or (la, lb)
+        if title is None:
+            ta = a.title if isinstance(a, Trace) else None
+            tb = b.title if isinstance(b, Trace) else None
+            title = ta if ta == tb else " vs ".join(t for t in (ta, tb) if t) or None
+        self.rows = ab_rows(ra, rb)
+        self.labels = (la, lb)
+        with self.fig.batch_update():
+            for tr, rows, label in zip(self.fig.data, (ra, rb), (la, lb)):
+                by = {r.stage: r for r in rows}
+                st = [s for s in STAGES if s in by]
+                tr.name = label
+                tr.x = st
+                tr.y = [by[s].us_per_token for s in st]
+                tr.error_y.array = [by[s].spread[1] - by[s].us_per_token for s in st]
+                tr.error_y.arrayminus = [by[s].us_per_token - by[s].spread[0] for s in st]
+            tot = self.rows[-1]
+            self.fig.layout.title.text = (f"A/B per stage: {html.escape(la)} ({tot['a_tok_s']:,.0f} tok/s) vs "
+                                          f"{html.escape(lb)} ({tot['b_tok_s']:,.0f} tok/s)"
+                                          + (f"<br><sup>{html.escape(title)}</sup>" if title else ""))
+        self.table.value = self._html()
+        return self
+
+    def _html(self) -> str:
+        la, lb = (html.escape(x) for x in self.labels)
+        head = "".join(f"<th style='text-align:right;padding:2px 8px'>{c}</th>"
+                       for c in ("stage", f"A: {la}", f"B: {lb}", "B − A", "B − A %"))
+        body = []
+        for r in self.rows:
+            colour = "#1a7f37" if r["delta_us"] < -0.5 else "#cf222e" if r["delta_us"] > 0.5 else "inherit"
+            cells = [r["stage"], f"{r['a_us']:.1f} µs", f"{r['b_us']:.1f} µs",
+                     f"<span style='color:{colour}'>{r['delta_us']:+.1f} µs</span>", f"{r['delta_pct']:+.1f}%"]
+            body.append("<tr>" + "".join(f"<td style='text-align:right;padding:2px 8px'>{c}</td>" for c in cells)
+                        + "</tr>")
+        tot = self.rows[-1] if self.rows else None
+        foot = (f"<tr><td style='text-align:right;padding:2px 8px'>tok/s</td>"
+                f"<td style='text-align:right;padding:2px 8px'>{tot['a_tok_s']:,.0f}</td>"
+                f"<td style='text-align:right;padding:2px 8px'>{tot['b_tok_s']:,.0f}</td><td></td><td></td></tr>"
+                if tot else "")
+        return ("<table class='wb-ab' style='border-collapse:collapse;font-size:12px'>"
+                f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}{foot}</tbody></table>")
+
+    @property
+    def widget(self):
+        """The figure and the table, ready to display."""
+        _synced(self.fig)
+        return self._box
+
+    def show(self):
+        from IPython.display import display
+        display(self.widget)
+
+    def _ipython_display_(self):
+        self.show()
+
+
+# -- the dashboard -------------------------------------------------------------------------------------------------
+
+class Dashboard:
+    """Live or recorded timing dashboard; see the module docstring. `figures` maps panel names to FigureWidgets."""
+
+    def __init__(self, cfg: ModelConfig | None = None, *, roofline_tbps: float | None = None,
+                 source: str | None = None, meta: dict | None = None, gantt_blocks=None):
+        go, w = _go(), _widgets()
+        self.cfg = cfg
+        self.meta = dict(meta or {})
+        self.roofline_tbps = roofline_tbps if roofline_tbps is not None else self.meta.get("roofline_tbps")
+        self.source = source or (source_title(self.meta) if self.meta else "live")
+        self.stamps: np.ndarray | None = None
+        self.pos0 = int(self.meta.get("position", 0))
+        self.tok_s: float | None = self.meta.get("tok_s")
+        self.progress: int | None = None
+        self.rows: list[StageRow] = []
+        self.n_complete = 0
+        self.gantt_blocks = gantt_blocks
+        self.updates = 0
+        self._gantt_key = None
+
+        self.header = w.HTML()
+        self.step_slider = w.IntSlider(value=0, min=0, max=0, description="token", continuous_update=False,
+                                       layout=w.Layout(width="420px"))
+        self.step_slider.observe(self._on_step, names="value")
+        self._follow = True
+
+        stages = go.FigureWidget()
+        stages.add_bar(name="µs per token (median)", x=[], y=[], marker_color=[],
+                       error_y=dict(type="data", symmetric=False, array=[], arrayminus=[], color="#333"),
+                       customdata=[], hovertemplate="%{x}<br>median %{y:.1f} µs/token<br>p10–p90 %{customdata[0]:.1f}"
+                       "–%{customdata[1]:.1f}<br>work %{customdata[2]:.1f}, wait %{customdata[3]:.1f}<extra></extra>")
+        stages.update_layout(width=480, height=380, margin=dict(l=60, r=20, t=60, b=90), showlegend=False,
+                             yaxis_title="µs per token (all layers)")
+
+        bw = go.FigureWidget()
+        bw.add_bar(name="achieved TB/s", x=[], y=[], marker_color=[], text=[], textposition="outside",
+                   customdata=[], hovertemplate="%{x}<br>%{y:.2f} TB/s (%{text} of roofline)<br>"
+                   "%{customdata:.1f} MB per token<extra></extra>")
+        bw.update_layout(width=480, height=380, margin=dict(l=60, r=20, t=60, b=90), showlegend=False,
+                         yaxis_title="TB/s")
+
+        gantt = go.FigureWidget()
+        gantt.add_bar(name="grid: barrier to barrier", orientation="h", y=[], x=[], base=[], marker_color=[],
+                      text=[], textposition="inside", insidetextanchor="middle", textfont=dict(size=9),
+                      customdata=[], width=2.4, showlegend=False,
+                      hovertemplate="grid: %{customdata[0]} %{customdata[1]}<br>%{base:.2f} µs + %{x:.2f} µs"
+                                    "<extra></extra>")
+        self._gantt_stage_traces = {}
+        for stage in STAGE_ORDER:
+            gantt.add_bar(name=stage, orientation="h", y=[], x=[], base=[], marker_color=COLORS[stage],
+                          customdata=[], legendgroup=stage, width=0.9, marker_line_width=0,
+                          hovertemplate=f"block %{{y}}<br>{stage} layer %{{customdata}}<br>work %{{x:.2f}} µs "
+                                        "from %{base:.2f} µs<extra></extra>")
+            self._gantt_stage_traces[stage] = len(gantt.data) - 1
+        self._gantt_wait_traces = {}
+        for k, stage in enumerate(STAGE_ORDER):
+            gantt.add_bar(name=WAIT_TRACE, orientation="h", y=[], x=[], base=[], marker_color=WAIT_COLOR,
+                          customdata=[], width=0.9, marker_line_width=0, legendgroup="wait", showlegend=k == 0,
+                          hovertemplate=f"block %{{y}}<br>wait after {stage} layer %{{customdata}}<br>"
+                                        "%{x:.2f} µs from %{base:.2f} µs<extra></extra>")
+            self._gantt_wait_traces[stage] = len(gantt.data) - 1
+        gantt.update_layout(barmode="overlay", width=980, height=800, bargap=0,
+                            margin=dict(l=70, r=20, t=60, b=90), xaxis_title="µs from the start of the token",
+                            yaxis=dict(title="block (one per SM)", autorange=False, zeroline=False),
+                            legend=dict(orientation="h", y=-0.07, x=0.5, xanchor="center", yanchor="top"),
+                            uniformtext=dict(minsize=8, mode="hide"))
+
+        toks = go.FigureWidget()
+        toks.add_scatter(name="tok/s of each step", x=[], y=[], mode="lines+markers", line=dict(color="#4c78a8"),
+                         hovertemplate="position %{x}: %{y:,.0f} tok/s<extra></extra>")
+        toks.add_scatter(name="roofline at that position", x=[], y=[], mode="lines",
+                         line=dict(color="#888", dash="dash"),
+                         hovertemplate="position %{x}: roofline %{y:,.0f} tok/s<extra></extra>")
+        toks.update_layout(width=480, height=340, margin=dict(l=60, r=20, t=60, b=50), xaxis_title="position",
+                           yaxis_title="tok/s", legend=dict(orientation="h", y=-0.25))
+
+        self.figures = {"stages": stages, "bandwidth": bw, "gantt": gantt, "tok_s": toks}
+        self.history = HistoryTable()
+        self.ab = ABView()
+        self.ab._box.layout.display = "none"
+        self._box = w.VBox([self.header, w.HBox([stages, bw]), self.step_slider, gantt,
+                            w.HBox([toks, self.history.widget]), self.ab._box])
+        self._render_header()
+
+    # -- constructors --------------------------------------------------------------------------------------------
+    @classmethod
+    def from_trace(cls, trace, **kw) -> "Dashboard":
+        """A dashboard of a saved trace (a path or a Trace), titled with where and when it was recorded."""
+        tr = trace if isinstance(trace, Trace) else load_trace(trace)
+        if not tr.meta and "cfg" not in kw:
+            raise ValueError("a raw .npy trace has no metadata: pass cfg=")
+        cfg = kw.pop("cfg", None) or tr.cfg
+        d = cls(cfg, meta=tr.meta, **kw)
+        d.update_timing(tr.stamps, cfg, pos0=tr.pos0, tok_s=tr.tok_s)
+        return d
+
+    # -- inputs --------------------------------------------------------------------------------------------------
+    def update_timing(self, stamps: np.ndarray | None, cfg: ModelConfig | None = None, *, pos0: int | None = None,
+                      tok_s: float | None = None, roofline_tbps: float | None = None,
+                      progress: int | None = None) -> int:
+        """Redraw from stamps [steps, slots, blocks, 2] (a finished run's `Result.timing` or a snapshot with zeros
+        where stamps are not yet written). Returns the number of complete steps. Cheap enough to call every
+        poll: the Gantt chart is only redrawn when its step changes or is still being written."""
+        if stamps is None:
+            return self.n_complete
+        stamps = np.asarray(stamps)
+        cfg = cfg or self.cfg
+        if cfg is None:
+            raise ValueError("update_timing needs the model config (cfg=) the first time")
+        n_slots = len(slot_names(cfg))
+        if stamps.ndim != 4 or stamps.shape[1] != n_slots or stamps.shape[3] != 2:
+            raise ValueError(f"stamps of shape {stamps.shape} do not fit {cfg.name}: expected "
+                             f"[steps, {n_slots}, blocks, 2]")
+        old = self.stamps
+        new_run = (old is None or old.shape != stamps.shape or cfg != self.cfg
+                   or (pos0 is not None and pos0 != self.pos0)
+                   or (stamps.size > 0 and int(old.flat[0]) != 0 and int(stamps.flat[0]) != int(old.flat[0])))
+        self.cfg = cfg
+        self.stamps = stamps
+        if pos0 is not None:
+            self.pos0 = int(pos0)
+        if tok_s is not None:
+            self.tok_s = float(tok_s)
+        if roofline_tbps is not None:
+            self.roofline_tbps = float(roofline_tbps)
+        self.progress = progress
+        self.n_complete = complete_steps(stamps)
+        self.rows = stage_rows(stamps, cfg, self.pos0)
+        self.updates += 1
+        with self.figures["stages"].batch_update():
+            self._draw_stages()
+        with self.figures["bandwidth"].batch_update():
+            self._draw_bandwidth()
+        with self.figures["tok_s"].batch_update():
+            self._draw_tok_s()
+        self._update_slider(new_run)
+        self._draw_gantt(force=new_run)
+        self._render_header()
+        return self.n_complete
+
+    def poller(self, pos0: int = 0, every_s: float = 0.5) -> Callable:
+        """An `on_poll` for Monokernel.stream_tokens/generate: redraws from `mk.timing_snapshot()` at most every
+        `every_s` seconds while the kernel runs."""
+        last = [-math.inf]
+
+        def on_poll(mk, progress):
+            now = time.monotonic()
+            if now - last[0] < every_s:
+                return
+            last[0] = now
+            snap = mk.timing_snapshot()
+            if snap is not None:
+                self.update_timing(snap, mk.cfg, pos0=pos0, progress=progress)
+        return on_poll
+
+    def add_record(self, record) -> dict:
+        """Append a reload record (see HistoryRecord) to the history table; usable as an on_record callback."""
+        return self.history.add(record)
+
+    def follow(self, wb) -> Callable:
+        """Show a Workbench's reloads (workbench.session): the history so far and every new record (through
+        `wb.on_record`); where a reload ran the timing build (a GPU), its stamps too. Returns the callback (remove
+        it from wb.on_record to stop following)."""
+        def timing_of(rec=None):
+            res = getattr(getattr(wb, "timed", None), "last", None)
+            stamps = getattr(res, "timing", None)
+            if stamps is not None:
+                tps = _number(_field(rec, "tok_s")) if rec is not None else None
+                self.update_timing(stamps, wb.cfg, pos0=0, tok_s=tps or getattr(res, "tok_per_s", None))
+
+        for rec in list(getattr(wb, "history", [])):
+            self.add_record(rec)
+        timing_of(wb.history[-1] if getattr(wb, "history", None) else None)
+
+        def on_record(rec):
+            self.add_record(rec)
+            timing_of(rec)
+        wb.on_record.append(on_record)
+        return on_record
+
+    def compare(self, a, b=None, labels: tuple[str, str] | None = None, title: str | None = None) -> ABView:
+        """Show the A/B panel: two runs (Trace, path, (stamps, cfg, pos0) or StageRows) per stage, or one A/B
+        record (Workbench.compare's)."""
+        self.ab.set(a, b, labels, title, cfg=self.cfg)
+        self.ab._box.layout.display = None
+        return self.ab
+
+    def save_trace(self, path, **meta) -> Path:
+        """Save the stamps shown (with this dashboard's metadata, or a fresh recording's) as a trace file."""
+        if self.stamps is None:
+            raise ValueError("no timing to save yet")
+        m = dict(self.meta) if self.meta else recording_meta(self.cfg, position=self.pos0, tok_s=self.tok_s,
+                                                             roofline_tbps=self.roofline_tbps)
+        m.update(meta)
+        return save_trace(path, self.stamps, m)
+
+    def panel(self, name: str):
+        """One panel alone, to display by itself: stages, bandwidth, gantt (with its token slider), tok_s, history,
+        ab."""
+        if name == "gantt":
+            return _widgets().VBox([self.step_slider, *_synced(self.figures["gantt"])])
+        if name == "history":
+            return self.history.widget
+        if name == "ab":
+            return self.ab.widget
+        if name not in self.figures:
+            raise KeyError(f"no panel {name!r}: stages, bandwidth, gantt, tok_s, history, ab")
+        return _synced(self.figures[name])[0]
+
+    @property
+    def widget(self):
+        """Every panel in one ipywidgets box, ready to display."""
+        _synced(*self.figures.values(), self.ab.fig)
+        return self._box
+
+    def show(self):
+        from IPython.display import display
+        display(self.widget)
+
+    def _ipython_display_(self):
+        self.show()
+
+    # -- drawing -------------------------------------------------------------------------------------------------
+    @property
+    def title(self) -> str:
+        return self.source
+
+    def _render_header(self):
+        cfg = self.cfg
+        bits = [f"<b style='font-size:14px'>{html.escape(self.title)}</b>"]
+        if cfg is not None:
+            bits.append(f"{html.escape(cfg.name)}, position {self.pos0:,}")
+        if self.stamps is not None:
+            run = f"{self.n_complete} of {self.stamps.shape[0]} steps complete"
+            if self.progress is not None:
+                run += f" (kernel at step {self.progress})"
+            bits.append(run + f", {self.stamps.shape[2]} blocks")
+        if self.rows:
+            total = sum(r.us_per_token for r in self.rows)
+            bits.append(f"trace: {total:,.1f} µs/token = {1e6 / total:,.0f} tok/s (median step)")
+        if self.tok_s:
+            bits.append(f"measured {self.tok_s:,.0f} tok/s")
+        if self.roofline_tbps:
+            bits.append(f"streaming-read roofline {self.roofline_tbps:.2f} TB/s")
+        self.header.value = "<div class='wb-dashboard-header'>" + " · ".join(bits) + "</div>"
+
+    def _sub(self) -> str:
+        return f"<br><sup>{html.escape(self.title)}</sup>"
+
+    def _draw_stages(self):
+        fig, rows = self.figures["stages"], self.rows
+        tr = fig.data[0]
+        tr.x = [r.stage for r in rows]
+        tr.y = [r.us_per_token for r in rows]
+        tr.marker.color = [COLORS[r.stage] for r in rows]
+        tr.error_y.array = [r.spread[1] - r.us_per_token for r in rows]
+        tr.error_y.arrayminus = [r.us_per_token - r.spread[0] for r in rows]
+        tr.customdata = [[r.spread[0], r.spread[1], r.work_us, r.wait_us] for r in rows]
+        total = sum(r.us_per_token for r in rows)
+        fig.layout.title.text = ("Per-stage time per token" + (f": {total:,.0f} µs, {1e6 / total:,.0f} tok/s"
+                                                               if total else " (no complete step yet)")
+                                 + self._sub())
+
+    def _draw_bandwidth(self):
+        fig = self.figures["bandwidth"]
+        rows = [r for r in self.rows if r.bytes > 0]
+        roof = self.roofline_tbps
+        tr = fig.data[0]
+        tr.x = [r.stage for r in rows]
+        tr.y = [r.tbps for r in rows]
+        tr.marker.color = [COLORS[r.stage] for r in rows]
+        tr.text = [f"{100 * r.tbps / roof:.0f}%" if roof else "" for r in rows]
+        tr.customdata = [r.bytes / 1e6 for r in rows]
+        if roof:
+            fig.layout.shapes = [dict(type="line", xref="paper", x0=0, x1=1, yref="y", y0=roof, y1=roof,
+                                      line=dict(color="#333", dash="dash", width=2), name="roofline")]
+            fig.layout.annotations = [dict(xref="paper", x=0.01, y=roof, yref="y", xanchor="left", yanchor="bottom",
+                                           showarrow=False, text=f"streaming-read roofline {roof:.2f} TB/s")]
+            fig.layout.yaxis.range = [0, roof * 1.2]
+        else:
+            fig.layout.shapes, fig.layout.annotations = [], []
+        fig.layout.title.text = "Achieved bandwidth per stage" + self._sub()
+
+    def _draw_tok_s(self):
+        fig = self.figures["tok_s"]
+        ns = step_ns(self.stamps) if self.stamps is not None else np.zeros(0)
+        pos = [self.pos0 + i for i in range(ns.size)]
+        fig.data[0].x = pos
+        fig.data[0].y = (1e9 / ns).tolist() if ns.size else []
+        if self.roofline_tbps and ns.size:
+            fig.data[1].x = pos
+            fig.data[1].y = [roofline_tok_s(self.cfg, self.roofline_tbps, p) for p in pos]
+        else:
+            fig.data[1].x, fig.data[1].y = [], []
+        med = f": median {1e9 / np.median(ns):,.0f}" if ns.size else ""
+        fig.layout.title.text = f"tok/s over the run{med}" + self._sub()
+
+    def _update_slider(self, new_run: bool):
+        n = self.stamps.shape[0]
+        # a step still being written is shown too, as far as it got
+        have = max(self.n_complete + (1 if self.n_complete < n and (self.stamps[self.n_complete] > 0).any() else 0),
+                   1)
+        follow = new_run or self._follow
+        self._updating = True
+        try:
+            self.step_slider.max = have - 1
+            if follow:
+                self.step_slider.value = have - 1
+        finally:
+            self._updating = False
+
+    def _on_step(self, change):
+        if getattr(self, "_updating", False):
+            return
+        self._follow = change["new"] == self.step_slider.max
+        self._draw_gantt()
+
+    def _draw_gantt(self, force: bool = False):
+        if self.stamps is None:
+            return
+        step = int(self.step_slider.value)
+        partial = step >= self.n_complete
+        key = (id(self.stamps), step) if not partial else None
+        if not force and key is not None and key == self._gantt_key:
+            return
+        self._gantt_key = key
+        d = gantt_data(self.stamps, self.cfg, step, self.gantt_blocks)
+        fig = self.figures["gantt"]
+        r3 = lambda a: np.round(np.asarray(a, dtype=float), 3)
+        with fig.batch_update():
+            g_stage, g_start, g_dur, g_layer = d["grid"]
+            g = fig.data[0]
+            g.y = [GRID_Y] * len(g_stage)
+            g.base = r3(g_start)
+            g.x = r3(g_dur)
+            g.marker.color = [COLORS[s] for s in g_stage]
+            g.text = [SHORT[s] for s in g_stage]
+            g.customdata = [[s, f"layer {l}" if l >= 0 else ""] for s, l in zip(g_stage, g_layer)]
+            for stage, i in self._gantt_stage_traces.items():
+                tr = fig.data[i]
+                if stage in d["work"]:
+                    b, st, du, layer = d["work"][stage]
+                    tr.y, tr.base, tr.x, tr.customdata = b, r3(st), r3(du), layer
+                else:
+                    tr.y, tr.base, tr.x, tr.customdata = [], [], [], []
+            b, st, du, stg, layer = d["wait"]
+            for stage, i in self._gantt_wait_traces.items():
+                m = stg == stage
+                tr = fig.data[i]
+                tr.y, tr.base, tr.x, tr.customdata = b[m], r3(st[m]), r3(du[m]), layer[m]
+            n_blocks = self.stamps.shape[2]
+            fig.layout.yaxis.tickvals = [GRID_Y] + list(range(0, n_blocks, 8))
+            fig.layout.yaxis.ticktext = ["grid"] + [str(i) for i in range(0, n_blocks, 8)]
+            fig.layout.yaxis.range = [n_blocks, GRID_Y - 2]          # reversed: block 0 on top, the grid above
+            total = float((g_start + g_dur).max()) if len(g_stage) else 0.0
+            ends = [g_start + g_dur, d["wait"][1] + d["wait"][2]]
+            x_max = max((float(np.max(e)) for e in ends if len(e)), default=0.0)
+            fig.layout.xaxis.range = [0, x_max * 1.01] if x_max > 0 else None
+            what = "being written" if partial else f"{total:,.1f} µs"
+            fig.layout.title.text = (f"Token {step} (position {self.pos0 + step:,}) on every block: work by stage, "
+                                     f"grey = wait at the barrier ({what})" + self._sub())

@@ -1,0 +1,414 @@
+"""Timing traces: the kernel's %globaltimer stamps, saved, loaded, and exported for Perfetto.
+
+The stamps of a timing build (`BuildOptions(timing=True)`, see workbench/timing.py) are uint64 nanoseconds
+[steps, slots, blocks, 2]: for every grid barrier (slot), when each block arrived and when it left. Slot 0, the first
+embedding, is stamped in step 0 only. A stamp not yet written reads 0 (a snapshot taken while the kernel runs).
+
+A trace file is a compressed .npz:
+  format    "workbench-timing-trace/1"
+  base_ns   uint64 scalar: the earliest stamp
+  delta_ns  int32 (int64 when a run spans more than 2 s) [steps, slots, blocks, 2]: stamp − base_ns; −1 = unwritten
+  meta      a JSON object: device, date, commit, model, config, position, tok_s, roofline_tbps, recorded, ...
+so a few thousand stamps per step cost ~25 KB. `python -m workbench.trace` packs a raw .npy into one, prints a
+trace's metadata and table, and exports Perfetto JSON.
+
+Perfetto export (`to_perfetto`): the Chrome trace-event JSON that Perfetto's importer reads: one track (thread) per
+block, the blocks of one process; per stage and block a "work" slice (leaving the previous barrier → arriving at
+this one) and a "wait" slice (arriving → leaving), with stage, layer, step and position in args; a "grid" track
+with each barrier's release-to-release span. Timestamps are µs from the trace's first stamp (4 decimals, biased by
+0.1 ns so that an importer truncating to integer ns gets the exact stamp). The JSON keeps to what the oldest
+importers accept: "traceEvents" first, no arrays inside events, ASCII text.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .config import PRESETS, ModelConfig, RopeScaling
+from .timing import slot_names, stage_table, StageRow
+
+FORMAT = "workbench-timing-trace/1"
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+RECORDED = {0: "timing_h200_llama-3.2-1b_pos0.npz", 3700: "timing_h200_llama-3.2-1b_pos3700.npz"}
+STAGE_ORDER = ["embedding", "qkv_rope_append", "attention_decode", "o_proj_residual", "gate_up_silu",
+               "down_residual", "lm_head", "sampling"]
+
+
+# -- the trace object ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Trace:
+    stamps: np.ndarray            # uint64 [steps, slots, blocks, 2], 0 = unwritten
+    meta: dict
+    path: str | None = None
+
+    @property
+    def cfg(self) -> ModelConfig:
+        return config_from_meta(self.meta)
+
+    @property
+    def pos0(self) -> int:
+        return int(self.meta.get("position", 0))
+
+    @property
+    def recorded(self) -> bool:
+        return bool(self.meta.get("recorded", False))
+
+    @property
+    def tok_s(self) -> float | None:
+        v = self.meta.get("tok_s")
+        return None if v is None else float(v)
+
+    @property
+    def roofline_tbps(self) -> float | None:
+        v = self.meta.get("roofline_tbps")
+        return None if v is None else float(v)
+
+    @property
+    def title(self) -> str:
+        return source_title(self.meta)
+
+    @property
+    def label(self) -> str:
+        """Short name of the run: model and position (and variant, when the metadata has one)."""
+        m = self.meta
+        extra = f", {m['variant']}" if m.get("variant") else ""
+        return f"{m.get('model', '?')} pos {self.pos0:,}{extra}"
+
+    @property
+    def complete_steps(self) -> int:
+        return complete_steps(self.stamps)
+
+    def stage_table(self, skip_first: int = 1) -> list[StageRow]:
+        return stage_rows(self.stamps, self.cfg, self.pos0, skip_first)
+
+    def to_perfetto(self, **kw) -> dict:
+        return to_perfetto(self.stamps, self.cfg, pos0=self.pos0, meta=self.meta, **kw)
+
+    def write_perfetto(self, path, **kw) -> Path:
+        return write_perfetto(path, self.to_perfetto(**kw))
+
+    def save(self, path) -> Path:
+        return save_trace(path, self.stamps, self.meta)
+
+
+def source_title(meta: dict) -> str:
+    """"recorded on NVIDIA H200, 2026-11-29, commit bd51f27" for a recording; "live on …" otherwise."""
+    where = meta.get("device") or "unknown device"
+    parts = [f"{'recorded' if meta.get('recorded') else 'live'} on {where}"]
+    if meta.get("date"):
+        parts.append(str(meta["date"]))
+    if meta.get("commit"):
+        parts.append(f"commit {meta['commit']}")
+    return ", ".join(parts)
+
+
+def config_to_meta(cfg: ModelConfig) -> dict:
+    d = dataclasses.asdict(cfg)
+    d["eos_token_ids"] = list(cfg.eos_token_ids)
+    return d
+
+
+def config_from_meta(meta: dict) -> ModelConfig:
+    d = meta.get("config")
+    if d:
+        d = dict(d)
+        if d.get("rope_scaling"):
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+        return ModelConfig(**d)
+    name = meta.get("model")
+    if name in PRESETS:
+        return PRESETS[name]
+    raise ValueError(f"the trace's metadata names no config and model {name!r} is not a preset")
+
+
+def git_commit(short: bool = True) -> str | None:
+    """The commit of this checkout (None outside git)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short" if short else "--verify", "HEAD"],
+                             cwd=Path(__file__).resolve().parent, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def recording_meta(cfg: ModelConfig, *, position: int = 0, tok_s: float | None = None,
+                   roofline_tbps: float | None = None, device: str | None = None, date: str | None = None,
+                   commit: str | None = None, recorded: bool = True, **extra) -> dict:
+    """The metadata of a trace saved from this machine (device name from CuPy when there is a GPU)."""
+    if device is None:
+        try:
+            import cupy
+            device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+        except Exception:
+            device = "unknown device"
+    meta = dict(format=FORMAT, recorded=recorded, device=device,
+                date=date or datetime.date.today().isoformat(), commit=commit or git_commit(),
+                model=cfg.name, config=config_to_meta(cfg), position=int(position),
+                tok_s=None if tok_s is None else float(tok_s),
+                roofline_tbps=None if roofline_tbps is None else float(roofline_tbps))
+    meta.update(extra)
+    return meta
+
+
+# -- files --------------------------------------------------------------------------------------------------------
+
+def encode(stamps: np.ndarray) -> tuple[int, np.ndarray]:
+    """(base, deltas): deltas are stamp − base, −1 where the stamp is unwritten (0)."""
+    t = np.asarray(stamps, dtype=np.uint64)
+    if t.ndim != 4 or t.shape[-1] != 2:
+        raise ValueError(f"stamps must be [steps, slots, blocks, 2], got shape {t.shape}")
+    written = t > 0
+    base = int(t[written].min()) if written.any() else 0
+    delta = np.where(written, t.astype(np.int64) - base, -1)
+    dtype = np.int32 if delta.max(initial=0) < 2**31 - 1 else np.int64
+    return base, delta.astype(dtype)
+
+
+def decode(base: int, delta: np.ndarray) -> np.ndarray:
+    d = np.asarray(delta, dtype=np.int64)
+    return np.where(d >= 0, d + int(base), 0).astype(np.uint64)
+
+
+def save_trace(path, stamps: np.ndarray, meta: dict) -> Path:
+    path = Path(path)
+    base, delta = encode(stamps)
+    meta = dict(meta, format=FORMAT)
+    np.savez_compressed(path, format=np.array(FORMAT), base_ns=np.array(base, np.uint64), delta_ns=delta,
+                        meta=np.array(json.dumps(meta, ensure_ascii=False, indent=1)))
+    return path if path.suffix == ".npz" else path.with_name(path.name + ".npz")
+
+
+def load_trace(path) -> Trace:
+    """A trace file (.npz, see the module docstring), or a raw stamps .npy (metadata then empty: pass it on)."""
+    path = Path(path)
+    if path.suffix == ".npy":
+        return Trace(np.load(path), {}, str(path))
+    with np.load(path, allow_pickle=False) as z:
+        fmt = str(z["format"]) if "format" in z else None
+        if fmt != FORMAT:
+            raise ValueError(f"{path}: not a workbench timing trace (format {fmt!r}, expected {FORMAT!r})")
+        meta = json.loads(str(z["meta"]))
+        stamps = decode(int(z["base_ns"]), z["delta_ns"])
+    return Trace(stamps, meta, str(path))
+
+
+def recorded_path(position: int = 0) -> Path:
+    """The recorded H200 fixture at `position` (0 or 3700) in this checkout's fixtures/."""
+    if position not in RECORDED:
+        raise KeyError(f"no recorded trace at position {position}; there are {sorted(RECORDED)}")
+    p = FIXTURES / RECORDED[position]
+    if not p.exists():
+        raise FileNotFoundError(f"{p} is missing: the recorded traces ship in the repository's fixtures/, "
+                                "not in an installed package")
+    return p
+
+
+def load_recorded(position: int = 0) -> Trace:
+    return load_trace(recorded_path(position))
+
+
+# -- analysis that tolerates unwritten stamps ----------------------------------------------------------------------
+
+def complete_steps(stamps: np.ndarray) -> int:
+    """How many leading steps have every stamp written (slot 0 is stamped in step 0 only)."""
+    t = np.asarray(stamps)
+    if t.ndim != 4 or t.shape[0] == 0:
+        return 0
+    ok = (t[:, 1:] > 0).all(axis=(1, 2, 3))
+    ok[0] &= bool((t[0, 0] > 0).all())
+    bad = np.flatnonzero(~ok)
+    return int(bad[0]) if bad.size else int(t.shape[0])
+
+
+def stage_rows(stamps: np.ndarray, cfg: ModelConfig, pos0: int = 0, skip_first: int = 1) -> list[StageRow]:
+    """timing.stage_table over the complete steps only; [] when none is complete. With a single complete step that
+    step is used even when skip_first asks to drop it."""
+    n = complete_steps(stamps)
+    if n == 0:
+        return []
+    return stage_table(cfg, np.asarray(stamps)[:n], pos0, skip_first if n > skip_first else 0)
+
+
+def step_ns(stamps: np.ndarray) -> np.ndarray:
+    """Duration of each complete step in ns: barrier release to barrier release (step 0 from its first arrival)."""
+    n = complete_steps(stamps)
+    if n == 0:
+        return np.zeros(0)
+    t = np.asarray(stamps)[:n].astype(np.int64)
+    end = t[:, -1, :, 1].max(axis=1)
+    start = np.empty_like(end)
+    start[0] = t[0, 0, :, 0].min()
+    start[1:] = end[:-1]
+    return (end - start).astype(np.float64)
+
+
+def roofline_tok_s(cfg: ModelConfig, tbps: float, position: int) -> float:
+    """tok/s at the streaming-read roofline for a token at `position`: weights plus the KV cache read."""
+    return tbps * 1e12 / (cfg.weight_bytes_per_token() + cfg.kv_bytes_per_token(position))
+
+
+@dataclasses.dataclass
+class Intervals:
+    """Per block: start (it left the previous barrier), arrive, leave, in ns, [steps, slots, blocks]; `known` marks
+    the slots whose three stamps are all written (slot 0 exists in step 0 only)."""
+    start: np.ndarray
+    arrive: np.ndarray
+    leave: np.ndarray
+    known: np.ndarray
+
+    @property
+    def work(self) -> np.ndarray:
+        return self.arrive - self.start
+
+    @property
+    def wait(self) -> np.ndarray:
+        return self.leave - self.arrive
+
+
+def intervals(stamps: np.ndarray) -> Intervals:
+    t = np.asarray(stamps)
+    arrive, leave = t[..., 0].astype(np.int64), t[..., 1].astype(np.int64)
+    start = np.zeros_like(arrive)
+    start[:, 1:] = leave[:, :-1]
+    start[1:, 1] = leave[:-1, -1]             # later steps begin where the previous one's last barrier let go
+    written = (arrive > 0) & (leave > 0)
+    if t.shape[0]:
+        first = arrive[0, 0][arrive[0, 0] > 0]
+        start[0, 0] = first.min() if first.size else 0   # the kernel's start is not stamped: the first arrival
+    known = written & (start > 0)
+    known[1:, 0] = False
+    return Intervals(start, arrive, leave, known)
+
+
+# -- Perfetto / Chrome trace JSON --------------------------------------------------------------------------------
+
+def to_perfetto(stamps: np.ndarray, cfg: ModelConfig, *, pos0: int = 0, meta: dict | None = None,
+                steps=None, blocks=None, grid_track: bool = True) -> dict:
+    """Chrome trace-event JSON (a dict; see write_perfetto) of the given steps (default: every step with stamps) and
+    blocks (default all). ~22k events per step for 132 blocks: export a few steps, not hundreds."""
+    t = np.asarray(stamps)
+    iv = intervals(t)
+    names = slot_names(cfg)
+    base = int(t[t > 0].min()) if (t > 0).any() else 0
+    n_steps, n_slots, n_blocks = iv.arrive.shape
+    steps = range(n_steps) if steps is None else [s for s in steps if 0 <= s < n_steps]
+    blocks = range(n_blocks) if blocks is None else [b for b in blocks if 0 <= b < n_blocks]
+    title = f"monokernel {cfg.name}" + (f" ({source_title(meta)})" if meta else "")
+    pid, grid_tid = 1, 999
+
+    def us(ns) -> float:
+        # µs with a +0.1 ns bias: importers that truncate µs·1000 to an integer land on the exact nanosecond
+        return round((int(ns) - base + 0.1) / 1e3, 4)
+
+    def dur(ns) -> float:
+        return round((int(ns) + 0.1) / 1e3, 4)
+
+    ev = [dict(name="process_name", ph="M", pid=pid, tid=0, args=dict(name=_ascii(title)))]
+    if grid_track:
+        ev += [dict(name="thread_name", ph="M", pid=pid, tid=grid_tid, args=dict(name="grid: barrier to barrier")),
+               dict(name="thread_sort_index", ph="M", pid=pid, tid=grid_tid, args=dict(sort_index=-1))]
+    for b in blocks:
+        ev += [dict(name="thread_name", ph="M", pid=pid, tid=1000 + b, args=dict(name=f"block {b}")),
+               dict(name="thread_sort_index", ph="M", pid=pid, tid=1000 + b, args=dict(sort_index=b))]
+    for s in steps:
+        for k in range(n_slots):
+            stage, layer = names[k]
+            common = dict(stage=stage, layer=layer, step=s, position=pos0 + s, slot=k)
+            for b in blocks:
+                if not iv.known[s, k, b]:
+                    continue
+                st, ar, lv = iv.start[s, k, b], iv.arrive[s, k, b], iv.leave[s, k, b]
+                a = dict(common, block=b)
+                ev.append(dict(name=stage, cat="work", ph="X", pid=pid, tid=1000 + b, ts=us(st),
+                               dur=dur(ar - st), args=dict(a, part="work")))
+                ev.append(dict(name=f"wait ({stage})", cat="wait", ph="X", pid=pid, tid=1000 + b, ts=us(ar),
+                               dur=dur(lv - ar), args=dict(a, part="wait")))
+            if grid_track and iv.known[s, k].all():
+                st = iv.start[s, k].max() if not (s == 0 and k == 0) else iv.start[0, 0, 0]
+                rel = iv.leave[s, k].max()
+                ev.append(dict(name=stage, cat="grid", ph="X", pid=pid, tid=grid_tid, ts=us(st),
+                               dur=dur(rel - st), args=dict(common)))
+    other = {"generator": "workbench.trace", "model": cfg.name, "position": pos0, "base_ns": str(base)}
+    for k, v in (meta or {}).items():
+        if isinstance(v, (str, int, float, bool)) and k not in other:
+            other[k] = _ascii(v) if isinstance(v, str) else v
+    return {"traceEvents": ev, "otherData": other}
+
+
+def write_perfetto(path, trace_json: dict) -> Path:
+    """Write the JSON (traceEvents first: older importers ignore everything after an unknown top-level key)."""
+    path = Path(path)
+    with open(path, "w", encoding="ascii") as f:
+        json.dump({"traceEvents": trace_json["traceEvents"], **{k: v for k, v in trace_json.items()
+                                                                 if k != "traceEvents"}},
+                  f, separators=(",", ":"), ensure_ascii=True)
+    return path
+
+
+def _ascii(s: str) -> str:
+    return s.replace("µ", "u").replace("–", "-").replace("·", "-").encode("ascii", "replace").decode()
+
+
+# -- command line: pack, info, perfetto --------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    import argparse
+    from .timing import format_table
+
+    ap = argparse.ArgumentParser(prog="python -m workbench.trace", description="timing traces: pack, info, perfetto")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("pack", help="a raw stamps .npy (scripts/device_suite.py) → a trace .npz with metadata")
+    p.add_argument("npy")
+    p.add_argument("out")
+    p.add_argument("--model", required=True)
+    p.add_argument("--position", type=int, default=0)
+    p.add_argument("--steps", type=int, help="keep the first N steps (step 0 carries the first embedding)")
+    p.add_argument("--device", required=True)
+    p.add_argument("--date", required=True)
+    p.add_argument("--commit", required=True)
+    p.add_argument("--tok-s", type=float)
+    p.add_argument("--roofline-tbps", type=float)
+    p.add_argument("--meta", default="{}", help="more metadata, a JSON object")
+    i = sub.add_parser("info", help="metadata and the per-stage table of a trace")
+    i.add_argument("trace")
+    e = sub.add_parser("perfetto", help="export Chrome/Perfetto trace JSON (open it in ui.perfetto.dev)")
+    e.add_argument("trace")
+    e.add_argument("out")
+    e.add_argument("--steps", default="1", help="steps to export: N or A-B (default 1)")
+    a = ap.parse_args(argv)
+    if a.cmd == "pack":
+        t = np.load(a.npy)
+        n_total = t.shape[0]
+        if a.steps:
+            t = t[:a.steps]
+        cfg = PRESETS[a.model] if a.model in PRESETS else ModelConfig.from_json(a.model)
+        meta = recording_meta(cfg, position=a.position, tok_s=a.tok_s, roofline_tbps=a.roofline_tbps,
+                              device=a.device, date=a.date, commit=a.commit, steps=int(t.shape[0]),
+                              steps_in_run=int(n_total), blocks=int(t.shape[2]))
+        meta.update(json.loads(a.meta))
+        out = save_trace(a.out, t, meta)
+        print(f"{out}: {out.stat().st_size / 1e3:.0f} kB, {t.shape[0]} steps, {complete_steps(t)} complete")
+    elif a.cmd == "info":
+        tr = load_trace(a.trace)
+        print(json.dumps({k: v for k, v in tr.meta.items() if k != "config"}, indent=1, ensure_ascii=False))
+        print(f"stamps {tuple(tr.stamps.shape)}, {tr.complete_steps} complete steps — {tr.title}")
+        print(format_table(tr.stage_table(), tr.roofline_tbps))
+    else:
+        tr = load_trace(a.trace)
+        lo, _, hi = a.steps.partition("-")
+        steps = range(int(lo), int(hi or lo) + 1)
+        out = tr.write_perfetto(a.out, steps=steps)
+        print(f"{out}: {out.stat().st_size / 1e6:.1f} MB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
