@@ -144,3 +144,9 @@ def test_chi2_survival():
 def test_presets_fit_the_kernel():
     for cfg in PRESETS.values():
         assert smem_bytes(cfg, 512) <= 227 * 1024
+
+
+def test_compiling_leaves_python_bytes_alone():
+    # NVRTC writes its log and cubin into the buffers we hand it; a cached one-byte bytes object must never be one
+    compile_cubin(assemble(get_config("tiny")))
+    assert b" "[0] == 0x20 and bytes(1)[0] == 0

@@ -76,9 +76,11 @@ def compile_nvidia(asm: Assembled, arch: str = "sm_90") -> tuple[bytes, str, str
         return res[1] if isinstance(res, tuple) and len(res) == 2 else res
 
     def get(size_fn, fn, prog):
-        out = b" " * check(size_fn(prog))
+        # a fresh, writable buffer: NVRTC writes into it. (Never `b" " * n`: for n == 1 CPython hands back its
+        # cached one-byte object, and NVRTC's write then changes b" " for the whole process.)
+        out = bytearray(check(size_fn(prog)))
         check(fn(prog, out))
-        return out
+        return bytes(out)
 
     prog = check(nvrtc.nvrtcCreateProgram(asm.source.encode(), b"monokernel.cu", 0, [], []))
     try:
