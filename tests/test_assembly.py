@@ -150,3 +150,10 @@ def test_compiling_leaves_python_bytes_alone():
     # NVRTC writes its log and cubin into the buffers we hand it; a cached one-byte bytes object must never be one
     compile_cubin(assemble(get_config("tiny")))
     assert b" "[0] == 0x20 and bytes(1)[0] == 0
+
+
+def test_timing_slots_agree_with_slot_names():
+    from workbench.assemble import timing_slots
+    from workbench.timing import slot_names
+    for cfg in PRESETS.values():
+        assert len(slot_names(cfg)) == timing_slots(cfg) == int(defines(cfg, BuildOptions())["WB_SLOTS"])

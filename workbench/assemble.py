@@ -95,6 +95,11 @@ def section_path(name: str, variant: str | None = None) -> Path:
     return SECTIONS_DIR / (f"{name}@{variant}.cuh" if variant else f"{name}.cuh")
 
 
+def timing_slots(cfg: ModelConfig) -> int:
+    """Barriers per step that the timing build stamps: the first embedding, five per layer, LM head, sampling."""
+    return 1 + len(LAYER_STAGES) * cfg.n_layers + 2
+
+
 def smem_floats(cfg: ModelConfig, threads: int, warp: int = 32) -> dict[str, int]:
     """Dynamic shared memory each stage needs, in floats; the kernel gets the maximum."""
     act = -(-max(cfg.hidden, cfg.q_dim, cfg.intermediate) // 4) * 4
@@ -112,7 +117,7 @@ def smem_bytes(cfg: ModelConfig, threads: int) -> int:
 def defines(cfg: ModelConfig, opt: BuildOptions) -> dict[str, str]:
     d = dict(cfg.defines())
     d.update(WB_THREADS=str(opt.threads), WB_ACT_FLOATS=str(smem_floats(cfg, opt.threads)["act"]),
-             WB_SLOTS=str(1 + 5 * cfg.n_layers + 2), WB_TIMING=str(int(opt.timing)),
+             WB_SLOTS=str(timing_slots(cfg)), WB_TIMING=str(int(opt.timing)),
              WB_ATTN_MIN_CHUNK=str(opt.attn_min_chunk), WB_TAPS=str(int(opt.taps)))
     off, per_layer = tap_offsets(cfg)
     d.update({f"WB_TAP_{k.upper()}": str(v) for k, v in off.items()})

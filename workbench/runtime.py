@@ -14,7 +14,8 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .assemble import STAGES, TAPS, Assembled, BuildOptions, Params, assemble, smem_bytes, tap_offsets, tap_sizes
+from .assemble import (STAGES, TAPS, Assembled, BuildOptions, Params, assemble, smem_bytes, tap_offsets,
+                       tap_sizes, timing_slots)
 from .compile import NVRTC_OPTIONS, CompileError, parse_log
 from .config import ModelConfig
 from .model import Prepared
@@ -252,7 +253,7 @@ class Monokernel:
         if n_draws > self.draws.size:
             self.draws = cp.zeros(n_draws, cp.int32)
         if self.opt.timing and timing_steps:
-            need = timing_steps * (1 + 5 * cfg.n_layers + 2) * self.grid * 2
+            need = timing_steps * timing_slots(cfg) * self.grid * 2
             if self.timing.size < need:
                 self.timing = cp.zeros(need, cp.uint64)
         elif not self.opt.timing:
@@ -287,7 +288,7 @@ class Monokernel:
                 buf.fill(0)
             self.x.fill(cp.nan)
             if timing_steps:
-                self.timing[:timing_steps * (1 + 5 * cfg.n_layers + 2) * self.grid * 2].fill(0)
+                self.timing[:timing_steps * timing_slots(cfg) * self.grid * 2].fill(0)
             P = self._params(len(prompt), n_steps, max_new, pos0, sampling, eos, n_draws, timing_steps, timeout_s)
             self.params_dev.set(np.frombuffer(bytes(P), np.uint8), stream=self.stream)
             self.stream.synchronize()
@@ -337,7 +338,7 @@ class Monokernel:
         timing = None
         if timing_steps:
             ts = min(timing_steps, steps)
-            timing = self.timing[:ts * (1 + 5 * self.cfg.n_layers + 2) * self.grid * 2].get().reshape(
+            timing = self.timing[:ts * timing_slots(self.cfg) * self.grid * 2].get().reshape(
                 ts, -1, self.grid, 2)
         taps = None
         if tap_steps:
@@ -353,7 +354,7 @@ class Monokernel:
         written read 0). [timing_steps, slots, blocks, 2]."""
         if not self.opt.timing or not getattr(self, "timing_steps", 0):
             return None
-        n = self.timing_steps * (1 + 5 * self.cfg.n_layers + 2) * self.grid * 2
+        n = self.timing_steps * timing_slots(self.cfg) * self.grid * 2
         side = getattr(self, "_side", None) or self.cp.cuda.Stream(non_blocking=True)
         self._side = side
         out = np.empty(n, np.uint64)
