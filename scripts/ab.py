@@ -3,7 +3,9 @@ position, plus the per-stage table of each from a timing build.
 
     python scripts/ab.py --model llama-3.2-1b --variant base: --variant nopf:WB_PREFETCH_BYTES=0 ...
 
-A variant is NAME:DEFINE=VALUE,DEFINE=VALUE or NAME:@section=variant (a kernels/sections/NAME@VARIANT.cuh file).
+A variant is NAME:DEFINE=VALUE,DEFINE=VALUE or NAME:@section=variant (a kernels/sections/NAME@VARIANT.cuh file) or
+NAME:opt.FIELD=VALUE (a BuildOptions field, e.g. opt.attn_min_chunk=64) or NAME:dir=PATH (the kernels/ tree of
+another commit, e.g. from `git archive`); items mix freely.
 """
 from __future__ import annotations
 
@@ -18,25 +20,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cupy as cp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import workbench.assemble as A  # noqa: E402
 from workbench.assemble import BuildOptions  # noqa: E402
 from workbench.config import get_config  # noqa: E402
 from workbench.model import prepare, random_weights  # noqa: E402
 from workbench.runtime import Monokernel  # noqa: E402
-from workbench.timing import format_table, stage_table  # noqa: E402
+from workbench.timing import barrier_cost, format_table, stage_table  # noqa: E402
 from workbench.verify import verify  # noqa: E402
 
 
 def parse(spec: str):
     name, _, rest = spec.partition(":")
-    defines, variants = [], []
+    defines, variants, fields = [], [], {}
     for item in filter(None, rest.split(",")):
-        if item.startswith("@"):
+        if item.startswith("dir="):                 # another kernels/ tree (e.g. an older commit's), single unit
+            fields["_dir"] = item[4:]
+        elif item.startswith("opt."):
+            k, _, v = item[4:].partition("=")
+            fields[k] = type(getattr(BuildOptions(), k))(int(v) if v.isdigit() else v)
+        elif item.startswith("@"):
             sec, _, var = item[1:].partition("=")
             variants.append((sec, var))
         else:
             k, _, v = item.partition("=")
             defines.append((k, v))
-    return name, tuple(defines), tuple(variants)
+    return name, tuple(defines), tuple(variants), fields
 
 
 def main():
@@ -53,19 +61,24 @@ def main():
     p = prepare(random_weights(cfg, 7, xp=cp, progress=False), xp=cp, progress=False)
     results = {}
     for spec in a.variant:
-        name, defines, variants = parse(spec)
-        opt = BuildOptions(threads=a.threads, defines=defines, variants=variants)
+        name, defines, variants, fields = parse(spec)
+        kdir = Path(fields.pop("_dir", Path(A.__file__).resolve().parent.parent / "kernels"))
+        A.KERNELS, A.SECTIONS_DIR = kdir, kdir / "sections"
+        opt = BuildOptions(threads=a.threads, defines=defines, variants=variants, **fields)
         mk = Monokernel(p, opt, max_steps=4400)
         rep = verify(mk, prompt_len=6, max_new=10, seed=3)
-        row = {"verify": rep.summary(), "passed": rep.passed, "resources": mk.resources()}
+        row = {"verify": rep.summary(), "passed": rep.passed, "resources": mk.resources(),
+               "compile_s": mk.compile_s}
         for pos in a.positions:
             runs = [mk.generate([1], a.tokens, eos=[], pos0=pos).tok_per_s for _ in range(a.repeats)]
             row[f"tok_s@{pos}"] = float(np.median(runs))
         if a.stages:
-            mkt = Monokernel(p, BuildOptions(threads=a.threads, defines=defines, variants=variants, timing=True),
-                             max_steps=4400)
+            mkt = Monokernel(p, BuildOptions(threads=a.threads, defines=defines, variants=variants, timing=True,
+                                             **fields), max_steps=4400)
             r = mkt.generate([1], 48, eos=[], timing_steps=48)
             row["stages"] = format_table(stage_table(cfg, r.timing, 0))
+            row["barrier"] = barrier_cost(r.timing)
+            row["stages"] += f"\nbarrier: {row['barrier']}"
             del mkt
         results[name] = row
         print(f"{name:16s} {'PASS' if rep.passed else 'FAIL'} " +

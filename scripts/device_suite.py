@@ -54,7 +54,9 @@ def section(name):
             log(f"\n=== {name}")
             try:
                 out = fn(*a, **kw)
-                R["sections"][name] = {"ok": True, "s": round(time.perf_counter() - t0, 1), **(out or {})}
+                out = out or {}
+                R["sections"][name] = {"ok": out.get("passed", True) is not False,
+                                       "s": round(time.perf_counter() - t0, 1), **out}
             except Exception as e:
                 traceback.print_exc()
                 R["sections"][name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -113,14 +115,15 @@ def do_hang():
         mk.generate([1, 2, 3], 8, timeout_s=1.0)
         msg, ok = "no error raised", False
     except KernelHang as e:
-        msg, ok = str(e), "attention_decode" in str(e) and "block 3" in str(e)
+        msg = str(e)
+        ok = "after the attention_decode stage of layer 1" in msg and \
+            "the first being block 3, last seen in attention_decode of layer 1" in msg
     dt = time.perf_counter() - t0
     log(f"hang reported in {dt:.2f} s: {msg}")
-    ok2 = True
     mk2 = kernel("tiny", max_steps=64)
     rep = verify(mk2, prompt_len=8, max_new=16, seed=3)
     log("next run:", rep.summary())
-    return {"message": msg, "seconds": dt, "passed": ok and rep.passed and ok2}
+    return {"message": msg, "seconds": dt, "passed": ok and rep.passed}
 
 
 @section("throughput")

@@ -164,7 +164,7 @@ def verify_sampling(mk: Monokernel, params: Sampling, *, draws: int = 20000, see
     from kernels.sections.sampling import reference_probs
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, mk.cfg.vocab, 5).tolist()
-    # thousands of draws make the sampling stage of this one step long (block 0 draws serially): widen the
+    # thousands of draws make the sampling stage of this one step long (block 0 makes them all): widen the
     # barrier timeout for it, so that the other blocks' wait is not reported as a hang
     res = mk.generate(prompt, 1, params, eos=[], record=[len(prompt) - 1], n_draws=draws,
                       timeout_s=max(5.0, draws * 5e-3), host_timeout_s=max(20.0, draws * 1e-2))

@@ -119,9 +119,9 @@ WB_SECTION int sample_token(const Params* __restrict__ P, const float* __restric
     }
     const u64 Z = chunk_mass(floor_ord);
     __shared__ int token;
-    if (wb_tid() == 0) {
+    {   // draws are independent: the block's threads share them (thread 0 makes draw 0, the token)
         const int ndraw = P->n_draws > 0 ? P->n_draws : 1;
-        for (int d = 0; d < ndraw; ++d) {
+        for (int d = wb_tid(); d < ndraw; d += wb_ntid()) {
             const u64 u = (u64)(samp_uniform(P->seed, step, d) * (double)Z);   // in [0, Z)
             int lo = 0, hi = nt - 1;                                            // first chunk whose prefix > u
             while (lo < hi) { const int mid = (lo + hi) / 2; if (sc->chunk[mid] > u) hi = mid; else lo = mid + 1; }
