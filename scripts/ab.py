@@ -1,7 +1,7 @@
 """A/B of build variants on one GPU: verify each quickly, then tok/s (median of repeats) at a short and a long
 position, plus the per-stage table of each from a timing build.
 
-    python scripts/ab.py --model llama-3.2-1b --variant base: --variant nopf:WB_PREFETCH_BYTES=0 ...
+    python scripts/ab.py --model llama-3.2-1b --variant base: --variant fenced:WB_BAR_FENCES=1 ...
 
 A variant is NAME:DEFINE=VALUE,DEFINE=VALUE or NAME:@section=variant (a kernels/sections/NAME@VARIANT.cuh file) or
 NAME:opt.FIELD=VALUE (a BuildOptions field, e.g. opt.attn_min_chunk=64) or NAME:dir=PATH (the kernels/ tree of
@@ -28,13 +28,15 @@ from workbench.runtime import Monokernel  # noqa: E402
 from workbench.timing import barrier_cost, format_table, stage_table  # noqa: E402
 from workbench.verify import verify  # noqa: E402
 
+KERNELS = A.KERNELS                                  # this checkout's kernels/
+
 
 def parse(spec: str):
     name, _, rest = spec.partition(":")
-    defines, variants, fields = [], [], {}
+    defines, variants, fields, kdir = [], [], {}, KERNELS
     for item in filter(None, rest.split(",")):
-        if item.startswith("dir="):                 # another kernels/ tree (e.g. an older commit's), single unit
-            fields["_dir"] = item[4:]
+        if item.startswith("dir="):                 # another kernels/ tree, e.g. an older commit's
+            kdir = Path(item[4:])
         elif item.startswith("opt."):
             k, _, v = item[4:].partition("=")
             fields[k] = type(getattr(BuildOptions(), k))(int(v) if v.isdigit() else v)
@@ -44,7 +46,7 @@ def parse(spec: str):
         else:
             k, _, v = item.partition("=")
             defines.append((k, v))
-    return name, tuple(defines), tuple(variants), fields
+    return name, tuple(defines), tuple(variants), fields, kdir
 
 
 def main():
@@ -61,8 +63,7 @@ def main():
     p = prepare(random_weights(cfg, 7, xp=cp, progress=False), xp=cp, progress=False)
     results = {}
     for spec in a.variant:
-        name, defines, variants, fields = parse(spec)
-        kdir = Path(fields.pop("_dir", Path(A.__file__).resolve().parent.parent / "kernels"))
+        name, defines, variants, fields, kdir = parse(spec)
         A.KERNELS, A.SECTIONS_DIR = kdir, kdir / "sections"
         opt = BuildOptions(threads=a.threads, defines=defines, variants=variants, **fields)
         mk = Monokernel(p, opt, max_steps=4400)

@@ -1,5 +1,5 @@
 """Where the edit loop's compile time goes: NVRTC wall time of the timed and the debug build (the two builds a
-reload compiles), alone and both at once in two threads (as the workbench does), for a few option sets.
+reload compiles), alone and both at once in two threads (as the workbench does).
 
     python scripts/compile_time.py --model llama-3.2-1b [--repeats 3]
 
@@ -8,6 +8,7 @@ Needs no GPU. Prints a table (medians) and writes compile_time.json under $OUT.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -19,26 +20,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from workbench.assemble import BuildOptions, assemble  # noqa: E402
-from workbench.compile import nvrtc_options  # noqa: E402
+from workbench.assemble import Assembled, BuildOptions, assemble  # noqa: E402
+from workbench.compile import compile_cubin  # noqa: E402
 from workbench.config import get_config  # noqa: E402
 
 
-def nvrtc_seconds(source: str, options: list[str]) -> float:
-    from cuda.bindings import nvrtc
-    # a unique global: some NVRTC installations cache compiles (a unique comment was not enough), an edit never hits
-    source += f"__device__ int wb_compile_nonce_{time.time_ns()};\n"
-    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"monokernel.cu", 0, [], [])
-    try:
-        opts = [o.encode() for o in options]
-        t0 = time.perf_counter()
-        (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        dt = time.perf_counter() - t0
-        if res != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise RuntimeError(f"compile failed with {options}")
-        return dt
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+def compile_seconds(asm: Assembled) -> float:
+    """One real NVRTC compile (the workbench's own compile_cubin). A unique global is appended first: some NVRTC
+    installations cache compiles (a unique comment was not enough), and an edit never hits such a cache."""
+    asm = dataclasses.replace(asm, source=asm.source + f"__device__ int wb_compile_nonce_{time.time_ns()};\n")
+    t0 = time.perf_counter()
+    compile_cubin(asm)
+    return time.perf_counter() - t0
 
 
 def main():
@@ -47,26 +40,22 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
     cfg = get_config(a.model)
-    builds = {"timed": assemble(cfg, BuildOptions(timing=True)).source,
-              "debug": assemble(cfg, BuildOptions(taps=True)).source}
-    option_sets = {"default": nvrtc_options(), "split-compile": nvrtc_options() + ["-split-compile=0"]}
+    builds = {"timed": assemble(cfg, BuildOptions(timing=True)), "debug": assemble(cfg, BuildOptions(taps=True))}
     rows = []
-    for oname, opts in option_sets.items():
-        for b, src in builds.items():
-            t = [nvrtc_seconds(src, opts) for _ in range(a.repeats)]
-            rows.append({"options": oname, "build": b, "s": float(np.median(t)), "spread": float(np.ptp(t))})
-        both = []
-        for _ in range(a.repeats):
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(2) as ex:
-                list(ex.map(lambda s: nvrtc_seconds(s, opts), builds.values()))
-            both.append(time.perf_counter() - t0)
-        rows.append({"options": oname, "build": "both, 2 threads", "s": float(np.median(both)),
-                     "spread": float(np.ptp(both))})
+    for b, asm in builds.items():
+        t = [compile_seconds(asm) for _ in range(a.repeats)]
+        rows.append({"build": b, "s": float(np.median(t)), "spread": float(np.ptp(t))})
+    both = []
+    for _ in range(a.repeats):
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(2) as ex:
+            list(ex.map(compile_seconds, builds.values()))
+        both.append(time.perf_counter() - t0)
+    rows.append({"build": "both, 2 threads", "s": float(np.median(both)), "spread": float(np.ptp(both))})
     print(f"{os.cpu_count()} CPUs, {a.model}")
-    print(f"{'options':15s} {'build':16s} {'median s':>9s} {'spread':>7s}")
+    print(f"{'build':16s} {'median s':>9s} {'spread':>7s}")
     for r in rows:
-        print(f"{r['options']:15s} {r['build']:16s} {r['s']:9.2f} {r['spread']:7.2f}")
+        print(f"{r['build']:16s} {r['s']:9.2f} {r['spread']:7.2f}")
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(exist_ok=True)
     (out / "compile_time.json").write_text(json.dumps(rows, indent=1))

@@ -66,7 +66,7 @@ class BuildOptions:
     taps: bool = False           # WB_TAPS: copy every stage's output of chosen steps into tap buffers
     hang: tuple | None = None    # (stage, layer, block): fault injection for hang-safety tests
     variants: tuple = ()         # ((section, variant), ...): alternative section files, see section_path
-    defines: tuple = ()          # ((NAME, value), ...): extra compile-time knobs (e.g. WB_PREFETCH_BYTES)
+    defines: tuple = ()          # ((NAME, value), ...): extra compile-time knobs (e.g. WB_BAR_FENCES)
 
 
 # What a debug build taps per layer, in buffer order, with the stage that produces it. Names match the reference's

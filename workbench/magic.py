@@ -33,10 +33,14 @@ def _parser(prog: str) -> _Parser:
     return p
 
 
-def _parse(prog: str, line: str):
+def _target(prog: str, line: str):
+    """The magic's arguments and the section file they name; _Usage on bad input (unbalanced quotes, unknown
+    section)."""
+    from . import session
     try:
-        return _parser(prog).parse_args(shlex.split(line))
-    except ValueError as e:                      # shlex: unbalanced quotes
+        args = _parser(prog).parse_args(shlex.split(line))
+        return args, session.section_file(args.name, args.variant)
+    except ValueError as e:                      # shlex: unbalanced quotes; section_file: no such section
         raise _Usage(str(e)) from None
 
 
@@ -47,9 +51,8 @@ class WorkbenchMagics(Magics):
         """%%section NAME [--variant V] [--no-reload]: the cell becomes the section file; then reload."""
         from . import session
         try:
-            args = _parse("%%section", line)
-            path = session.section_file(args.name, args.variant)
-        except (_Usage, ValueError) as e:
+            args, path = _target("%%section", line)
+        except _Usage as e:
             print(f"✗ %%section: {e}\nnothing was written")
             return
         wb = session.active()
@@ -87,9 +90,8 @@ class WorkbenchMagics(Magics):
         """%wb_undo NAME [--variant V] [--no-reload]: restore the section's previous version; then reload."""
         from . import session
         try:
-            args = _parse("%wb_undo", line)
-            path = session.section_file(args.name, args.variant)
-        except (_Usage, ValueError) as e:
+            args, path = _target("%wb_undo", line)
+        except _Usage as e:
             print(f"✗ %wb_undo: {e}")
             return
         wb = session.active()
