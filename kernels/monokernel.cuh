@@ -23,7 +23,7 @@ __shared__ u64 wb_t_arrive;
 #define WB_SYNC(stage, layer, slot)                                                                                \
     do {                                                                                                            \
         WB_STAMP_ARRIVE(slot);                                                                                      \
-        if (grid_sync(P, stage, layer, step)) { wb_pf_drain(); return; }                                        \
+        if (grid_sync(P, stage, layer, step)) return;                                                            \
         WB_STAMP_LEAVE(slot, step);                                                                                 \
     } while (0)
 
@@ -58,27 +58,6 @@ WB_SECTION void wb_tap(const Params* __restrict__ P, int tap, int layer, int ste
 #define WB_TAP(tap, layer) ((void)0)
 #endif
 
-// Attention leaves most SMs and most of HBM idle: the blocks fetch this layer's O-proj weights into shared memory
-// meanwhile, and (WB_PF_QKV_STAGE) the next layer's QKV weights, the next token's layer 0 after the last layer, during
-// attention (0), down (1) or gate/up (2). WB_PF_AFTER_ATTN: blocks with attention work issue after it.
-#ifndef WB_PF_QKV_STAGE
-#define WB_PF_QKV_STAGE 0
-#endif
-#ifndef WB_PF_AFTER_ATTN
-#define WB_PF_AFTER_ATTN 0
-#endif
-WB_SECTION void prefetch_next_qkv(const Params* __restrict__ P, int layer, int step) {
-    if (layer + 1 < WB_LAYERS) pf_issue(PF_QKV, qkv_weights(P, layer + 1), QKV_PAIRS);
-    else if (step + 1 < P->n_steps) pf_issue(PF_QKV, qkv_weights(P, 0), QKV_PAIRS);
-}
-WB_SECTION void prefetch_during_attention(const Params* __restrict__ P, int layer, int step) {
-    pf_issue(PF_O, o_proj_weights(P, layer), WB_D);
-    if (WB_PF_QKV_STAGE == 0) prefetch_next_qkv(P, layer, step);
-}
-__device__ __forceinline__ bool attention_busy(const Params* __restrict__ P, int pos) {
-    return WB_PF_AFTER_ATTN && wb_bid() < WB_KV_HEADS * attn_splits(P, pos + 1);
-}
-
 #define WB_STAGE(stage, layer) do { wb_enter(P, stage, layer, step); wb_maybe_hang(P, stage, layer); } while (0)
 
 extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) wb_generate(const Params* __restrict__ P) {
@@ -86,9 +65,7 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) wb_generate(const Pa
     float* act = smem;                        // the stage's input vector, fp32
     float* red = smem + WB_ACT_FLOATS;        // block reductions: 32 floats + 32 ints
     wb_grid_sync_init();
-    wb_pf_init();
     int step = 0;
-    if (P->n_steps > 0) pf_issue(PF_QKV, qkv_weights(P, 0), QKV_PAIRS);
     if (wb_bid() == 0) embed_token(P, P->tokens_in[0]);
     WB_SYNC(ST_EMBEDDING, -1, 0);
 
@@ -103,9 +80,7 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) wb_generate(const Pa
             WB_SYNC(ST_QKV_ROPE_APPEND, layer, s0);
             WB_TAP(1, layer);
             WB_STAGE(ST_ATTENTION_DECODE, layer);
-            if (!attention_busy(P, pos)) prefetch_during_attention(P, layer, step);
             stage_attention_decode(P, layer, pos, smem);
-            if (attention_busy(P, pos)) prefetch_during_attention(P, layer, step);
             WB_SYNC(ST_ATTENTION_DECODE, layer, s0 + 1);
             WB_TAP(2, layer);
             WB_STAGE(ST_O_PROJ_RESIDUAL, layer);
@@ -113,12 +88,10 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) wb_generate(const Pa
             WB_SYNC(ST_O_PROJ_RESIDUAL, layer, s0 + 2);
             WB_TAP(3, layer);
             WB_STAGE(ST_GATE_UP_SILU, layer);
-            if (WB_PF_QKV_STAGE == 2) prefetch_next_qkv(P, layer, step);
             stage_gate_up_silu(P, layer, act, red);
             WB_SYNC(ST_GATE_UP_SILU, layer, s0 + 3);
             WB_TAP(4, layer);
             WB_STAGE(ST_DOWN_RESIDUAL, layer);
-            if (WB_PF_QKV_STAGE == 1) prefetch_next_qkv(P, layer, step);
             stage_down_residual(P, layer, act);
             WB_SYNC(ST_DOWN_RESIDUAL, layer, s0 + 4);
             WB_TAP(5, layer);
@@ -167,5 +140,4 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) wb_generate(const Pa
         WB_SYNC(ST_SAMPLING, -1, WB_SLOTS - 1);
         if (((volatile int*)P->dev_flags)[1]) break;
     }
-    wb_pf_drain();
 }

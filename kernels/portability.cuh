@@ -40,7 +40,6 @@ __device__ __forceinline__ int wb_nbid()  { return __builtin_amdgcn_grid_size_x(
 __device__ __forceinline__ void wb_syncthreads() { __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
                                                    __builtin_amdgcn_s_barrier();
                                                    __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup"); }
-__device__ __forceinline__ void wb_syncwarp() { __builtin_amdgcn_wave_barrier(); }
 __device__ __forceinline__ float wb_shfl_xor(float v, int m) {
     int lane = __builtin_amdgcn_mbcnt_hi(~0u, __builtin_amdgcn_mbcnt_lo(~0u, 0u));
     return __builtin_bit_cast(float, __builtin_amdgcn_ds_bpermute((lane ^ m) << 2, __builtin_bit_cast(int, v)));
@@ -97,12 +96,6 @@ __device__ __forceinline__ wb_u4 wb_ld_cg_u4(const void* p) {
     return wb_u4{v.x, v.y, v.z, v.w};
 }
 #define WB_INF __builtin_inff()
-// No bulk-copy engine: the weight prefetch is off (see weight_prefetch.cuh) and these are never reached.
-#define WB_HAS_BULK_COPY 0
-__device__ __forceinline__ void wb_mbar_init(u64*, u32) {}
-__device__ __forceinline__ void wb_bulk_load(void*, const void*, u32, u64*) { __builtin_trap(); }
-__device__ __forceinline__ bool wb_mbar_try_wait(u64*, u32) { return true; }
-__device__ __forceinline__ wb_u4 wb_ld_shared_u4(const void* p) { return *(const wb_u4*)p; }
 #else  // ---------------------------------------------------------------------------------------------- NVIDIA
 #define WB_WARP 32
 __device__ __forceinline__ int wb_tid()  { return threadIdx.x; }
@@ -110,7 +103,6 @@ __device__ __forceinline__ int wb_bid()  { return blockIdx.x; }
 __device__ __forceinline__ int wb_ntid() { return blockDim.x; }
 __device__ __forceinline__ int wb_nbid() { return gridDim.x; }
 __device__ __forceinline__ void wb_syncthreads() { __syncthreads(); }
-__device__ __forceinline__ void wb_syncwarp() { __syncwarp(); }
 __device__ __forceinline__ float wb_shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 __device__ __forceinline__ int   wb_shfl_xor(int v, int m)   { return __shfl_xor_sync(0xffffffffu, v, m); }
 __device__ __forceinline__ float wb_shfl(float v, int src)   { return __shfl_sync(0xffffffffu, v, src); }
@@ -151,41 +143,6 @@ __device__ __forceinline__ float4 wb_ld_cg_f4(const float* p) { return __ldcg((c
 __device__ __forceinline__ float wb_ld_cg(const float* p) { return __ldcg(p); }
 __device__ __forceinline__ wb_u4 wb_ld_cg_u4(const void* p) { uint4 v = __ldcg((const uint4*)p); return wb_u4{v.x, v.y, v.z, v.w}; }
 #define WB_INF __int_as_float(0x7f800000)
-// Hopper's bulk-copy engine (TMA, 1-D form): one instruction moves a contiguous span of global memory into shared
-// memory in the background and signals an mbarrier with the bytes that landed, so a block can request the
-// weights of a later stage while it still works on (or waits for) another.
-#define WB_HAS_BULK_COPY (__CUDA_ARCH__ >= 900)
-__device__ __forceinline__ u32 wb_smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-// An mbarrier expecting `count` arrivals; then visible to the bulk-copy engine (async proxy) as well
-__device__ __forceinline__ void wb_mbar_init(u64* bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(wb_smem_addr(bar)), "r"(count) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;\n\tfence.proxy.async.shared::cta;" ::: "memory");
-}
-// dst ← src (bytes: a multiple of 16, both 16-byte aligned); the caller's arrival on `bar` announces the bytes, the
-// copy's completion finishes the phase. The proxy fence first: this thread's earlier generic reads of dst are done.
-__device__ __forceinline__ void wb_bulk_load(void* dst, const void* src, u32 bytes, u64* bar) {
-#if WB_HAS_BULK_COPY
-    asm volatile("fence.proxy.async.shared::cta;\n\t"
-                 "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%1], %2;\n\t"
-                 "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%3], %2, [%1];"
-                 :: "r"(wb_smem_addr(dst)), "r"(wb_smem_addr(bar)), "r"(bytes), "l"(src) : "memory");
-#else
-    __trap();
-#endif
-}
-// Has the phase of `bar` with this parity completed? (acquire: the copied bytes are visible once it says yes)
-__device__ __forceinline__ bool wb_mbar_try_wait(u64* bar, u32 parity) {
-    u32 done;
-    asm volatile("{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
-                 "selp.u32 %0, 1, 0, p;\n\t}" : "=r"(done) : "r"(wb_smem_addr(bar)), "r"(parity) : "memory");
-    return done != 0;
-}
-__device__ __forceinline__ wb_u4 wb_ld_shared_u4(const void* p) {
-    wb_u4 v;
-    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(wb_smem_addr(p)));
-    return v;
-}
 #endif
 
 // ---- vendor-neutral helpers built on the layer above ---------------------------------------------------------
@@ -206,9 +163,6 @@ __device__ __forceinline__ wb_u4 wb_ld_shared_u4(const void* p) {
 __device__ __forceinline__ int wb_lane() { return wb_tid() % WB_WARP; }
 __device__ __forceinline__ int wb_warp() { return wb_tid() / WB_WARP; }
 __device__ __forceinline__ int wb_nwarps() { return wb_ntid() / WB_WARP; }
-// Work is dealt to warps round-robin over the whole grid: warp g takes units g, g + NW, g + 2·NW ...
-__device__ __forceinline__ int grid_warp() { return wb_bid() * wb_nwarps() + wb_warp(); }
-__device__ __forceinline__ int grid_nwarps() { return wb_nbid() * wb_nwarps(); }
 
 __device__ __forceinline__ float bf16_lo(u32 w) { return wb_u32_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(u32 w) { return wb_u32_as_float(w & 0xffff0000u); }

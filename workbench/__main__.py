@@ -148,7 +148,7 @@ def cmd_build(args) -> int:
         dt = time.perf_counter() - t0
         if log.strip():
             print(log.strip(), file=sys.stderr)
-        dyn = smem_bytes(cfg, args.threads, prefetch=target == "cuda")
+        dyn = smem_bytes(cfg, args.threads)
         bad = False
         for r in res:
             if target == "cuda":

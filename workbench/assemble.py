@@ -19,7 +19,7 @@ KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 SECTIONS_DIR = KERNELS / "sections"
 
 # The decode path, in the order the source is assembled (each needs only what precedes it).
-SECTIONS = ["grid_sync", "weight_prefetch", "matvec", "embedding", "qkv_rope_append", "attention_decode", "o_proj_residual",
+SECTIONS = ["grid_sync", "matvec", "embedding", "qkv_rope_append", "attention_decode", "o_proj_residual",
             "gate_up_silu", "down_residual", "lm_head", "sampling"]
 # Stages a block can be in (named in hang reports and timing). Per layer: the five layer stages.
 STAGES = ["embedding", "qkv_rope_append", "attention_decode", "o_proj_residual", "gate_up_silu", "down_residual",
@@ -67,7 +67,6 @@ class BuildOptions:
     hang: tuple | None = None    # (stage, layer, block): fault injection for hang-safety tests
     variants: tuple = ()         # ((section, variant), ...): alternative section files, see section_path
     defines: tuple = ()          # ((NAME, value), ...): extra compile-time knobs (e.g. WB_BAR_FENCES)
-    prefetch: bool = True        # stage O-proj and QKV weights in shared memory during attention (NVIDIA sm_90)
 
 
 # What a debug build taps per layer, in buffer order, with the stage that produces it. Names match the reference's
@@ -110,40 +109,9 @@ def smem_floats(cfg: ModelConfig, threads: int, warp: int = 32) -> dict[str, int
     return {"act": act, "reduction": 64, "attention": attn, "sampling": sampling}
 
 
-# Shared memory one block may have on sm_90 (227 KB), less room for the kernel's static __shared__ variables
-SMEM_LIMIT = 232_448
-SMEM_STATIC_RESERVE = 2_048
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefetchPlan:
-    """Where the weight prefetch (kernels/sections/weight_prefetch.cuh) puts its slots in dynamic shared memory:
-    after the stages' own scratch, one slot per warp for its first O-proj unit (one row of q_dim) and for its first
-    QKV unit (a pair of rows of hidden), as many warps as fit, O-proj first (it is needed first)."""
-    base: int              # byte offset of the first slot
-    o_warps: int
-    qkv_warps: int
-    o_unit: int            # bytes of one slot
-    qkv_unit: int
-
-    @property
-    def end(self) -> int:
-        return self.base + self.o_warps * self.o_unit + self.qkv_warps * self.qkv_unit
-
-
-def prefetch_plan(cfg: ModelConfig, threads: int, enabled: bool = True, warp: int = 32) -> PrefetchPlan:
-    f = smem_floats(cfg, threads, warp)
-    base = -(-4 * max(f["act"] + f["reduction"], f["attention"], f["sampling"]) // 128) * 128
-    o_unit, qkv_unit = 2 * cfg.q_dim, 2 * 2 * cfg.hidden
-    room = max(0, SMEM_LIMIT - SMEM_STATIC_RESERVE - base) if enabled else 0
-    nwarps = threads // warp
-    o = min(nwarps, room // o_unit)
-    qkv = min(nwarps, (room - o * o_unit) // qkv_unit)
-    return PrefetchPlan(base, o, qkv, o_unit, qkv_unit)
-
-
-def smem_bytes(cfg: ModelConfig, threads: int, prefetch: bool = True) -> int:
-    return prefetch_plan(cfg, threads, prefetch).end
+def smem_bytes(cfg: ModelConfig, threads: int) -> int:
+    f = smem_floats(cfg, threads)
+    return 4 * max(f["act"] + f["reduction"], f["attention"], f["sampling"])
 
 
 def defines(cfg: ModelConfig, opt: BuildOptions) -> dict[str, str]:
@@ -151,8 +119,6 @@ def defines(cfg: ModelConfig, opt: BuildOptions) -> dict[str, str]:
     d.update(WB_THREADS=str(opt.threads), WB_ACT_FLOATS=str(smem_floats(cfg, opt.threads)["act"]),
              WB_SLOTS=str(timing_slots(cfg)), WB_TIMING=str(int(opt.timing)),
              WB_ATTN_MIN_CHUNK=str(opt.attn_min_chunk), WB_TAPS=str(int(opt.taps)))
-    pf = prefetch_plan(cfg, opt.threads, opt.prefetch)
-    d.update(WB_PF_BASE_BYTES=str(pf.base), WB_PF_O_WARPS=str(pf.o_warps), WB_PF_QKV_WARPS=str(pf.qkv_warps))
     off, per_layer = tap_offsets(cfg)
     d.update({f"WB_TAP_{k.upper()}": str(v) for k, v in off.items()})
     d.update(WB_TAP_LAYER_FLOATS=str(per_layer), WB_TAP_STEP_FLOATS=str(per_layer * cfg.n_layers))

@@ -131,8 +131,7 @@ class Monokernel:
         t0 = time.perf_counter()
         module, fn = self._compile(asm)
         compile_s = time.perf_counter() - t0
-        # no bulk-copy engine on AMD: the kernel leaves the prefetch slots alone there, so they are not allocated
-        smem = smem_bytes(self.cfg, options.threads, options.prefetch and not self.cp.cuda.runtime.is_hip)
+        smem = smem_bytes(self.cfg, options.threads)
         fn.max_dynamic_shared_size_bytes = smem
         occ = self.cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, options.threads, smem)
         if occ < 1:

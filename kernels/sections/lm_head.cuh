@@ -6,7 +6,7 @@ WB_SECTION void stage_lm_head(const Params* __restrict__ P, float* __restrict__ 
     float best = -WB_INF;
     int arg = 0x7fffffff;
     auto prologue = [&] { load_rms_normalized(act, P->x, WB_D, red); };
-    for_warp_units<WB_D, 1>(P, P->lm_head, WB_VOCAB, act, prologue, [&](int v, const float* y) {
+    for_warp_units<WB_D, 1>(P->lm_head, WB_VOCAB, act, prologue, [&](int v, const float* y) {
         if (y[0] > best) { best = y[0]; arg = v; }             // rows rise within a warp: ties keep the lowest
         if (wb_lane() == 0) logits[v] = y[0];
     });

@@ -6,6 +6,10 @@
 // FMA, which is what keeps enough bytes moving to approach the bandwidth roofline.
 #pragma once
 
+// Rows are dealt to warps round-robin over the whole grid: warp g takes rows g, g + NW, g + 2·NW ...
+__device__ __forceinline__ int grid_warp() { return wb_bid() * wb_nwarps() + wb_warp(); }
+__device__ __forceinline__ int grid_nwarps() { return wb_nbid() * wb_nwarps(); }
+
 #ifndef WB_UNROLL_1
 #define WB_UNROLL_1 8
 #endif
@@ -18,23 +22,6 @@ struct RowLoads {
     static constexpr int ITERS = (K + STEP - 1) / STEP;
     static constexpr int UNROLL = NR == 1 ? WB_UNROLL_1 : WB_UNROLL_2;   // 16-byte loads in flight per lane per row
 };
-
-// w ← the chunk of UNROLL 16-byte pieces per row starting at step i0, from global memory (streamed) or from a
-// shared-memory slot the weight prefetch filled
-template <int K, int NR, bool SHARED>
-__device__ __forceinline__ void warp_rows_load(const bf16* __restrict__ row0, long long row_stride, int i0,
-                                               wb_u4 (&w)[NR][RowLoads<K, NR>::UNROLL]) {
-    using L = RowLoads<K, NR>;
-#pragma unroll
-    for (int u = 0; u < L::UNROLL; ++u) {
-        const int k = (i0 + u) * L::STEP + wb_lane() * 8;
-        if (i0 + u < L::ITERS && (K % L::STEP == 0 || k < K)) {
-#pragma unroll
-            for (int r = 0; r < NR; ++r)
-                w[r][u] = SHARED ? wb_ld_shared_u4(row0 + r * row_stride + k) : wb_ld_stream(row0 + r * row_stride + k);
-        }
-    }
-}
 
 // acc[r] += the chunk of UNROLL loads starting at step i0, for each of the NR rows
 template <int K, int NR>
@@ -51,59 +38,40 @@ __device__ __forceinline__ void warp_rows_fma(const wb_u4 (&w)[NR][RowLoads<K, N
     }
 }
 
-// out[r] = row r · act for NR rows of K, the first chunk already in w (UNROLL loads per row in flight before
-// the first FMA)
-template <int K, int NR, bool SHARED>
+// out[r] = row r · act for NR rows of K (UNROLL loads per row in flight before the first FMA)
+template <int K, int NR>
 __device__ __forceinline__ void warp_rows_dot(const bf16* __restrict__ row0, long long row_stride,
-                                              const float* __restrict__ act, wb_u4 (&w)[NR][RowLoads<K, NR>::UNROLL],
-                                              float (&out)[NR]) {
+                                              const float* __restrict__ act, float (&out)[NR]) {
     using L = RowLoads<K, NR>;
     float acc[NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r) acc[r] = 0.f;
 #pragma unroll
     for (int i0 = 0; i0 < L::ITERS; i0 += L::UNROLL) {
-        if (i0 > 0) warp_rows_load<K, NR, SHARED>(row0, row_stride, i0, w);
+        wb_u4 w[NR][L::UNROLL];
+#pragma unroll
+        for (int u = 0; u < L::UNROLL; ++u) {
+            const int k = (i0 + u) * L::STEP + wb_lane() * 8;
+            if (i0 + u < L::ITERS && (K % L::STEP == 0 || k < K)) {
+#pragma unroll
+                for (int r = 0; r < NR; ++r) w[r][u] = wb_ld_stream(row0 + r * row_stride + k);
+            }
+        }
         warp_rows_fma<K, NR>(w, i0, act, acc);
     }
 #pragma unroll
     for (int r = 0; r < NR; ++r) out[r] = wb_warp_sum(acc[r]);
 }
 
-// With WB_EARLY_LOADS the first chunk of a warp's first unit is requested before the stage's prologue: the
-// weights do not depend on the activation, so their HBM latency overlaps its trip through L2.
-#ifndef WB_EARLY_LOADS
-#define WB_EARLY_LOADS 0
-#endif
-
 // A weight stage: the block's `prologue` fills `act`, then this warp's units (NR adjacent rows of K, dealt
-// round-robin), each result handed to `done(unit, y[NR])`, the stage's epilogue. With a prefetch region, the
-// warp's first unit is read from its shared-memory slot (weight_prefetch.cuh).
+// round-robin), each result handed to `done(unit, y[NR])`, the stage's epilogue.
 template <int K, int NR, typename Prologue, typename Done>
-__device__ __forceinline__ void for_warp_units(const Params* __restrict__ P, const bf16* __restrict__ W,
-                                               int n_units, const float* act, Prologue prologue, Done done,
-                                               int region = -1) {
-    using L = RowLoads<K, NR>;
-    int u = grid_warp();
-    const bool staged = region >= 0 && pf_has(region, n_units);
-    wb_u4 w[NR][L::UNROLL];
-    if (WB_EARLY_LOADS && !staged && u < n_units) warp_rows_load<K, NR, false>(W + (long long)u * NR * K, K, 0, w);
+__device__ __forceinline__ void for_warp_units(const bf16* __restrict__ W, int n_units, const float* act,
+                                               Prologue prologue, Done done) {
     prologue();                                        // block-wide: every thread takes part
     float y[NR];
-    if (staged) {
-        const bf16* s = pf_wait(P, region);
-        warp_rows_load<K, NR, true>(s, K, 0, w);
-        warp_rows_dot<K, NR, true>(s, K, act, w, y);
-        done(u, y);
-        u += grid_nwarps();
-    } else if (WB_EARLY_LOADS && u < n_units) {
-        warp_rows_dot<K, NR, false>(W + (long long)u * NR * K, K, act, w, y);
-        done(u, y);
-        u += grid_nwarps();
-    }
-    for (; u < n_units; u += grid_nwarps()) {
-        warp_rows_load<K, NR, false>(W + (long long)u * NR * K, K, 0, w);
-        warp_rows_dot<K, NR, false>(W + (long long)u * NR * K, K, act, w, y);
+    for (int u = grid_warp(); u < n_units; u += grid_nwarps()) {
+        warp_rows_dot<K, NR>(W + (long long)u * NR * K, K, act, y);
         done(u, y);
     }
 }

@@ -5,20 +5,16 @@
 // between warps, and q/k never round-trip through memory unrotated.
 #pragma once
 
-constexpr int QKV_PAIRS = (WB_HEADS * WB_HEAD_DIM + 2 * WB_KV_HEADS * WB_HEAD_DIM) / 2;   // units of the stage
-__device__ __forceinline__ const bf16* qkv_weights(const Params* __restrict__ P, int layer) {
-    return P->wqkv + (long long)layer * (2 * QKV_PAIRS) * WB_D;
-}
-
 WB_SECTION void stage_qkv_rope_append(const Params* __restrict__ P, int layer, int pos, float* act, float* red) {
     constexpr int HALF = WB_HEAD_DIM / 2;
     constexpr int Q_DIM = WB_HEADS * WB_HEAD_DIM, KV_DIM = WB_KV_HEADS * WB_HEAD_DIM;
-    const bf16* __restrict__ W = qkv_weights(P, layer);
+    constexpr int PAIRS = (Q_DIM + 2 * KV_DIM) / 2;
+    const bf16* __restrict__ W = P->wqkv + (long long)layer * (2 * PAIRS) * WB_D;
     const float* __restrict__ cs = P->rope_cos + (long long)pos * HALF;
     const float* __restrict__ sn = P->rope_sin + (long long)pos * HALF;
     const long long kv_base = (long long)layer * WB_KV_HEADS * WB_MAX_SEQ * WB_HEAD_DIM + (long long)pos * WB_HEAD_DIM;
     auto prologue = [&] { load_rms_normalized(act, P->x, WB_D, red); };
-    for_warp_units<WB_D, 2>(P, W, QKV_PAIRS, act, prologue, [&](int u, const float* r) {
+    for_warp_units<WB_D, 2>(W, PAIRS, act, prologue, [&](int u, const float* r) {
         if (wb_lane() != 0) return;
         const int row = 2 * u;
         if (row < Q_DIM + KV_DIM) {                            // q or k: rotate the pair (p, p + hd/2)
@@ -40,5 +36,5 @@ WB_SECTION void stage_qkv_rope_append(const Params* __restrict__ P, int layer, i
             v[rr % WB_HEAD_DIM] = f32_to_bf16(r[0]);
             v[rr % WB_HEAD_DIM + 1] = f32_to_bf16(r[1]);
         }
-    }, PF_QKV);
+    });
 }
