@@ -1,7 +1,7 @@
 """Where the edit loop's compile time goes: NVRTC wall time of the timed and the debug build (the two builds a
 reload compiles), alone and both at once in two threads (as the workbench does).
 
-    python scripts/compile_time.py --model llama-3.2-1b [--repeats 3]
+    python scripts/compile_time.py --model llama-3.2-1b [--repeats 3] [--set sampler=greedy --set ptxas_opt=1]
 
 Needs no GPU. Prints a table (medians) and writes compile_time.json under $OUT.
 """
@@ -38,9 +38,16 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3.2-1b")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a BuildOptions field for both builds (repeatable)")
     a = ap.parse_args()
     cfg = get_config(a.model)
-    builds = {"timed": assemble(cfg, BuildOptions(timing=True)), "debug": assemble(cfg, BuildOptions(taps=True))}
+    fields = {}
+    for item in a.set:
+        k, _, v = item.partition("=")
+        fields[k] = type(getattr(BuildOptions(), k))(int(v) if v.isdigit() else v)
+    builds = {"timed": assemble(cfg, BuildOptions(timing=True, **fields)),
+              "debug": assemble(cfg, BuildOptions(taps=True, **fields))}
     rows = []
     for b, asm in builds.items():
         t = [compile_seconds(asm) for _ in range(a.repeats)]
@@ -52,13 +59,14 @@ def main():
             list(ex.map(compile_seconds, builds.values()))
         both.append(time.perf_counter() - t0)
     rows.append({"build": "both, 2 threads", "s": float(np.median(both)), "spread": float(np.ptp(both))})
-    print(f"{os.cpu_count()} CPUs, {a.model}")
+    print(f"{os.cpu_count()} CPUs, {a.model}", " ".join(a.set))
     print(f"{'build':16s} {'median s':>9s} {'spread':>7s}")
     for r in rows:
         print(f"{r['build']:16s} {r['s']:9.2f} {r['spread']:7.2f}")
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(exist_ok=True)
-    (out / "compile_time.json").write_text(json.dumps(rows, indent=1))
+    tag = "_".join(s.replace("=", "-") for s in a.set)
+    (out / f"compile_time{'_' + tag if tag else ''}.json").write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

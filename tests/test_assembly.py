@@ -128,6 +128,26 @@ def test_timing_table_on_a_synthetic_trace():
     assert rows["lm_head"].work_us == pytest.approx(0.5) and rows["lm_head"].wait_us == pytest.approx(0.5)
 
 
+def test_greedy_sampler_build_leaves_the_sampler_out():
+    cfg = get_config("tiny")
+    full, greedy = assemble(cfg), assemble(cfg, BuildOptions(sampler="greedy"))
+    assert "#define WB_SAMPLER_FULL 1" in full.source and "#define WB_SAMPLER_FULL 0" in greedy.source
+    assert full.key != greedy.key
+    c_full, _ = compile_cubin(full)
+    c_greedy, _ = compile_cubin(greedy)
+    assert len(c_greedy) < 0.95 * len(c_full)           # the top-k / top-p code is gone, not just skipped
+    with pytest.raises(ValueError, match="sampler"):
+        assemble(cfg, BuildOptions(sampler="topk"))
+
+
+def test_ptxas_level_reaches_the_compiler():
+    cfg = get_config("tiny")
+    o3, o1 = assemble(cfg), assemble(cfg, BuildOptions(ptxas_opt=1))
+    assert o3.flags == () and o1.flags == ("--ptxas-options=-O1",)
+    assert o3.source == o1.source and o3.key != o1.key    # same text, different build: a different cache key
+    assert compile_cubin(o1)[0] != compile_cubin(o3)[0]
+
+
 def test_recorded_steps_cover_both_ends():
     from workbench.verify import recorded_steps
     r = recorded_steps(4100, 64)

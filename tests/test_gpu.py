@@ -111,6 +111,16 @@ def test_bad_inputs_are_refused(tiny):
         tiny.generate([], 2)
 
 
+def test_greedy_only_build_decodes_alike_and_refuses_to_sample(tiny):
+    from workbench.runtime import Monokernel, Sampling
+    greedy = Monokernel(tiny.p, BuildOptions(sampler="greedy"), max_steps=64)
+    prompt = np.random.default_rng(fresh_seed()).integers(0, tiny.cfg.vocab, 5).tolist()
+    assert greedy.generate(prompt, 12, eos=[]).tokens == tiny.generate(prompt, 12, eos=[]).tokens
+    with pytest.raises(ValueError, match="sampler='greedy'"):
+        greedy.generate(prompt, 4, Sampling(0.8, 0, 1.0, 1))
+    assert len(greedy.generate(prompt, 2, Sampling(0.8, 1, 1.0, 1), eos=[]).tokens) == 2   # top_k=1 is greedy
+
+
 def test_nan_weights_are_reported_not_sampled(tiny):
     import cupy as cp
 

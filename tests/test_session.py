@@ -208,6 +208,19 @@ def test_compile_error_through_the_magic_keeps_the_last_good_build(cpu_wb, shell
         cpu_wb.on_record.remove(seen.append)
 
 
+def test_loop_builds_leave_out_the_sampler_unless_it_is_edited(cpu_wb):
+    assert cpu_wb.history[0].sampler == "greedy"            # the loop decodes greedily: no top-k / top-p code
+    assert "#define WB_SAMPLER_FULL 0" in assemble.assemble(cpu_wb.cfg, cpu_wb.options("timed")).source
+    rec = cpu_wb.reload(trigger="edit", section="sampling")
+    assert rec.sampler == "full" and rec.status == session.NO_GPU  # an edit there is compiled whole
+    assert cpu_wb.reload(trigger="edit", section="lm_head").sampler == "greedy"
+    cpu_wb.build_options["sampler"] = "full"                # or the user asks for it
+    try:
+        assert cpu_wb.reload().sampler == "full"
+    finally:
+        del cpu_wb.build_options["sampler"]
+
+
 def test_assemble_errors_are_records_not_exceptions(cpu_wb):
     rec = cpu_wb.use_variant("lm_head", "missing")
     assert rec.status == session.ASSEMBLE_ERROR and "lm_head@missing.cuh" in rec.error

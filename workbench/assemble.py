@@ -67,6 +67,8 @@ class BuildOptions:
     hang: tuple | None = None    # (stage, layer, block): fault injection for hang-safety tests
     variants: tuple = ()         # ((section, variant), ...): alternative section files, see section_path
     defines: tuple = ()          # ((NAME, value), ...): extra compile-time knobs (e.g. WB_BAR_FENCES)
+    ptxas_opt: int = 3           # ptxas -O level (NVIDIA)
+    sampler: str = "full"        # "full": temperature, top-k, top-p; "greedy": argmax only (less code to compile)
 
 
 # What a debug build taps per layer, in buffer order, with the stage that produces it. Names match the reference's
@@ -119,6 +121,9 @@ def defines(cfg: ModelConfig, opt: BuildOptions) -> dict[str, str]:
     d.update(WB_THREADS=str(opt.threads), WB_ACT_FLOATS=str(smem_floats(cfg, opt.threads)["act"]),
              WB_SLOTS=str(timing_slots(cfg)), WB_TIMING=str(int(opt.timing)),
              WB_ATTN_MIN_CHUNK=str(opt.attn_min_chunk), WB_TAPS=str(int(opt.taps)))
+    if opt.sampler not in ("full", "greedy"):
+        raise ValueError(f"sampler must be 'full' or 'greedy', got {opt.sampler!r}")
+    d.update(WB_SAMPLER_FULL=str(int(opt.sampler == "full")))
     off, per_layer = tap_offsets(cfg)
     d.update({f"WB_TAP_{k.upper()}": str(v) for k, v in off.items()})
     d.update(WB_TAP_LAYER_FLOATS=str(per_layer), WB_TAP_STEP_FLOATS=str(per_layer * cfg.n_layers))
@@ -135,6 +140,7 @@ class Assembled:
     # (first line in source, display path, text as pasted) per piece, for mapping messages back
     pieces: list
     key: str
+    flags: tuple = ()      # compiler options the build asks for beyond the common ones (NVRTC)
 
     def text_of(self, path: str) -> str | None:
         """The text that was compiled for a section file (an unsaved edit included)."""
@@ -194,4 +200,6 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
             raise FileNotFoundError(f"section {name!r}: {_display(path)} does not exist")
         paste(path, path.read_text())
     source = "\n".join(out) + "\n"
-    return Assembled(source, pieces, hashlib.sha256(source.encode()).hexdigest()[:16])
+    flags = () if opt.ptxas_opt == 3 else (f"--ptxas-options=-O{opt.ptxas_opt}",)
+    key = hashlib.sha256((source + " ".join(flags)).encode()).hexdigest()[:16]
+    return Assembled(source, pieces, key, flags)

@@ -60,8 +60,8 @@ def parse_log(log: str, asm: Assembled | None = None) -> list:
     return out
 
 
-def nvrtc_options(arch: str = "sm_90") -> list[str]:
-    return [f"--gpu-architecture={arch}", *NVRTC_OPTIONS]
+def nvrtc_options(arch: str = "sm_90", asm: Assembled | None = None) -> list[str]:
+    return [f"--gpu-architecture={arch}", *NVRTC_OPTIONS, *(asm.flags if asm else ())]
 
 
 def compile_nvidia(asm: Assembled, arch: str = "sm_90") -> tuple[bytes, str, str]:
@@ -84,7 +84,7 @@ def compile_nvidia(asm: Assembled, arch: str = "sm_90") -> tuple[bytes, str, str
 
     prog = check(nvrtc.nvrtcCreateProgram(asm.source.encode(), b"monokernel.cu", 0, [], []))
     try:
-        opts = [o.encode() for o in nvrtc_options(arch)]
+        opts = [o.encode() for o in nvrtc_options(arch, asm)]
         res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         log = get(nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog, prog).decode(errors="replace")
         log = log.rstrip("\x00 ")

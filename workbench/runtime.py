@@ -156,7 +156,7 @@ class Monokernel:
     def _compile(self, asm: Assembled):
         cp = self.cp
         try:
-            mod = cp.RawModule(code=asm.source, options=NVRTC_OPTIONS, backend="nvrtc")
+            mod = cp.RawModule(code=asm.source, options=(*NVRTC_OPTIONS, *asm.flags), backend="nvrtc")
             fn = mod.get_function("wb_generate")
             fn.kernel                       # compile now, inside the try
         except cp.cuda.compiler.CompileException as e:
@@ -237,6 +237,9 @@ class Monokernel:
         if max_new < 1:
             raise ValueError("max_new must be ≥ 1")
         sampling.check(cfg.vocab)
+        if self.opt.sampler == "greedy" and sampling.temperature > 0 and sampling.top_k != 1:
+            raise ValueError("this kernel was built with sampler='greedy' (argmax only): build it with "
+                             "BuildOptions(sampler='full') to sample with a temperature")
         n_steps = len(prompt) + max_new - 1
         if pos0 < 0 or pos0 + n_steps > cfg.max_seq:
             raise ValueError(f"positions {pos0}..{pos0 + n_steps - 1} do not fit the KV cache of {cfg.max_seq}")

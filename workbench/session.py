@@ -230,6 +230,7 @@ class ReloadRecord:
     key: str | None = None                # assembled source key of the debug build
     resources: dict | None = None
     tokens_ok: bool | None = None         # greedy tokens equal the reference's argmax where judgeable
+    sampler: str | None = None            # the builds' sampler: "greedy" (argmax only) or "full"
 
     @property
     def ok(self) -> bool:
@@ -266,7 +267,7 @@ class ReloadRecord:
         def num(v):
             return None if v is None or (isinstance(v, float) and not math.isfinite(v)) else v
         d = {k: getattr(self, k) for k in ("time", "trigger", "section", "variant", "status", "passed",
-                                           "first_failure", "error", "key", "tokens_ok")}
+                                           "first_failure", "error", "key", "tokens_ok", "sampler")}
         d.update({k: num(getattr(self, k)) for k in ("compile_s", "verify_s", "time_s", "total_s", "tok_per_s")})
         d["variants"] = [list(v) for v in self.variants]
         d["messages"] = [list(m) for m in self.messages]
@@ -422,6 +423,7 @@ class Workbench:
         self._compiled: dict = {}                          # CPU: source key → (cubin, resources)
         self._p = None
         self._ref = None
+        self._reload_section: str | None = None           # the section the current reload is for, if any
         self._watcher = None
         self._dev_id = None
         if device == "gpu":
@@ -480,8 +482,17 @@ class Workbench:
 
     def options(self, which: str, variants=None) -> BuildOptions:
         v = self.variants if variants is None else _norm_variants(variants)
-        return BuildOptions(**{**self.build_options, "threads": self.threads, "taps": which == "debug",
-                               "timing": which == "timed", "variants": tuple(sorted(v.items()))})
+        return BuildOptions(**{"sampler": self._sampler(v), **self.build_options, "threads": self.threads,
+                               "taps": which == "debug", "timing": which == "timed",
+                               "variants": tuple(sorted(v.items()))})
+
+    def _sampler(self, variants: dict) -> str:
+        """The loop runs greedy decoding only (verification and timing), so its builds leave out the temperature /
+        top-k / top-p sampler: a fifth of the compile time. They keep it while the sampling section is the one
+        being edited, overridden or swapped for a variant, so an edit there is compiled (build_options can force
+        either)."""
+        touched = self._reload_section == "sampling" or "sampling" in self.overrides or "sampling" in variants
+        return "full" if touched else "greedy"
 
     def build_files(self) -> set[Path]:
         """The files the current builds read (the watcher reloads when one of them changes)."""
@@ -583,6 +594,8 @@ class Workbench:
         with self._lock, self._gpu_ctx():
             t0 = time.perf_counter()
             rec = ReloadRecord(time.time(), trigger, section, variant, tuple(sorted(self.variants.items())))
+            self._reload_section = section
+            rec.sampler = self.options("timed").sampler
             try:
                 rec.compile_s = self._build_gpu() if self.device == "gpu" else self._build_cpu()
             except CompileError as e:

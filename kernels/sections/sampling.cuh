@@ -88,7 +88,8 @@ WB_SECTION int sample_token(const Params* __restrict__ P, const float* __restric
     }
     wb_syncthreads();
     const float T = P->temperature;
-    if (!(T > 0.f) || P->top_k == 1) return best_i;
+    // a greedy-only build (WB_SAMPLER_FULL 0) has none of the code below; the host refuses to sample with it
+    if (!WB_SAMPLER_FULL || !(T > 0.f) || P->top_k == 1) return best_i;
 
     SampScratch* sc = (SampScratch*)smem;
     const float mkey = best_v / T;
