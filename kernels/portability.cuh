@@ -40,6 +40,9 @@ __device__ __forceinline__ int wb_nbid()  { return __builtin_amdgcn_grid_size_x(
 __device__ __forceinline__ void wb_syncthreads() { __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
                                                    __builtin_amdgcn_s_barrier();
                                                    __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup"); }
+__device__ __forceinline__ void wb_syncwarp() { __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+                                                __builtin_amdgcn_wave_barrier();
+                                                __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront"); }
 __device__ __forceinline__ float wb_shfl_xor(float v, int m) {
     int lane = __builtin_amdgcn_mbcnt_hi(~0u, __builtin_amdgcn_mbcnt_lo(~0u, 0u));
     return __builtin_bit_cast(float, __builtin_amdgcn_ds_bpermute((lane ^ m) << 2, __builtin_bit_cast(int, v)));
@@ -103,6 +106,7 @@ __device__ __forceinline__ int wb_bid()  { return blockIdx.x; }
 __device__ __forceinline__ int wb_ntid() { return blockDim.x; }
 __device__ __forceinline__ int wb_nbid() { return gridDim.x; }
 __device__ __forceinline__ void wb_syncthreads() { __syncthreads(); }
+__device__ __forceinline__ void wb_syncwarp() { __syncwarp(); }
 __device__ __forceinline__ float wb_shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 __device__ __forceinline__ int   wb_shfl_xor(int v, int m)   { return __shfl_xor_sync(0xffffffffu, v, m); }
 __device__ __forceinline__ float wb_shfl(float v, int src)   { return __shfl_sync(0xffffffffu, v, src); }

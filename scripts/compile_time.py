@@ -40,14 +40,20 @@ def main():
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="a BuildOptions field for both builds (repeatable)")
+    ap.add_argument("--flag", action="append", default=[], help="an extra NVRTC option for both builds (repeatable)")
+    ap.add_argument("--debug-set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a BuildOptions field for the debug build only (repeatable)")
     a = ap.parse_args()
     cfg = get_config(a.model)
-    fields = {}
-    for item in a.set:
-        k, _, v = item.partition("=")
-        fields[k] = type(getattr(BuildOptions(), k))(int(v) if v.isdigit() else v)
-    builds = {"timed": assemble(cfg, BuildOptions(timing=True, **fields)),
-              "debug": assemble(cfg, BuildOptions(taps=True, **fields))}
+    def fields(items):
+        out = {}
+        for item in items:
+            k, _, v = item.partition("=")
+            out[k] = type(getattr(BuildOptions(), k))(int(v) if v.isdigit() else v)
+        return out
+    builds = {"timed": assemble(cfg, BuildOptions(timing=True, **fields(a.set))),
+              "debug": assemble(cfg, BuildOptions(taps=True, **{**fields(a.set), **fields(a.debug_set)}))}
+    builds = {k: dataclasses.replace(b, flags=b.flags + tuple(a.flag)) for k, b in builds.items()}
     rows = []
     for b, asm in builds.items():
         t = [compile_seconds(asm) for _ in range(a.repeats)]
@@ -59,13 +65,13 @@ def main():
             list(ex.map(compile_seconds, builds.values()))
         both.append(time.perf_counter() - t0)
     rows.append({"build": "both, 2 threads", "s": float(np.median(both)), "spread": float(np.ptp(both))})
-    print(f"{os.cpu_count()} CPUs, {a.model}", " ".join(a.set))
+    print(f"{os.cpu_count()} CPUs, {a.model}", " ".join(a.set + a.flag + [f"debug:{s}" for s in a.debug_set]))
     print(f"{'build':16s} {'median s':>9s} {'spread':>7s}")
     for r in rows:
         print(f"{r['build']:16s} {r['s']:9.2f} {r['spread']:7.2f}")
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(exist_ok=True)
-    tag = "_".join(s.replace("=", "-") for s in a.set)
+    tag = "_".join(s.replace("=", "-").lstrip("-") for s in a.set + a.flag + a.debug_set)
     (out / f"compile_time{'_' + tag if tag else ''}.json").write_text(json.dumps(rows, indent=1))
 
 

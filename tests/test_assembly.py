@@ -148,6 +148,15 @@ def test_ptxas_level_reaches_the_compiler():
     assert compile_cubin(o1)[0] != compile_cubin(o3)[0]
 
 
+def test_fast_compile_build_reports_only_the_kernel():
+    asm = assemble(get_config("tiny"), BuildOptions(fast_compile="min"))
+    assert asm.flags == ("-Ofc=min",)
+    (r,) = resource_usage(compile_cubin(asm)[0])          # its cubin also lists device functions, without figures
+    assert r.kernel == "wb_generate" and r.registers > 0
+    with pytest.raises(ValueError, match="fast_compile"):
+        assemble(get_config("tiny"), BuildOptions(fast_compile="fast"))
+
+
 def test_recorded_steps_cover_both_ends():
     from workbench.verify import recorded_steps
     r = recorded_steps(4100, 64)

@@ -210,6 +210,7 @@ def test_compile_error_through_the_magic_keeps_the_last_good_build(cpu_wb, shell
 
 def test_loop_builds_leave_out_the_sampler_unless_it_is_edited(cpu_wb):
     assert cpu_wb.history[0].sampler == "greedy"            # the loop decodes greedily: no top-k / top-p code
+    assert cpu_wb.options("debug").fast_compile == "min" and cpu_wb.options("timed").fast_compile == "0"
     assert "#define WB_SAMPLER_FULL 0" in assemble.assemble(cpu_wb.cfg, cpu_wb.options("timed")).source
     rec = cpu_wb.reload(trigger="edit", section="sampling")
     assert rec.sampler == "full" and rec.status == session.NO_GPU  # an edit there is compiled whole

@@ -68,6 +68,7 @@ class BuildOptions:
     variants: tuple = ()         # ((section, variant), ...): alternative section files, see section_path
     defines: tuple = ()          # ((NAME, value), ...): extra compile-time knobs (e.g. WB_BAR_FENCES)
     ptxas_opt: int = 3           # ptxas -O level (NVIDIA)
+    fast_compile: str = "0"      # NVRTC -Ofc level: "0" (off), "min", "mid", "max": compile speed over code speed
     sampler: str = "full"        # "full": temperature, top-k, top-p; "greedy": argmax only (less code to compile)
 
 
@@ -200,6 +201,9 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
             raise FileNotFoundError(f"section {name!r}: {_display(path)} does not exist")
         paste(path, path.read_text())
     source = "\n".join(out) + "\n"
-    flags = () if opt.ptxas_opt == 3 else (f"--ptxas-options=-O{opt.ptxas_opt}",)
+    if opt.fast_compile not in ("0", "min", "mid", "max"):
+        raise ValueError(f"fast_compile must be 0, min, mid or max, got {opt.fast_compile!r}")
+    flags = (() if opt.ptxas_opt == 3 else (f"--ptxas-options=-O{opt.ptxas_opt}",)) + \
+        (() if opt.fast_compile == "0" else (f"-Ofc={opt.fast_compile}",))
     key = hashlib.sha256((source + " ".join(flags)).encode()).hexdigest()[:16]
     return Assembled(source, pieces, key, flags)

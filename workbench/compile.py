@@ -143,7 +143,9 @@ def resource_usage(cubin: bytes) -> list[Resources]:
                              text=True, check=True).stdout
     res = []
     for m in re.finditer(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)(?: CONSTANT\[0\]:(\d+))?", out):
-        res.append(Resources(m[1], int(m[2]), max(int(m[3]), int(m[5])), int(m[4]), int(m[6] or 0)))
+        if m[6] is None:            # a device function (listed by fast-compile builds): no parameter bank, no figures
+            continue
+        res.append(Resources(m[1], int(m[2]), max(int(m[3]), int(m[5])), int(m[4]), int(m[6])))
     if not res:
         raise RuntimeError(f"could not read cuobjdump's resource usage:\n{out}")
     return res

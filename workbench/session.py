@@ -385,7 +385,10 @@ class Workbench:
     cpu_reference: in CPU mode, also run the CPU reference on every reload (default: for models under 0.5 GB).
     history_dir: where edits keep earlier versions (default kernels/.history). watch: start the file watcher.
     activate: become the workbench the %%section magic uses. build: reload once now (record trigger "initial").
-    build_options: further BuildOptions fields for every build (e.g. {"attn_min_chunk": 64})."""
+    build_options: further BuildOptions fields for every build (e.g. {"attn_min_chunk": 64}).
+    verify_fast_compile: NVRTC's fast-compile level (-Ofc) for the verification (taps) build: "min" (default) halves
+    its compile and with it the loop's, at no cost to what verification sees (values, compared with tolerances);
+    its speed, a quarter lower, is never measured. "0" compiles it like the timed build, which always is."""
 
     def __init__(self, model: str = "llama-3.2-1b", *, weights: str | None = None, seed: int = 0,
                  max_seq: int | None = None, device: str = "auto", threads: int = 512, variants=None,
@@ -393,7 +396,8 @@ class Workbench:
                  verify_seed: int = 0, time_steps: int = 32, timeout_s: float = 5.0,
                  parallel_compile: bool | None = None, cpu_reference: bool | None = None,
                  history_dir: str | Path | None = None, watch: bool = False, activate: bool = True,
-                 build: bool = True, progress: bool = False, build_options: dict | None = None):
+                 build: bool = True, progress: bool = False, build_options: dict | None = None,
+                 verify_fast_compile: str = "min"):
         global _ACTIVE
         if device not in ("auto", "gpu", "cpu"):
             raise ValueError(f"device must be auto, gpu or cpu, got {device!r}")
@@ -404,6 +408,7 @@ class Workbench:
         self.cfg = get_config(model, max_seq=max_seq)
         self.threads = threads
         self.build_options = dict(build_options or {})      # more BuildOptions fields for every build
+        self.verify_fast_compile = verify_fast_compile
         self.variants = _norm_variants(variants)
         self.overrides: dict[str, str] = dict(overrides or {})
         self.verify_prompt, self.verify_tokens, self.verify_seed = verify_prompt, verify_tokens, verify_seed
@@ -482,7 +487,8 @@ class Workbench:
 
     def options(self, which: str, variants=None) -> BuildOptions:
         v = self.variants if variants is None else _norm_variants(variants)
-        return BuildOptions(**{"sampler": self._sampler(v), **self.build_options, "threads": self.threads,
+        fast = {"fast_compile": self.verify_fast_compile} if which == "debug" else {}
+        return BuildOptions(**{"sampler": self._sampler(v), **fast, **self.build_options, "threads": self.threads,
                                "taps": which == "debug", "timing": which == "timed",
                                "variants": tuple(sorted(v.items()))})
 
@@ -609,15 +615,14 @@ class Workbench:
                 rec.compile_s = time.perf_counter() - t0
             if rec.status == OK:
                 if self.device == "gpu":
-                    mk = self.debug
-                    rec.key, rec.resources = mk.asm.key, mk.resources()
+                    rec.key, rec.resources = self.debug.asm.key, self.timed.resources()   # the timed kernel's
                     if verify:
                         self._verify_into(rec)
                     if timing:
                         self._time_into(rec)
                 else:
                     rec.status = NO_GPU
-                    rec.key, _, rec.resources = self.cubins["debug"]
+                    rec.key, rec.resources = self.cubins["debug"][0], self.cubins["timed"][2]
                     if verify and self.cpu_reference:
                         t1 = time.perf_counter()
                         self.last_reference = self.reference.taps(*self._verify_tokens_cpu())
