@@ -147,17 +147,17 @@ def test_cli_pack_info_perfetto(tmp_path, capsys):
 
 def test_recorded_fixtures_are_small_and_labelled():
     total = 0
-    for pos, tok_s in ((0, 1063), (3700, 971)):
+    for pos, tok_s in ((0, 1169), (3700, 1050)):
         path = T.recorded_path(pos)
         total += path.stat().st_size
         tr = T.load_trace(path)
         m = tr.meta
-        assert m["recorded"] is True and m["device"] == "NVIDIA H200" and m["date"] == "2026-11-29"
-        assert m["commit"] == "bd51f27" and m["model"] == "llama-3.2-1b" and m["position"] == pos
+        assert m["recorded"] is True and m["device"] == "NVIDIA H200" and m["date"] == "2026-11-30"
+        assert m["commit"] == "9967ec4" and m["model"] == "llama-3.2-1b" and m["position"] == pos
         assert m["tok_s"] == tok_s and m["roofline_tbps"] == pytest.approx(4.48, abs=0.005)
         assert tr.stamps.shape == (17, 83, 132, 2) and tr.complete_steps == 17
         assert tr.cfg == PRESETS["llama-3.2-1b"]
-        assert tr.title == "recorded on NVIDIA H200, 2026-11-29, commit bd51f27"
+        assert tr.title == "recorded on NVIDIA H200, 2026-11-30, commit 9967ec4"
     assert total < 3e6
 
 

@@ -954,7 +954,8 @@ def loop_benchmark(model: str = "llama-3.2-1b", *, section: str = "lm_head", edi
         with wb._gpu_ctx():
             n = overhead_tokens
             plain = dataclasses.replace(wb.options("timed"), timing=False)
-            builds = {"plain": plain, "timing": wb.options("timed"), "taps": wb.options("debug"),
+            # every build fully optimised (the loop's own verification build is not: see verify_fast_compile)
+            builds = {"plain": plain, "timing": wb.options("timed"), "taps": dataclasses.replace(plain, taps=True),
                       "taps+timing": dataclasses.replace(plain, taps=True, timing=True)}
             kernels = {k: Monokernel(wb.p, o, max_steps=n + 8) for k, o in builds.items()}
             tok = wb.cfg.bos_token_id or 1

@@ -99,7 +99,7 @@ class Trace:
 
 
 def source_title(meta: dict) -> str:
-    """"recorded on NVIDIA H200, 2026-11-29, commit bd51f27" for a recording; "live on …" otherwise."""
+    """"recorded on NVIDIA H200, 2026-11-30, commit 9967ec4" for a recording; "live on …" otherwise."""
     where = meta.get("device") or "unknown device"
     parts = [f"{'recorded' if meta.get('recorded') else 'live'} on {where}"]
     if meta.get("date"):
