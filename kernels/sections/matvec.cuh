@@ -6,8 +6,14 @@
 // FMA, which is what keeps enough bytes moving to approach the bandwidth roofline.
 #pragma once
 
-// Rows are dealt to warps round-robin over the whole grid: warp g takes rows g, g + NW, g + 2·NW ...
-__device__ __forceinline__ int grid_warp() { return wb_bid() * wb_nwarps() + wb_warp(); }
+// Rows are dealt to warps round-robin over the whole grid: warp g takes rows g, g + NW, g + 2·NW ... Warps are
+// numbered block by block (g = block·warps + warp), so a block's warps read neighbouring rows; ACROSS_BLOCKS
+// numbers them block-fastest (g = warp·blocks + block), so that a stage with fewer units than warps loads every SM
+// alike instead of filling the first blocks.
+template <bool ACROSS_BLOCKS = false>
+__device__ __forceinline__ int grid_warp() {
+    return ACROSS_BLOCKS ? wb_warp() * wb_nbid() + wb_bid() : wb_bid() * wb_nwarps() + wb_warp();
+}
 __device__ __forceinline__ int grid_nwarps() { return wb_nbid() * wb_nwarps(); }
 
 #ifndef WB_UNROLL_1
@@ -68,13 +74,13 @@ __device__ __forceinline__ void warp_rows_dot(const bf16* __restrict__ row0, lon
 }
 
 // A weight stage: the block's `prologue` fills `act`, then this warp's units (NR adjacent rows of K, dealt
-// round-robin), each result handed to `done(unit, y[NR])`, the stage's epilogue.
-template <int K, int NR, typename Prologue, typename Done>
+// round-robin, see grid_warp), each result handed to `done(unit, y[NR])`, the stage's epilogue.
+template <int K, int NR, bool ACROSS_BLOCKS = false, typename Prologue, typename Done>
 __device__ __forceinline__ void for_warp_units(const bf16* __restrict__ W, int n_units, const float* act,
                                                Prologue prologue, Done done) {
     prologue();                                        // block-wide: every thread takes part
     float y[NR];
-    for (int u = grid_warp(); u < n_units; u += grid_nwarps()) {
+    for (int u = grid_warp<ACROSS_BLOCKS>(); u < n_units; u += grid_nwarps()) {
         warp_rows_dot<K, NR>(W + (long long)u * NR * K, K, act, y);
         done(u, y);
     }

@@ -14,7 +14,8 @@ WB_SECTION void stage_qkv_rope_append(const Params* __restrict__ P, int layer, i
     const float* __restrict__ sn = P->rope_sin + (long long)pos * HALF;
     const long long kv_base = (long long)layer * WB_KV_HEADS * WB_MAX_SEQ * WB_HEAD_DIM + (long long)pos * WB_HEAD_DIM;
     auto prologue = [&] { load_rms_normalized(act, P->x, WB_D, red); };
-    for_warp_units<WB_D, 2>(W, PAIRS, act, prologue, [&](int u, const float* r) {
+    // fewer row pairs than warps (1,536 for 2,112 on 1B shapes): dealt across blocks, so that every SM loads a share
+    for_warp_units<WB_D, 2, true>(W, PAIRS, act, prologue, [&](int u, const float* r) {
         if (wb_lane() != 0) return;
         const int row = 2 * u;
         if (row < Q_DIM + KV_DIM) {                            // q or k: rotate the pair (p, p + hd/2)
