@@ -39,7 +39,7 @@ def parse(spec: str):
             kdir = Path(item[4:])
         elif item.startswith("opt."):
             k, _, v = item[4:].partition("=")
-            fields[k] = type(getattr(BuildOptions(), k))(int(v) if v.isdigit() else v)
+            fields[k] = A.option_from_text(k, v)
         elif item.startswith("@"):
             sec, _, var = item[1:].partition("=")
             variants.append((sec, var))

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from workbench.assemble import Assembled, BuildOptions, assemble  # noqa: E402
+from workbench.assemble import Assembled, BuildOptions, assemble, option_from_text  # noqa: E402
 from workbench.compile import compile_cubin  # noqa: E402
 from workbench.config import get_config  # noqa: E402
 
@@ -46,11 +46,7 @@ def main():
     a = ap.parse_args()
     cfg = get_config(a.model)
     def fields(items):
-        out = {}
-        for item in items:
-            k, _, v = item.partition("=")
-            out[k] = type(getattr(BuildOptions(), k))(int(v) if v.isdigit() else v)
-        return out
+        return {k: option_from_text(k, v) for k, _, v in (item.partition("=") for item in items)}
     builds = {"timed": assemble(cfg, BuildOptions(timing=True, **fields(a.set))),
               "debug": assemble(cfg, BuildOptions(taps=True, **{**fields(a.set), **fields(a.debug_set)}))}
     builds = {k: dataclasses.replace(b, flags=b.flags + tuple(a.flag)) for k, b in builds.items()}

@@ -148,6 +148,20 @@ def test_ptxas_level_reaches_the_compiler():
     assert compile_cubin(o1)[0] != compile_cubin(o3)[0]
 
 
+def test_build_options_from_text_and_bad_values():
+    from workbench.assemble import option_from_text
+    assert option_from_text("sampler", "greedy") == "greedy" and option_from_text("fast_compile", "0") == "0"
+    assert option_from_text("ptxas_opt", "1") == 1 and option_from_text("timing", "1") is True
+    with pytest.raises(ValueError, match="not a BuildOptions field"):
+        option_from_text("sampling", "greedy")
+    with pytest.raises(ValueError, match="not a BuildOptions field"):
+        option_from_text("variants", "x")
+    with pytest.raises(ValueError, match="takes an integer"):
+        option_from_text("threads", "many")
+    with pytest.raises(ValueError, match="ptxas_opt"):
+        BuildOptions(ptxas_opt=7)
+
+
 def test_fast_compile_build_reports_only_the_kernel():
     asm = assemble(get_config("tiny"), BuildOptions(fast_compile="min"))
     assert asm.flags == ("-Ofc=min",)

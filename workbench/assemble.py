@@ -71,6 +71,29 @@ class BuildOptions:
     fast_compile: str = "0"      # NVRTC -Ofc level: "0" (off), "min", "mid", "max": compile speed over code speed
     sampler: str = "full"        # "full": temperature, top-k, top-p; "greedy": argmax only (less code to compile)
 
+    def __post_init__(self):
+        if self.sampler not in ("full", "greedy"):
+            raise ValueError(f"sampler must be 'full' or 'greedy', got {self.sampler!r}")
+        if self.fast_compile not in ("0", "min", "mid", "max"):
+            raise ValueError(f"fast_compile must be 0, min, mid or max, got {self.fast_compile!r}")
+        if self.ptxas_opt not in (0, 1, 2, 3):
+            raise ValueError(f"ptxas_opt must be 0 to 3, got {self.ptxas_opt!r}")
+
+
+def option_from_text(field: str, text: str):
+    """The value of a BuildOptions field written on a command line (`opt.sampler=greedy`, `--set ptxas_opt=1`)."""
+    kinds = {f.name: type(f.default) for f in dataclasses.fields(BuildOptions)}
+    kind = kinds.get(field)
+    if kind not in (int, bool, str):
+        settable = ", ".join(k for k, t in kinds.items() if t in (int, bool, str))
+        raise ValueError(f"{field!r} is not a BuildOptions field that text can set (those are: {settable})")
+    if kind is str:
+        return text
+    try:
+        return kind(int(text))
+    except ValueError:
+        raise ValueError(f"{field} takes an integer, got {text!r}") from None
+
 
 # What a debug build taps per layer, in buffer order, with the stage that produces it. Names match the reference's
 # taps (workbench.reference.decode_step).
@@ -122,8 +145,6 @@ def defines(cfg: ModelConfig, opt: BuildOptions) -> dict[str, str]:
     d.update(WB_THREADS=str(opt.threads), WB_ACT_FLOATS=str(smem_floats(cfg, opt.threads)["act"]),
              WB_SLOTS=str(timing_slots(cfg)), WB_TIMING=str(int(opt.timing)),
              WB_ATTN_MIN_CHUNK=str(opt.attn_min_chunk), WB_TAPS=str(int(opt.taps)))
-    if opt.sampler not in ("full", "greedy"):
-        raise ValueError(f"sampler must be 'full' or 'greedy', got {opt.sampler!r}")
     d.update(WB_SAMPLER_FULL=str(int(opt.sampler == "full")))
     off, per_layer = tap_offsets(cfg)
     d.update({f"WB_TAP_{k.upper()}": str(v) for k, v in off.items()})
@@ -201,8 +222,6 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
             raise FileNotFoundError(f"section {name!r}: {_display(path)} does not exist")
         paste(path, path.read_text())
     source = "\n".join(out) + "\n"
-    if opt.fast_compile not in ("0", "min", "mid", "max"):
-        raise ValueError(f"fast_compile must be 0, min, mid or max, got {opt.fast_compile!r}")
     flags = (() if opt.ptxas_opt == 3 else (f"--ptxas-options=-O{opt.ptxas_opt}",)) + \
         (() if opt.fast_compile == "0" else (f"-Ofc={opt.fast_compile}",))
     key = hashlib.sha256((source + " ".join(flags)).encode()).hexdigest()[:16]

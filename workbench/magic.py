@@ -44,17 +44,25 @@ def _target(prog: str, line: str):
         raise _Usage(str(e)) from None
 
 
+def _target_or_report(prog: str, line: str, consequence: str = ""):
+    """_target, with bad input printed (and None returned) instead of raised into the notebook."""
+    try:
+        return _target(prog, line)
+    except _Usage as e:
+        print(f"✗ {prog}: {e}" + (f"\n{consequence}" if consequence else ""))
+        return None
+
+
 @magics_class
 class WorkbenchMagics(Magics):
     @cell_magic
     def section(self, line: str, cell: str):
         """%%section NAME [--variant V] [--no-reload]: the cell becomes the section file; then reload."""
         from . import session
-        try:
-            args, path = _target("%%section", line)
-        except _Usage as e:
-            print(f"✗ %%section: {e}\nnothing was written")
+        target = _target_or_report("%%section", line, "nothing was written")
+        if target is None:
             return
+        args, path = target
         wb = session.active()
         shown = session.display_path(path)
         try:
@@ -89,11 +97,10 @@ class WorkbenchMagics(Magics):
     def wb_undo(self, line: str):
         """%wb_undo NAME [--variant V] [--no-reload]: restore the section's previous version; then reload."""
         from . import session
-        try:
-            args, path = _target("%wb_undo", line)
-        except _Usage as e:
-            print(f"✗ %wb_undo: {e}")
+        target = _target_or_report("%wb_undo", line)
+        if target is None:
             return
+        args, path = target
         wb = session.active()
         try:
             if wb is not None:

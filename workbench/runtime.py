@@ -55,6 +55,11 @@ class Sampling:
     top_p: float = 1.0           # 1: off
     seed: int = 0
 
+    @property
+    def greedy(self) -> bool:
+        """Argmax decoding (the kernel's own test: no temperature, or top-k of 1)."""
+        return not self.temperature > 0 or self.top_k == 1
+
     def check(self, vocab: int):
         if not (self.temperature >= 0 and np.isfinite(self.temperature)):
             raise ValueError(f"temperature must be ≥ 0 (0 = greedy), got {self.temperature}")
@@ -237,7 +242,7 @@ class Monokernel:
         if max_new < 1:
             raise ValueError("max_new must be ≥ 1")
         sampling.check(cfg.vocab)
-        if self.opt.sampler == "greedy" and sampling.temperature > 0 and sampling.top_k != 1:
+        if self.opt.sampler == "greedy" and not sampling.greedy:
             raise ValueError("this kernel was built with sampler='greedy' (argmax only): build it with "
                              "BuildOptions(sampler='full') to sample with a temperature")
         n_steps = len(prompt) + max_new - 1

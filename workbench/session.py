@@ -601,7 +601,7 @@ class Workbench:
             t0 = time.perf_counter()
             rec = ReloadRecord(time.time(), trigger, section, variant, tuple(sorted(self.variants.items())))
             self._reload_section = section
-            rec.sampler = self.options("timed").sampler
+            rec.sampler = self.build_options.get("sampler", self._sampler(self.variants))
             try:
                 rec.compile_s = self._build_gpu() if self.device == "gpu" else self._build_cpu()
             except CompileError as e:
