@@ -20,13 +20,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cupy as cp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import workbench.assemble as A  # noqa: E402
-from workbench.assemble import BuildOptions  # noqa: E402
-from workbench.config import get_config  # noqa: E402
-from workbench.model import prepare, random_weights  # noqa: E402
-from workbench.runtime import Monokernel  # noqa: E402
-from workbench.timing import barrier_cost, format_table, stage_table  # noqa: E402
-from workbench.verify import verify  # noqa: E402
+import workbench.build.assemble as A  # noqa: E402
+from workbench.build.assemble import BuildOptions  # noqa: E402
+from workbench.model.config import get_config  # noqa: E402
+from workbench.model.weights import prepare, random_weights  # noqa: E402
+from workbench.run.runtime import Monokernel  # noqa: E402
+from workbench.measure.timing import barrier_cost, format_table, stage_table  # noqa: E402
+from workbench.check.verify import verify  # noqa: E402
 
 KERNELS = A.KERNELS                                  # this checkout's kernels/
 

@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from workbench.assemble import Assembled, BuildOptions, assemble, option_from_text  # noqa: E402
-from workbench.compile import compile_cubin  # noqa: E402
-from workbench.config import get_config  # noqa: E402
+from workbench.build.assemble import Assembled, BuildOptions, assemble, option_from_text  # noqa: E402
+from workbench.build.compile import compile_cubin  # noqa: E402
+from workbench.model.config import get_config  # noqa: E402
 
 
 def compile_seconds(asm: Assembled) -> float:

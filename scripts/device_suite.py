@@ -20,11 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cupy as cp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from workbench.assemble import BuildOptions  # noqa: E402
-from workbench.config import get_config  # noqa: E402
-from workbench.model import prepare, random_weights  # noqa: E402
-from workbench.runtime import KernelHang, Monokernel, Sampling  # noqa: E402
-from workbench.verify import verify, verify_sampling  # noqa: E402
+from workbench.build.assemble import BuildOptions  # noqa: E402
+from workbench.model.config import get_config  # noqa: E402
+from workbench.model.weights import prepare, random_weights  # noqa: E402
+from workbench.run.runtime import KernelHang, Monokernel, Sampling  # noqa: E402
+from workbench.check.verify import verify, verify_sampling  # noqa: E402
 
 R: dict = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
            "sms": cp.cuda.Device().attributes["MultiProcessorCount"], "sections": {}}
@@ -132,7 +132,7 @@ def do_throughput(name, skip_torch, n_tokens=256):
     p = prepare(random_weights(cfg, 7, xp=cp, progress=False), xp=cp, progress=False)
     mk = Monokernel(p, BuildOptions(), max_steps=4200)
     wbytes = cfg.weight_bytes_per_token()
-    roof = __import__("workbench.baselines", fromlist=["x"]).stream_read_tbps(wbytes)
+    roof = __import__("workbench.measure.baselines", fromlist=["x"]).stream_read_tbps(wbytes)
     roof_tps = roof["tbps"] * 1e12 / wbytes
     out = {"weight_bytes": wbytes, "roofline_tbps": roof["tbps"], "roofline_tok_s": roof_tps, "rows": []}
     log(f"streaming read {roof['tbps']:.2f} TB/s → roofline {roof_tps:.0f} tok/s")
@@ -147,7 +147,7 @@ def do_throughput(name, skip_torch, n_tokens=256):
                             "pct_roofline": 100 * tps / roof_tps})
         log(f"monokernel pos0={pos0}: {tps:.0f} tok/s ({100 * tps / roof_tps:.1f}% of roofline) runs {runs}")
     # where the time goes: the same kernel built with %globaltimer stamps
-    from workbench.timing import barrier_cost, format_table, stage_table
+    from workbench.measure.timing import barrier_cost, format_table, stage_table
     mkt = Monokernel(p, BuildOptions(timing=True), max_steps=4200)
     for pos0 in (0, 3700):
         r = mkt.generate([1], 64, eos=[], pos0=pos0, timing_steps=64)
@@ -163,10 +163,10 @@ def do_throughput(name, skip_torch, n_tokens=256):
     if not skip_torch:
         import torch
 
-        from workbench.baselines import gpt_fast_model, gpt_fast_tok_per_s
-        from workbench.model import unprepare
+        from workbench.measure.baselines import gpt_fast_model, gpt_fast_tok_per_s
+        from workbench.model.weights import unprepare
         w = random_weights(cfg, 7, xp=cp, progress=False)
-        from workbench.reference_torch import tensors_from_weights
+        from workbench.check.reference_torch import tensors_from_weights
         t = tensors_from_weights(w, torch.device("cuda"), torch.bfloat16)
         model = gpt_fast_model(cfg, t, torch.device("cuda"), 4352)
         del w, t
@@ -199,7 +199,7 @@ def main():
     if "throughput" in a.only:
         do_throughput("llama-3.2-1b", a.skip_torch)
     if "loop" in a.only:
-        from workbench.session import loop_benchmark
+        from workbench.loop.session import loop_benchmark
         log("\n=== edit → reload → verify → time loop (llama-3.2-1b)")
         try:
             lb = loop_benchmark("llama-3.2-1b")
@@ -210,7 +210,7 @@ def main():
             traceback.print_exc()
             R["sections"]["loop"] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
     if "bench" in a.only:
-        from workbench.bench import format_rows, run_bench
+        from workbench.measure.bench import format_rows, run_bench
         log("\n=== bench")
         for model in a.bench_models:
             try:

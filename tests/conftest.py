@@ -11,7 +11,7 @@ import zlib
 import numpy as np
 import pytest
 
-from workbench.config import get_config
+from workbench.model.config import get_config
 
 
 def pytest_configure(config):

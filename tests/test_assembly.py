@@ -8,10 +8,10 @@ import re
 import numpy as np
 import pytest
 
-from workbench.assemble import (PARAMS, SECTIONS, BuildOptions, Params, assemble, defines, section_path,
+from workbench.build.assemble import (PARAMS, SECTIONS, BuildOptions, Params, assemble, defines, section_path,
                                 smem_bytes)
-from workbench.compile import CompileError, compile_cubin, parse_log, resource_usage
-from workbench.config import PRESETS, get_config
+from workbench.build.compile import CompileError, compile_cubin, parse_log, resource_usage
+from workbench.model.config import PRESETS, get_config
 
 
 @pytest.fixture(scope="module")
@@ -104,14 +104,14 @@ def test_timing_switch_compiles_away():
     # the stamps exist only under #if WB_TIMING; with it off the kernel has no globaltimer read outside the barrier
     cubin0, _ = compile_cubin(assemble(get_config("tiny")))
     cubin1, _ = compile_cubin(assemble(get_config("tiny"), BuildOptions(timing=True)))
-    from workbench.compile import disassemble
+    from workbench.build.compile import disassemble
     n0 = disassemble(cubin0).count("GLOBALTIMER")
     n1 = disassemble(cubin1).count("GLOBALTIMER")
     assert n1 > n0
 
 
 def test_timing_table_on_a_synthetic_trace():
-    from workbench.timing import slot_names, stage_table
+    from workbench.measure.timing import slot_names, stage_table
     cfg = get_config("tiny")
     S, G, n = len(slot_names(cfg)), 3, 4
     t = np.zeros((n, S, G, 2), np.uint64)
@@ -149,7 +149,7 @@ def test_ptxas_level_reaches_the_compiler():
 
 
 def test_build_options_from_text_and_bad_values():
-    from workbench.assemble import option_from_text
+    from workbench.build.assemble import option_from_text
     assert option_from_text("sampler", "greedy") == "greedy" and option_from_text("fast_compile", "0") == "0"
     assert option_from_text("ptxas_opt", "1") == 1 and option_from_text("timing", "1") is True
     with pytest.raises(ValueError, match="not a BuildOptions field"):
@@ -172,14 +172,14 @@ def test_fast_compile_build_reports_only_the_kernel():
 
 
 def test_recorded_steps_cover_both_ends():
-    from workbench.verify import recorded_steps
+    from workbench.check.verify import recorded_steps
     r = recorded_steps(4100, 64)
     assert r[0] == 0 and r[-1] == 4099 and len(r) <= 64 and r == sorted(set(r))
     assert recorded_steps(10, 64) == list(range(10))
 
 
 def test_chi2_survival():
-    from workbench.verify import chi2_sf
+    from workbench.check.verify import chi2_sf
     assert chi2_sf(100.0, 100) == pytest.approx(0.48, abs=0.02)
     assert chi2_sf(200.0, 100) < 1e-6
 
@@ -196,7 +196,7 @@ def test_compiling_leaves_python_bytes_alone():
 
 
 def test_timing_slots_agree_with_slot_names():
-    from workbench.assemble import timing_slots
-    from workbench.timing import slot_names
+    from workbench.build.assemble import timing_slots
+    from workbench.measure.timing import slot_names
     for cfg in PRESETS.values():
         assert len(slot_names(cfg)) == timing_slots(cfg) == int(defines(cfg, BuildOptions())["WB_SLOTS"])

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from workbench.config import PRESETS, ConfigError, ModelConfig, RopeScaling, get_config
-from workbench.model import expected_shapes
+from workbench.model.config import PRESETS, ConfigError, ModelConfig, RopeScaling, get_config
+from workbench.model.weights import expected_shapes
 
 # config.json of meta-llama/Llama-3.2-1B-Instruct and meta-llama/Llama-3.1-8B-Instruct, as published
 LLAMA_32_1B = {

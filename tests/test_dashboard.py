@@ -16,10 +16,10 @@ pytest.importorskip("plotly")
 pytest.importorskip("ipywidgets")
 pytest.importorskip("anywidget")
 
-from workbench import dashboard as D                           # noqa: E402
-from workbench import trace as T                               # noqa: E402
-from workbench.config import PRESETS                           # noqa: E402
-from workbench.timing import slot_names, stage_bytes, stage_table  # noqa: E402
+from workbench.ui import dashboard as D                          # noqa: E402
+from workbench.measure import trace as T                              # noqa: E402
+from workbench.model.config import PRESETS                           # noqa: E402
+from workbench.measure.timing import slot_names, stage_bytes, stage_table  # noqa: E402
 
 CFG = PRESETS["tiny"]                  # 2 layers: 13 slots
 L_NS = 500                             # barrier latency of the synthetic trace
@@ -486,7 +486,7 @@ def test_history_records():
 
 
 def test_history_reads_session_records():
-    session = pytest.importorskip("workbench.session")
+    session = pytest.importorskip("workbench.loop.session")
     rec = session.ReloadRecord(time=1.7e9, trigger="edit", section="lm_head", variant=None,
                                variants=(("qkv_rope_append", "split"),), status="ok", compile_s=2.5, passed=True,
                                tok_per_s=1065.0)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from conftest import fresh_seed
 
-from workbench.assemble import BuildOptions
-from workbench.compile import CompileError
-from workbench.config import get_config
+from workbench.build.assemble import BuildOptions
+from workbench.build.compile import CompileError
+from workbench.model.config import get_config
 
 pytestmark = pytest.mark.gpu
 
@@ -21,14 +21,14 @@ pytestmark = pytest.mark.gpu
 def tiny():
     import cupy as cp
 
-    from workbench.model import prepare, random_weights
-    from workbench.runtime import Monokernel
+    from workbench.model.weights import prepare, random_weights
+    from workbench.run.runtime import Monokernel
     p = prepare(random_weights(get_config("tiny"), fresh_seed(), xp=cp, progress=False), xp=cp, progress=False)
     return Monokernel(p, BuildOptions(), max_steps=4400)
 
 
 def test_teacher_forced_logits_match_reference(tiny):
-    from workbench.verify import verify
+    from workbench.check.verify import verify
     rep = verify(tiny, prompt_len=7, max_new=20, seed=fresh_seed())
     print(rep.summary())
     assert rep.passed, rep.summary()
@@ -36,7 +36,7 @@ def test_teacher_forced_logits_match_reference(tiny):
 
 
 def test_positions_past_4096(tiny):
-    from workbench.verify import verify
+    from workbench.check.verify import verify
     rep = verify(tiny, prompt_len=4093, max_new=6, seed=fresh_seed())
     print(rep.summary())
     assert rep.steps[-1].position >= 4096
@@ -45,15 +45,15 @@ def test_positions_past_4096(tiny):
 
 @pytest.mark.parametrize("T,k,p", [(0.9, 0, 1.0), (1.0, 40, 1.0), (0.8, 0, 0.85), (1.4, 120, 0.9)])
 def test_sampling_distribution(tiny, T, k, p):
-    from workbench.runtime import Sampling
-    from workbench.verify import verify_sampling
+    from workbench.run.runtime import Sampling
+    from workbench.check.verify import verify_sampling
     rep = verify_sampling(tiny, Sampling(T, k, p, fresh_seed()), draws=20000, seed=fresh_seed())
     print(rep.summary())
     assert rep.passed, rep.summary()
 
 
 def test_sampling_reproducible_per_seed(tiny):
-    from workbench.runtime import Sampling
+    from workbench.run.runtime import Sampling
     s = fresh_seed()
     a = tiny.generate([3, 4, 5], 24, Sampling(1.0, 0, 0.95, s), eos=[]).tokens
     b = tiny.generate([3, 4, 5], 24, Sampling(1.0, 0, 0.95, s), eos=[]).tokens
@@ -74,8 +74,8 @@ def test_streaming_and_eos(tiny):
 def test_hang_is_reported_and_next_run_works():
     import cupy as cp
 
-    from workbench.model import prepare, random_weights
-    from workbench.runtime import KernelHang, Monokernel
+    from workbench.model.weights import prepare, random_weights
+    from workbench.run.runtime import KernelHang, Monokernel
     p = prepare(random_weights(get_config("tiny"), 5, xp=cp, progress=False), xp=cp, progress=False)
     hung = Monokernel(p, BuildOptions(hang=("gate_up_silu", 1, 2)), max_steps=64)
     t0 = time.perf_counter()
@@ -87,8 +87,8 @@ def test_hang_is_reported_and_next_run_works():
 
 
 def test_compile_error_names_section_line(tiny):
-    from workbench.assemble import section_path
-    from workbench.runtime import Monokernel
+    from workbench.build.assemble import section_path
+    from workbench.run.runtime import Monokernel
     text = section_path("down_residual").read_text().replace("P->x[r] = wb_ld_cg(P->x + r) + y[0];",
                                                                "P->x[r] = wb_ld_cg(P->x + r) + y[0] + nonsense;")
     line = text.splitlines().index(next(l for l in text.splitlines() if "nonsense" in l)) + 1
@@ -99,7 +99,7 @@ def test_compile_error_names_section_line(tiny):
 
 
 def test_bad_inputs_are_refused(tiny):
-    from workbench.runtime import Sampling
+    from workbench.run.runtime import Sampling
     V = tiny.cfg.vocab
     with pytest.raises(ValueError, match="vocabulary"):
         tiny.generate([V], 2)
@@ -112,7 +112,7 @@ def test_bad_inputs_are_refused(tiny):
 
 
 def test_greedy_only_build_decodes_alike_and_refuses_to_sample(tiny):
-    from workbench.runtime import Monokernel, Sampling
+    from workbench.run.runtime import Monokernel, Sampling
     greedy = Monokernel(tiny.p, BuildOptions(sampler="greedy"), max_steps=64)
     prompt = np.random.default_rng(fresh_seed()).integers(0, tiny.cfg.vocab, 5).tolist()
     assert greedy.generate(prompt, 12, eos=[]).tokens == tiny.generate(prompt, 12, eos=[]).tokens
@@ -124,7 +124,7 @@ def test_greedy_only_build_decodes_alike_and_refuses_to_sample(tiny):
 def test_nan_weights_are_reported_not_sampled(tiny):
     import cupy as cp
 
-    from workbench.runtime import NonFiniteLogits
+    from workbench.run.runtime import NonFiniteLogits
     saved = tiny.p.lm_head.copy()
     try:
         tiny.p.lm_head[:] = 0x7FC0                # bf16 NaN

@@ -10,7 +10,8 @@ import shutil
 import pytest
 from conftest import fresh_seed
 
-from workbench import assemble, session
+from workbench.build import assemble
+from workbench.loop import session
 
 pytestmark = pytest.mark.gpu
 

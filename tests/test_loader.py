@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from workbench import safetensors_io
-from workbench.config import get_config
-from workbench.model import (WeightsError, layer_names, load_hf, prepare, random_weights, rope_inv_freq, rope_tables,
+from workbench.model import safetensors_io
+from workbench.model.config import get_config
+from workbench.model.weights import (WeightsError, layer_names, load_hf, prepare, random_weights, rope_inv_freq, rope_tables,
                              round_bf16, to_f32, unprepare)
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from workbench import compile as C
-from workbench.__main__ import main
-from workbench.assemble import KERNELS, BuildOptions, assemble, section_path
-from workbench.config import PRESETS, get_config
+from workbench.build import compile as C
+from workbench.cli import main
+from workbench.build.assemble import KERNELS, BuildOptions, assemble, section_path
+from workbench.model.config import PRESETS, get_config
 
 
 def _clang_missing() -> str | None:
@@ -87,7 +87,7 @@ def test_parse_log_reads_clang_messages():
 
 @pytest.mark.parametrize("target", ["cuda", pytest.param("hip", marks=needs_clang)])
 def test_cli_build_exits_nonzero_on_compile_error(target, monkeypatch, capsys):
-    import workbench.assemble as A
+    import workbench.build.assemble as A
     text, line = _broken_lm_head()
     real = A.assemble
     monkeypatch.setattr(A, "assemble", lambda cfg, opt=BuildOptions(), overrides=None:

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from kernels.sections import sampling
-from workbench import reference_torch
-from workbench.config import get_config
-from workbench.model import Weights, load_hf, prepare, random_weights, unprepare
-from workbench.reference import TAP_STAGES, KVCache, decode_step, generate_reference
+from workbench.check import reference_torch
+from workbench.model.config import get_config
+from workbench.model.weights import Weights, load_hf, prepare, random_weights, unprepare
+from workbench.check.reference import TAP_STAGES, KVCache, decode_step, generate_reference
 
 N_TOKENS = 24
 

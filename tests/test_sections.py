@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from kernels.sections import PER_LAYER, PER_TOKEN_FIRST, PER_TOKEN_LAST, SECTIONS
 from kernels.sections import (attention_decode, down_residual, embedding, gate_up_silu, lm_head, o_proj_residual,
                               qkv_rope_append, sampling)
-from workbench.config import PRESETS, get_config
-from workbench.model import rope_tables
+from workbench.model.config import PRESETS, get_config
+from workbench.model.weights import rope_tables
 
 CFG = get_config("tiny")
 T = torch.from_numpy

@@ -15,10 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from workbench import assemble, session
-from workbench.config import get_config
-from workbench.model import prepare, random_weights, round_bf16
-from workbench.taps import (TAP_NAMES, TapReference, compare_taps, decode_order, reference_taps, tolerance)
+from workbench.build import assemble
+from workbench.loop import session
+from workbench.model.config import get_config
+from workbench.model.weights import prepare, random_weights, round_bf16
+from workbench.check.taps import (TAP_NAMES, TapReference, compare_taps, decode_order, reference_taps, tolerance)
 
 
 def copy_kernels(dest: Path, mp: pytest.MonkeyPatch) -> Path:
@@ -260,7 +261,7 @@ def test_watcher_reloads_when_a_build_file_changes(cpu_wb):
 
 
 def test_watcher_debounces_and_ignores_unchanged_saves(kernels):
-    from workbench.watch import Watcher
+    from workbench.loop.watch import Watcher
     calls = []
     w = Watcher(calls.append, interval_s=1, debounce_s=0.5)
     path = kernels / "sections" / "sampling.cuh"
@@ -361,7 +362,7 @@ def test_structural_bugs_fail_loudly(tiny_ref):
     """What real bugs do to the taps: far beyond the tolerances."""
     cfg, p, tokens, steps, ref = tiny_ref
     from kernels.sections.qkv_rope_append import rope
-    from workbench.reference import _rope
+    from workbench.check.reference import _rope
     cos, sin = _rope(p.cfg)
     s = steps[1]
     q_unrot = rope(ref["q", 0, s], cos[s], -sin[s])                     # undo the rotation
@@ -403,7 +404,7 @@ def test_tap_reference_caches_and_checks_steps(tiny_ref, monkeypatch):
 
 def test_torch_forward_taps_only_the_chosen_positions():
     torch = pytest.importorskip("torch")
-    from workbench import reference_torch
+    from workbench.check import reference_torch
     cfg = get_config("tiny")
     w = random_weights(cfg, seed=3, progress=False)
     t = reference_torch.tensors_from_weights(w, "cpu", torch.float64)

@@ -21,9 +21,9 @@ import math
 
 import numpy as np
 
-from .assemble import TAPS
-from .config import ModelConfig
-from .model import Prepared, Weights, unprepare
+from ..build.assemble import TAPS
+from ..model.config import ModelConfig
+from ..model.weights import Prepared, Weights, unprepare
 
 TAP_NAMES = tuple(name for name, _ in TAPS)          # per layer, in the order a layer produces them
 TAP_STAGE = dict(TAPS) | {"logits": "lm_head"}       # the section that produces each tap

@@ -1,6 +1,6 @@
 """The editing loop: edit a section, hot-reload it, verify every stage, watch per-stage timing.
 
-    from workbench.session import Workbench
+    from workbench.loop.session import Workbench
     wb = Workbench("llama-3.2-1b")          # random weights on the GPU; registers itself as the active workbench
     wb.edit("lm_head", new_text)            # atomic write; the previous version goes to kernels/.history/
     rec = wb.reload()                       # assemble → compile → verify per stage → time → ReloadRecord
@@ -43,10 +43,10 @@ from typing import Callable
 
 import numpy as np
 
-from . import assemble as _asm
-from .assemble import SECTIONS, BuildOptions
-from .compile import CompileError
-from .config import get_config
+from ..build import assemble as _asm
+from ..build.assemble import SECTIONS, BuildOptions
+from ..build.compile import CompileError
+from ..model.config import get_config
 
 # ---- the active workbench (what the %%section magic talks to) ----------------------------------------------------
 _ACTIVE: "Workbench | None" = None
@@ -58,7 +58,7 @@ def active() -> "Workbench | None":
 
 
 HOW_TO_CREATE = ("create one first, e.g.\n"
-                 "    import workbench.session\n"
+                 "    import workbench.loop.session\n"
                  "    wb = workbench.session.Workbench(\"llama-3.2-1b\")   # or \"tiny\"; device=\"cpu\" for no GPU\n"
                  "(it registers itself as the active workbench)")
 
@@ -445,7 +445,7 @@ class Workbench:
 
     # -- model and builds ------------------------------------------------------------------------------------------
     def _load_weights(self):
-        from .model import load, prepare
+        from ..model.weights import load, prepare
         if self.device == "gpu":
             import cupy
             xp = cupy
@@ -467,7 +467,7 @@ class Workbench:
     def reference(self):
         """The TapReference the verification compares against (weights converted once)."""
         if self._ref is None:
-            from .taps import TapReference
+            from ..check.taps import TapReference
             self._ref = TapReference(self.p)
         return self._ref
 
@@ -530,7 +530,7 @@ class Workbench:
 
     def _build_gpu(self, names=("debug", "timed")) -> float:
         """Compile the builds; all or nothing: if one fails, the others go back to what they were."""
-        from .runtime import Monokernel
+        from ..run.runtime import Monokernel
         overrides = dict(self.overrides)
         before = {n: (mk.opt, _texts_of(mk.asm)) for n, mk in self._kernels.items()}
 
@@ -566,7 +566,7 @@ class Workbench:
         return wall
 
     def _build_cpu(self, names=("debug", "timed")) -> float:
-        from .compile import compile_cubin, resource_usage
+        from ..build.compile import compile_cubin, resource_usage
 
         def one(name):
             asm = _asm.assemble(self.cfg, self.options(name), self.overrides)
@@ -655,9 +655,9 @@ class Workbench:
 
     def verify(self, mk=None):
         """Run the verification on the debug build (or `mk`, a taps build): → (StageTable, tokens_ok, note)."""
-        from .runtime import Sampling
-        from .taps import compare_taps, kernel_taps
-        from .verify import DEFAULT_RTOL
+        from ..run.runtime import Sampling
+        from ..check.taps import compare_taps, kernel_taps
+        from ..check.verify import DEFAULT_RTOL
         mk = mk or self.debug
         prompt, steps = self._verify_plan()
         with self._gpu_ctx():
@@ -680,7 +680,7 @@ class Workbench:
         return table, tokens_ok, note
 
     def _verify_into(self, rec: ReloadRecord):
-        from .runtime import KernelError
+        from ..run.runtime import KernelError
         t0 = time.perf_counter()
         try:
             table, rec.tokens_ok, note = self.verify()
@@ -702,7 +702,7 @@ class Workbench:
 
     def time_run(self, mk=None, steps: int | None = None):
         """A greedy run of the timing build (or `mk`) → (Result, [StageRow] or None)."""
-        from .timing import stage_table
+        from ..measure.timing import stage_table
         mk = mk or self.timed
         n = steps or self.time_steps
         tok = self.cfg.bos_token_id if self.cfg.bos_token_id is not None else 1
@@ -713,8 +713,8 @@ class Workbench:
         return res, rows
 
     def _time_into(self, rec: ReloadRecord):
-        from .runtime import KernelError
-        from .timing import format_table
+        from ..run.runtime import KernelError
+        from ..measure.timing import format_table
         t0 = time.perf_counter()
         try:
             res, rows = self.time_run()
@@ -763,8 +763,8 @@ class Workbench:
         """Build the two variant selections ({section: variant} or pairs; {} is the base files), verify each with
         the debug build, and time both (timing builds, `repeats` interleaved runs of `tokens` greedy steps, median
         tok/s). The workbench's own builds are left as they were."""
-        from .runtime import KernelError, Monokernel
-        from .timing import stage_table
+        from ..run.runtime import KernelError, Monokernel
+        from ..measure.timing import stage_table
         a, b = _norm_variants(a_variants), _norm_variants(b_variants)
         out = {"a": {}, "b": {}}
         with self._lock, self._gpu_ctx():
@@ -772,7 +772,7 @@ class Workbench:
                 for tag, v in (("a", a), ("b", b)):
                     try:
                         for which in ("debug", "timed"):
-                            from .compile import compile_cubin
+                            from ..build.compile import compile_cubin
                             compile_cubin(_asm.assemble(self.cfg, self.options(which, v), self.overrides))
                         out[tag]["error"] = None
                     except (CompileError, ValueError, FileNotFoundError) as e:
@@ -898,7 +898,7 @@ def loop_benchmark(model: str = "llama-3.2-1b", *, section: str = "lm_head", edi
     (wrong_rope, as a variant) → the first failing stage; and the tok/s of the plain build against the timing build
     and the taps build (instrumentation overhead). Restores every file it touched; its edit history goes to a
     temporary folder. Returns a dict (JSON-ready)."""
-    from .runtime import Monokernel
+    from ..run.runtime import Monokernel
     out: dict = {"model": model}
     hist = Path(tempfile.mkdtemp(prefix="wb-loop-history-"))
     path = section_file(section)

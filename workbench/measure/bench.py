@@ -40,12 +40,12 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
               log=print) -> dict:
     import cupy as cp
 
-    from .assemble import BuildOptions
+    from ..build.assemble import BuildOptions
     from .baselines import stream_read_tbps
-    from .config import get_config
-    from .model import prepare, random_weights
-    from .runtime import Monokernel
-    from .verify import verify
+    from ..model.config import get_config
+    from ..model.weights import prepare, random_weights
+    from ..run.runtime import Monokernel
+    from ..check.verify import verify
 
     cfg = get_config(model)
     max_pos = max(positions) + 2 * tokens + 8
@@ -90,7 +90,7 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
         import torch
 
         from .baselines import gpt_fast_model, gpt_fast_tok_per_s
-        from .reference_torch import tensors_from_weights
+        from ..check.reference_torch import tensors_from_weights
         t = tensors_from_weights(w, torch.device("cuda"), torch.bfloat16)
         gf = gpt_fast_model(cfg, t, torch.device("cuda"), max_pos)
         for pos in positions:

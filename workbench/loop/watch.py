@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from . import assemble as _asm
+from ..build import assemble as _asm
 
 
 def watched_files() -> list[Path]:

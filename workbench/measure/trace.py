@@ -9,7 +9,7 @@ A trace file is a compressed .npz:
   base_ns   uint64 scalar: the earliest stamp
   delta_ns  int32 (int64 when a run spans more than 2 s) [steps, slots, blocks, 2]: stamp − base_ns; −1 = unwritten
   meta      a JSON object: device, date, commit, model, config, position, tok_s, roofline_tbps, recorded, ...
-so a few thousand stamps per step cost ~25 KB. `python -m workbench.trace` packs a raw .npy into one, prints a
+so a few thousand stamps per step cost ~25 KB. `python -m workbench.measure.trace` packs a raw .npy into one, prints a
 trace's metadata and table, and exports Perfetto JSON.
 
 Perfetto export (`to_perfetto`): the Chrome trace-event JSON that Perfetto's importer reads: one track (thread) per
@@ -30,11 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import PRESETS, ModelConfig, RopeScaling
+from ..model.config import PRESETS, ModelConfig, RopeScaling
 from .timing import slot_names, stage_table, StageRow
 
 FORMAT = "workbench-timing-trace/1"
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+from ..paths import FIXTURES  # noqa: E402
 RECORDED = {0: "timing_h200_llama-3.2-1b_pos0.npz", 3700: "timing_h200_llama-3.2-1b_pos3700.npz"}
 STAGE_ORDER = ["embedding", "qkv_rope_append", "attention_decode", "o_proj_residual", "gate_up_silu",
                "down_residual", "lm_head", "sampling"]
@@ -363,7 +363,7 @@ def main(argv=None) -> int:
     import argparse
     from .timing import format_table
 
-    ap = argparse.ArgumentParser(prog="python -m workbench.trace", description="timing traces: pack, info, perfetto")
+    ap = argparse.ArgumentParser(prog="python -m workbench.measure.trace", description="timing traces: pack, info, perfetto")
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("pack", help="a raw stamps .npy (scripts/device_suite.py) → a trace .npz with metadata")
     p.add_argument("npy")

@@ -14,11 +14,11 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .assemble import (STAGES, TAPS, Assembled, BuildOptions, Params, assemble, smem_bytes, tap_offsets,
+from ..build.assemble import (STAGES, TAPS, Assembled, BuildOptions, Params, assemble, smem_bytes, tap_offsets,
                        tap_sizes, timing_slots)
-from .compile import NVRTC_OPTIONS, CompileError, parse_log
-from .config import ModelConfig
-from .model import Prepared
+from ..build.compile import NVRTC_OPTIONS, CompileError, parse_log
+from ..model.config import ModelConfig
+from ..model.weights import Prepared
 
 ST_CODE, ST_STAGE, ST_LAYER, ST_STEP, ST_BLOCK, ST_EPOCH, ST_MISSING_BLOCK, ST_MISSING_WHERE, ST_N_MISSING = range(9)
 ERR_HANG, ERR_ABORTED, ERR_BAD_TOKEN = 1, 2, 3

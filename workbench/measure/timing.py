@@ -12,8 +12,8 @@ import dataclasses
 
 import numpy as np
 
-from .assemble import LAYER_STAGES
-from .config import ModelConfig
+from ..build.assemble import LAYER_STAGES
+from ..model.config import ModelConfig
 
 
 def slot_names(cfg: ModelConfig) -> list[tuple[str, int]]:

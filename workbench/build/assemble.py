@@ -13,9 +13,10 @@ import hashlib
 import re
 from pathlib import Path
 
-from .config import ModelConfig
+from ..model.config import ModelConfig
+from ..paths import ROOT
 
-KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+KERNELS = ROOT / "kernels"
 SECTIONS_DIR = KERNELS / "sections"
 
 # The decode path, in the order the source is assembled (each needs only what precedes it).

@@ -44,7 +44,7 @@ _CLANG_MSG = re.compile(r'^(?P<file>.+?):(?P<line>\d+):(?P<col>\d+): (?P<sev>fat
 def parse_log(log: str, asm: Assembled | None = None) -> list:
     """NVRTC or clang messages → (file, line, severity, text, source line); files are repo-relative thanks to
     #line, and the source line is taken from the text that was compiled (an unsaved edit), else from the file."""
-    root = Path(__file__).resolve().parent.parent
+    from ..paths import ROOT as root
     out = []
     for line in log.splitlines():
         m = _MSG.match(line.strip()) or _CLANG_MSG.match(line.strip())

@@ -31,9 +31,9 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
-from .config import ModelConfig
-from .timing import StageRow, slot_names
-from .trace import (STAGE_ORDER, Trace, complete_steps, intervals, load_trace, recording_meta, roofline_tok_s,
+from ..model.config import ModelConfig
+from ..measure.timing import StageRow, slot_names
+from ..measure.trace import (STAGE_ORDER, Trace, complete_steps, intervals, load_trace, recording_meta, roofline_tok_s,
                     save_trace, source_title, stage_rows, step_ns)
 
 STAGES = STAGE_ORDER[1:]          # the rows of timing.stage_table (the one embedding of step 0 is not one)

@@ -23,9 +23,9 @@ import math
 
 import numpy as np
 
-from .config import ModelConfig
-from .model import Prepared, unprepare
-from .runtime import Monokernel, Result, Sampling
+from ..model.config import ModelConfig
+from ..model.weights import Prepared, unprepare
+from ..run.runtime import Monokernel, Result, Sampling
 
 DEFAULT_RTOL = 5e-3
 

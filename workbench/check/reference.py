@@ -22,8 +22,8 @@ import numpy as np
 from kernels.sections import (attention_decode, down_residual, embedding, gate_up_silu, lm_head, o_proj_residual,
                               qkv_rope_append)
 
-from .config import ModelConfig
-from .model import Weights, layer_names, round_bf16, rope_tables
+from ..model.config import ModelConfig
+from ..model.weights import Weights, layer_names, round_bf16, rope_tables
 
 TAP_STAGES = ("x_in", "q", "k", "v", "attn", "x_attn", "h_mlp", "x_out")   # per layer; plus ("logits", -1)
 

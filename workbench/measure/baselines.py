@@ -58,7 +58,7 @@ def gpt_fast_model(cfg, tensors: dict, device, max_seq: int):
     import torch.nn.functional as F
     from torch import nn
 
-    from .model import rope_tables
+    from ..model.weights import rope_tables
 
     class Layer(nn.Module):
         def __init__(self, i):

@@ -14,8 +14,8 @@ import contextlib
 import numpy as np
 import torch
 
-from .config import ModelConfig
-from .model import Weights, expected_shapes, layer_names, rope_tables
+from ..model.config import ModelConfig
+from ..model.weights import Weights, expected_shapes, layer_names, rope_tables
 
 # Attention over a block of query rows materialises scores [Hq, rows, keys]; this caps it at 2^25 elements
 # (128 MiB in fp32), so n = 4200 positions with 32 heads runs in blocks of ~250 rows.

@@ -1,0 +1,1 @@
+"""How fast is it? Per-stage timing, traces, the bench against PyTorch and the bandwidth roofline."""

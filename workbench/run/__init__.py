@@ -1,0 +1,1 @@
+"""Running a build on the GPU: launch, token streaming, the watchdog, errors."""

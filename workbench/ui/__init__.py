@@ -1,0 +1,1 @@
+"""Dashboards for Jupyter (ipywidgets + plotly)."""
