@@ -21,6 +21,7 @@ import cupy as cp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import workbench.build.assemble as A  # noqa: E402
+from workbench import paths  # noqa: E402
 from workbench.build.assemble import BuildOptions  # noqa: E402
 from workbench.model.config import get_config  # noqa: E402
 from workbench.model.weights import prepare, random_weights  # noqa: E402
@@ -28,7 +29,7 @@ from workbench.run.runtime import Monokernel  # noqa: E402
 from workbench.measure.timing import barrier_cost, format_table, stage_table  # noqa: E402
 from workbench.check.verify import verify  # noqa: E402
 
-KERNELS = A.KERNELS                                  # this checkout's kernels/
+KERNELS = paths.kernels_dir()                        # this checkout's kernels/
 
 
 def parse(spec: str):
@@ -64,7 +65,7 @@ def main():
     results = {}
     for spec in a.variant:
         name, defines, variants, fields, kdir = parse(spec)
-        A.KERNELS, A.SECTIONS_DIR = kdir, kdir / "sections"
+        paths.set_kernels_dir(kdir)
         opt = BuildOptions(threads=a.threads, defines=defines, variants=variants, **fields)
         mk = Monokernel(p, opt, max_steps=4400)
         rep = verify(mk, prompt_len=6, max_new=10, seed=3)

@@ -10,6 +10,7 @@ import shutil
 import pytest
 from conftest import fresh_seed
 
+from workbench import paths
 from workbench.build import assemble
 from workbench.loop import session
 
@@ -22,9 +23,8 @@ pytestmark = pytest.mark.gpu
 def kernels(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     new = tmp_path_factory.mktemp("gpu_wb") / "kernels"
-    shutil.copytree(assemble.KERNELS, new, ignore=shutil.ignore_patterns(".history", "__pycache__", "*.pyc"))
-    mp.setattr(assemble, "KERNELS", new)
-    mp.setattr(assemble, "SECTIONS_DIR", new / "sections")
+    shutil.copytree(paths.kernels_dir(), new, ignore=shutil.ignore_patterns(".history", "__pycache__", "*.pyc"))
+    mp.setattr(paths, "_override", new.resolve())
     yield new
     mp.undo()
 

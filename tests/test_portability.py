@@ -11,7 +11,8 @@ import pytest
 
 from workbench.build import compile as C
 from workbench.cli import main
-from workbench.build.assemble import KERNELS, BuildOptions, assemble, section_path
+from workbench.build.assemble import BuildOptions, assemble, section_path
+from workbench.paths import kernels_dir
 from workbench.model.config import PRESETS, get_config
 
 
@@ -218,7 +219,7 @@ def _literals(text: str):
             yield n, int(m[1]), line[:m.start()]
 
 
-KERNEL_FILES = sorted(Path(KERNELS).rglob("*.cuh"))
+KERNEL_FILES = sorted(kernels_dir().rglob("*.cuh"))
 WARP_FILES = [p for p in KERNEL_FILES if p.name != "portability.cuh"]   # the one place WB_WARP is defined
 
 

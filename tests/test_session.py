@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from workbench import paths
 from workbench.build import assemble
 from workbench.loop import session
 from workbench.model.config import get_config
@@ -24,11 +25,9 @@ from workbench.check.taps import (TAP_NAMES, TapReference, compare_taps, decode_
 
 def copy_kernels(dest: Path, mp: pytest.MonkeyPatch) -> Path:
     """A copy of kernels/ (sources only) that assembly, history and the watcher use instead of the real one."""
-    src = assemble.KERNELS
     new = dest / "kernels"
-    shutil.copytree(src, new, ignore=shutil.ignore_patterns(".history", "__pycache__", "*.pyc"))
-    mp.setattr(assemble, "KERNELS", new)
-    mp.setattr(assemble, "SECTIONS_DIR", new / "sections")
+    shutil.copytree(paths.kernels_dir(), new, ignore=shutil.ignore_patterns(".history", "__pycache__", "*.pyc"))
+    mp.setattr(paths, "_override", new.resolve())
     return new
 
 

@@ -14,10 +14,8 @@ import re
 from pathlib import Path
 
 from ..model.config import ModelConfig
-from ..paths import ROOT
+from .. import paths
 
-KERNELS = ROOT / "kernels"
-SECTIONS_DIR = KERNELS / "sections"
 
 # The decode path, in the order the source is assembled (each needs only what precedes it).
 SECTIONS = ["grid_sync", "matvec", "embedding", "qkv_rope_append", "attention_decode", "o_proj_residual",
@@ -119,7 +117,7 @@ def tap_offsets(cfg: ModelConfig) -> tuple[dict[str, int], int]:
 
 def section_path(name: str, variant: str | None = None) -> Path:
     """kernels/sections/NAME.cuh, or kernels/sections/NAME@VARIANT.cuh for a named variant."""
-    return SECTIONS_DIR / (f"{name}@{variant}.cuh" if variant else f"{name}.cuh")
+    return paths.sections_dir() / (f"{name}@{variant}.cuh" if variant else f"{name}.cuh")
 
 
 def timing_slots(cfg: ModelConfig) -> int:
@@ -183,7 +181,7 @@ class Assembled:
 
 def _display(path: Path) -> str:
     try:
-        return path.resolve().relative_to(KERNELS.parent).as_posix()
+        return path.resolve().relative_to(paths.kernels_dir().parent).as_posix()
     except ValueError:
         return path.as_posix()
 
@@ -208,7 +206,8 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
         out.append(f'#line 1 "{_display(path)}"')
         out.extend(_clean(text, path).splitlines())
 
-    paste(KERNELS / "portability.cuh", (KERNELS / "portability.cuh").read_text())
+    kernels = paths.kernels_dir()
+    paste(kernels / "portability.cuh", (kernels / "portability.cuh").read_text())
     gen = params_struct() + "enum Stage { " + ", ".join(f"ST_{s.upper()}" for s in STAGES) + " };\n"
     pieces.append((len(out) + 2, "<generated: Params, Stage>", gen))
     out.append('#line 1 "<generated: Params, Stage>"')
@@ -218,7 +217,7 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
             path = section_path(name, variants.get(name))
             paste(path, overrides[name])
             continue
-        path = KERNELS / "monokernel.cuh" if name == "monokernel" else section_path(name, variants.get(name))
+        path = kernels / "monokernel.cuh" if name == "monokernel" else section_path(name, variants.get(name))
         if not path.exists():
             raise FileNotFoundError(f"section {name!r}: {_display(path)} does not exist")
         paste(path, path.read_text())

@@ -43,6 +43,7 @@ from typing import Callable
 
 import numpy as np
 
+from .. import paths
 from ..build import assemble as _asm
 from ..build.assemble import SECTIONS, BuildOptions
 from ..build.compile import CompileError
@@ -70,7 +71,7 @@ _ns_lock = threading.Lock()
 
 def history_root() -> Path:
     """kernels/.history (git-ignored): earlier versions of every edited section."""
-    return _asm.KERNELS / ".history"
+    return paths.history_dir()
 
 
 def section_file(section: str, variant: str | None = None) -> Path:
@@ -78,7 +79,7 @@ def section_file(section: str, variant: str | None = None) -> Path:
     if section == "monokernel":
         if variant:
             raise ValueError("kernels/monokernel.cuh has no variants (assemble reads that one file)")
-        return _asm.KERNELS / "monokernel.cuh"
+        return paths.kernels_dir() / "monokernel.cuh"
     if section not in SECTIONS:
         raise ValueError(f"unknown section {section!r}; sections: {', '.join(SECTIONS)}, monokernel")
     if variant is not None and (not _VARIANT_RE.match(variant) or variant in (".", "..")):
@@ -88,7 +89,7 @@ def section_file(section: str, variant: str | None = None) -> Path:
 
 def display_path(path: Path) -> str:
     try:
-        return path.resolve().relative_to(_asm.KERNELS.parent.resolve()).as_posix()
+        return path.resolve().relative_to(paths.kernels_dir().parent.resolve()).as_posix()
     except ValueError:
         return path.as_posix()
 
@@ -502,9 +503,9 @@ class Workbench:
 
     def build_files(self) -> set[Path]:
         """The files the current builds read (the watcher reloads when one of them changes)."""
-        files = {_asm.KERNELS / "portability.cuh"}
+        files = {paths.kernels_dir() / "portability.cuh"}
         if "monokernel" not in self.overrides:
-            files.add(_asm.KERNELS / "monokernel.cuh")
+            files.add(paths.kernels_dir() / "monokernel.cuh")
         for s in SECTIONS:
             if s not in self.overrides:
                 files.add(_asm.section_path(s, self.variants.get(s)))

@@ -16,14 +16,14 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ..build import assemble as _asm
+from .. import paths
 
 
 def watched_files() -> list[Path]:
     """The kernel sources as they are now: every section file (variants included) plus monokernel.cuh and
     portability.cuh. Hidden files (editors' and atomic writes' temporaries) are left out."""
-    files = [p for p in _asm.SECTIONS_DIR.glob("*.cuh") if not p.name.startswith((".", "~")) and "~" not in p.name]
-    files += [_asm.KERNELS / "monokernel.cuh", _asm.KERNELS / "portability.cuh"]
+    files = [p for p in paths.sections_dir().glob("*.cuh") if not p.name.startswith((".", "~")) and "~" not in p.name]
+    files += [paths.kernels_dir() / "monokernel.cuh", paths.kernels_dir() / "portability.cuh"]
     return sorted(p for p in files if p.is_file())
 
 
