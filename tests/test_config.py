@@ -115,7 +115,7 @@ def test_from_json(tmp_path):
 @pytest.mark.parametrize("change, message", [
     ({"hidden_size": None}, "lacks 'hidden_size'"),
     ({"vocab_size": None}, "lacks 'vocab_size'"),
-    ({"num_key_value_heads": 6}, "multiple of n_kv_heads"),
+    ({"num_key_value_heads": 6}, r"num_attention_heads \(32\) must be a multiple of num_key_value_heads \(6\)"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not implemented"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic' is not implemented"),
     ({"model_type": "qwen3"}, "qk_norm"),
@@ -126,8 +126,8 @@ def test_from_json(tmp_path):
     ({"head_dim": 72}, "multiple of 16"),
     ({"head_dim": 512}, "above 256"),
     ({"intermediate_size": 8190}, "multiple of 8"),
-    ({"rms_norm_eps": 0.0}, "rms_eps must be positive"),
-    ({"num_hidden_layers": 0}, "n_layers must be a positive integer"),
+    ({"rms_norm_eps": 0.0}, "rms_norm_eps must be a positive number, got 0.0"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer, got 0"),
 ])
 def test_bad_configs_are_refused_with_the_reason(change, message):
     d = {k: v for k, v in {**LLAMA_32_1B, **change}.items() if v is not None}
@@ -165,3 +165,61 @@ def test_presets_are_frozen_and_hashable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.hidden = 8
     assert hash(cfg) == hash(get_config("tiny"))
+
+
+def test_max_seq_must_be_positive_and_within_max_position_embeddings(tmp_path):
+    assert ModelConfig.from_hf_dict(LLAMA_32_1B, max_seq=131072).max_seq == 131072
+    with pytest.raises(ConfigError, match=r"^max_seq 131073 is larger than max_position_embeddings \(131072\) of "
+                                          r"config.json$"):
+        ModelConfig.from_hf_dict(LLAMA_32_1B, max_seq=131073)
+    for bad in (0, -1):                                        # 0 used to mean "the default", silently
+        with pytest.raises(ConfigError, match=f"max_seq must be a positive integer, got {bad}"):
+            ModelConfig.from_hf_dict(LLAMA_32_1B, max_seq=bad)
+        with pytest.raises(ConfigError, match=f"max_seq must be a positive integer, got {bad}"):
+            get_config("tiny", max_seq=bad)
+    with pytest.raises(ConfigError, match=r"max_seq 200000 is larger than max_position_embeddings \(131072\) of "
+                                          r"preset llama-3.2-1b"):
+        get_config("llama-3.2-1b", max_seq=200000)
+    assert get_config("llama-3.2-1b", max_seq=131072).max_seq == 131072
+
+
+def test_max_positions_is_kept_but_not_compared():
+    cfg = ModelConfig.from_hf_dict(LLAMA_32_1B, name="llama-3.2-1b")
+    assert cfg.max_positions == 131072 == PRESETS["llama-3.2-1b"].max_positions
+    assert cfg == PRESETS["llama-3.2-1b"] and hash(cfg) == hash(cfg.with_(max_positions=None))
+
+
+def test_a_file_means_its_folder(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_32_1B))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    for given in ("config.json", "model.safetensors"):
+        assert get_config(str(tmp_path / given)).with_(name="llama-3.2-1b") == PRESETS["llama-3.2-1b"]
+
+
+def test_config_json_messages_name_the_file_and_key(tmp_path):
+    path = tmp_path / "config.json"
+    for d, message in [([LLAMA_32_1B], "must hold a JSON object (a Hugging Face model config), not an array"),
+                       ({**LLAMA_32_1B, "rms_norm_eps": "abc"}, 'rms_norm_eps must be a positive number, got "abc"'),
+                       ({**LLAMA_32_1B, "max_position_embeddings": None},
+                        "max_position_embeddings must be a positive integer, got null"),
+                       ({**LLAMA_32_1B, "rope_scaling": {"rope_type": "llama3"}}, "lacks 'rope_scaling.factor'")]:
+        path.write_text(json.dumps(d))
+        with pytest.raises(ConfigError) as e:
+            get_config(str(tmp_path))
+        assert str(e.value).startswith(str(path)) and str(e.value).endswith(message)
+
+
+def test_nulls_that_mean_the_default():
+    """HF writes null for some keys it derives; those read as absent."""
+    cfg = ModelConfig.from_hf_dict({**LLAMA_31_8B, "head_dim": None, "num_key_value_heads": None,
+                                    "rope_scaling": None, "bos_token_id": None, "eos_token_id": None})
+    assert (cfg.head_dim, cfg.n_kv_heads, cfg.rope_scaling, cfg.bos_token_id, cfg.eos_token_ids) == \
+        (128, 32, None, None, ())
+
+
+def test_fields_set_in_code_are_named_as_fields():
+    with pytest.raises(ConfigError, match=r"model config 'tiny': n_heads \(6\) must be a multiple of n_kv_heads "
+                                          r"\(4\)"):
+        get_config("tiny").with_(n_kv_heads=4)
+    with pytest.raises(ConfigError, match="model config 'tiny': rms_eps must be positive, got nan"):
+        get_config("tiny").with_(rms_eps=float("nan"))

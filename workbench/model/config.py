@@ -10,9 +10,9 @@ import json
 import math
 from pathlib import Path
 
+from ..errors import ConfigError
 
-class ConfigError(ValueError):
-    """A config that the monokernel cannot run, with the reason."""
+__all__ = ["ConfigError", "RopeScaling", "ModelConfig", "PRESETS", "DEFAULT_MODEL", "get_config", "local_folder"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +22,108 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+def shape_problems(v: dict, names: dict[str, str] | None = None) -> list[str]:
+    """What in the field values `v` (ModelConfig's field names) the kernel cannot run, each naming the field as
+    `names` calls it (config.json's keys when the values come from one)."""
+    n = {f: (names or {}).get(f, f) for f in v}
+    problems = []
+    for f in ("hidden", "n_layers", "n_heads", "n_kv_heads", "head_dim", "intermediate", "vocab", "max_seq"):
+        if isinstance(v[f], bool) or not isinstance(v[f], int) or v[f] <= 0:
+            problems.append(f"{n[f]} must be a positive integer, got {v[f]!r}")
+    if problems:
+        return problems
+    if v["n_heads"] % v["n_kv_heads"]:
+        problems.append(f"{n['n_heads']} ({v['n_heads']}) must be a multiple of {n['n_kv_heads']} ({v['n_kv_heads']})")
+    if v["head_dim"] % 16:
+        problems.append(f"{n['head_dim']} ({v['head_dim']}) must be a multiple of 16 (8 bf16 per lane, rope pairs)")
+    if v["head_dim"] > 256:
+        problems.append(f"{n['head_dim']} ({v['head_dim']}) above 256 is not supported")
+    for f in ("hidden", "intermediate"):
+        if v[f] % 8:
+            problems.append(f"{n[f]} ({v[f]}) must be a multiple of 8 (16-byte weight loads)")
+    if v["qk_norm"]:
+        problems.append("per-head q/k norms (qk_norm, Qwen3-style) are read from the config but the kernel has no "
+                        "section for them yet")
+    eps = v["rms_eps"]
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
+        problems.append(f"{n['rms_eps']} must be positive, got {eps!r}")
+    return problems
+
+
+# config.json keys of the ModelConfig fields, for messages about a config read from one
+HF_KEYS = {"hidden": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+           "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim", "intermediate": "intermediate_size",
+           "vocab": "vocab_size", "rms_eps": "rms_norm_eps"}
+
+_ABSENT = object()
+_JSON_KIND = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+              float: "a number", type(None): "null"}
+
+
+def _shown(v) -> str:
+    """A value as config.json spells it (null, "abc", 1e-05), so the message matches what the user sees."""
+    try:
+        return json.dumps(v)
+    except (TypeError, ValueError):
+        return repr(v)
+
+
+@dataclasses.dataclass
+class _Keys:
+    """Typed reads of one JSON object of a config.json; every refusal names the file and the key. `null_ok` keys
+    treat null as absent (HF writes e.g. "head_dim": null and "rope_scaling": null for the default)."""
+    d: dict
+    where: str                  # the file, for messages
+    prefix: str = ""            # "rope_scaling." inside a sub-object
+
+    def raw(self, key, default=_ABSENT, null_ok=False):
+        v = self.d.get(key, _ABSENT)
+        if v is _ABSENT or (v is None and null_ok):
+            if default is _ABSENT:
+                raise ConfigError(f"{self.where} lacks {self.prefix + key!r}")
+            return default
+        return v
+
+    def bad(self, key, what, v) -> ConfigError:
+        return ConfigError(f"{self.where}: {self.prefix}{key} must be {what}, got {_shown(v)}")
+
+    def integer(self, key, default=_ABSENT, null_ok=False, minimum=1):
+        v = self.raw(key, default, null_ok)
+        if v is default and default is not _ABSENT:
+            return v
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise self.bad(key, "a positive integer" if minimum == 1 else "a non-negative integer", v)
+        return v
+
+    def number(self, key, default=_ABSENT, null_ok=False):
+        v = self.raw(key, default, null_ok)
+        if v is default and default is not _ABSENT:
+            return v
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
+            raise self.bad(key, "a positive number", v)
+        return float(v)
+
+    def flag(self, key, default=_ABSENT, null_ok=False):
+        v = self.raw(key, default, null_ok)
+        if not isinstance(v, bool):
+            raise self.bad(key, "true or false", v)
+        return v
+
+    def string(self, key, default=_ABSENT, null_ok=False):
+        v = self.raw(key, default, null_ok)
+        if not isinstance(v, str):
+            raise self.bad(key, "a string", v)
+        return v
+
+    def sub(self, key) -> "_Keys | None":
+        v = self.raw(key, None, null_ok=True)
+        if v is None:
+            return None
+        if not isinstance(v, dict):
+            raise self.bad(key, "an object", v)
+        return _Keys(v, self.where, f"{self.prefix}{key}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,27 +145,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
+    # how far the model was trained to attend (config.json's max_position_embeddings); max_seq may not exceed it
+    # when asked for. Not part of equality: it says nothing about the shapes the kernel is built for.
+    max_positions: int | None = dataclasses.field(default=None, compare=False)
+
     def __post_init__(self):
-        problems = []
-        for f in ("hidden", "n_layers", "n_heads", "n_kv_heads", "head_dim", "intermediate", "vocab", "max_seq"):
-            if not isinstance(getattr(self, f), int) or getattr(self, f) <= 0:
-                problems.append(f"{f} must be a positive integer, got {getattr(self, f)!r}")
-        if not problems:
-            if self.n_heads % self.n_kv_heads:
-                problems.append(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
-            if self.head_dim % 16:
-                problems.append(f"head_dim ({self.head_dim}) must be a multiple of 16 (8 bf16 per lane, rope pairs)")
-            if self.head_dim > 256:
-                problems.append(f"head_dim ({self.head_dim}) above 256 is not supported")
-            for f in ("hidden", "intermediate"):
-                if getattr(self, f) % 8:
-                    problems.append(f"{f} ({getattr(self, f)}) must be a multiple of 8 (16-byte weight loads)")
-            if (self.n_heads * self.head_dim) % 8:
-                problems.append("n_heads * head_dim must be a multiple of 8")
-            if self.qk_norm:
-                problems.append("qk_norm (Qwen-style) is read from the config but the kernel has no section for it yet")
-            if not self.rms_eps > 0:
-                problems.append(f"rms_eps must be positive, got {self.rms_eps}")
+        problems = shape_problems({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         if problems:
             raise ConfigError(f"model config {self.name!r}: " + "; ".join(problems))
 
@@ -119,49 +206,87 @@ class ModelConfig:
         }
 
     @classmethod
-    def from_hf_dict(cls, d: dict, name: str = "hf", max_seq: int | None = None) -> "ModelConfig":
-        arch = d.get("model_type", "llama")
+    def from_hf_dict(cls, d: dict, name: str = "hf", max_seq: int | None = None,
+                     source: str = "config.json") -> "ModelConfig":
+        """The config of a HF config.json's contents `d`. Every key read is checked for type and range, and a refusal
+        names `source` (the file) and the key: a config.json is often hand-edited, and a KeyError or a TypeError
+        from deep inside tells its author nothing."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"{source} must hold a JSON object (a Hugging Face model config), "
+                              f"not {_JSON_KIND.get(type(d), type(d).__name__)}")
+        k = _Keys(d, source)
+        arch = k.string("model_type", "llama")
         if arch not in ("llama", "qwen2", "qwen3", "mistral"):
-            raise ConfigError(f"model_type {arch!r} is not a Llama-family decoder this kernel implements")
-        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
-            if key not in d:
-                raise ConfigError(f"config.json lacks {key!r}")
-        if d.get("hidden_act", "silu") != "silu":
-            raise ConfigError(f"hidden_act {d.get('hidden_act')!r}: only silu is implemented")
-        if d.get("attention_bias") or d.get("mlp_bias") or arch == "qwen2":
+            raise ConfigError(f"{source}: model_type {arch!r} is not a Llama-family decoder this kernel implements")
+        hidden, n_layers, n_heads = k.integer("hidden_size"), k.integer("num_hidden_layers"), \
+            k.integer("num_attention_heads")
+        intermediate, vocab = k.integer("intermediate_size"), k.integer("vocab_size")
+        act = k.string("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{source}: hidden_act {act!r}: only silu is implemented")
+        if k.flag("attention_bias", False, null_ok=True) or k.flag("mlp_bias", False, null_ok=True) \
+                or arch == "qwen2":
             # qwen2's q/k/v projections have biases by architecture, with no config key saying so
             why = " (qwen2 has q/k/v biases)" if arch == "qwen2" else ""
-            raise ConfigError(f"attention/MLP biases are not implemented{why}")
-        n_heads = d["num_attention_heads"]
-        head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
-        rs = d.get("rope_scaling") or (d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else None)
-        theta = d.get("rope_theta")
+            raise ConfigError(f"{source}: attention/MLP biases are not implemented{why}")
+        head_dim = k.integer("head_dim", None, null_ok=True)
+        if head_dim is None:
+            if hidden % n_heads:
+                raise ConfigError(f"{source}: hidden_size ({hidden}) is not a multiple of num_attention_heads "
+                                  f"({n_heads}) and there is no head_dim to say what a head is")
+            head_dim = hidden // n_heads
+        n_kv_heads = k.integer("num_key_value_heads", n_heads, null_ok=True)
+        theta = k.number("rope_theta", None, null_ok=True)
+        # transformers 5 writes rope_parameters (rope_theta inside) where 4.x wrote rope_scaling + rope_theta
+        rs = k.sub("rope_scaling") if d.get("rope_scaling") else k.sub("rope_parameters")
         scaling = None
-        if rs:
-            kind = rs.get("rope_type", rs.get("type", "default"))
-            theta = theta if theta is not None else rs.get("rope_theta")
+        if rs is not None:
+            kind = rs.string("rope_type") if "rope_type" in rs.d else rs.string("type", "default")
+            if theta is None:
+                theta = rs.number("rope_theta", None, null_ok=True)
             if kind == "llama3":
-                scaling = RopeScaling(float(rs["factor"]), float(rs.get("low_freq_factor", 1.0)),
-                                      float(rs.get("high_freq_factor", 4.0)),
-                                      int(rs.get("original_max_position_embeddings", 8192)))
+                low, high = rs.number("low_freq_factor", 1.0), rs.number("high_freq_factor", 4.0)
+                if not high > low:
+                    # the smoothing between the two divides by their difference
+                    raise ConfigError(f"{source}: {rs.prefix}high_freq_factor ({high}) must be larger than "
+                                      f"{rs.prefix}low_freq_factor ({low})")
+                scaling = RopeScaling(rs.number("factor"), low, high,
+                                      rs.integer("original_max_position_embeddings", 8192))
             elif kind != "default":
-                raise ConfigError(f"rope_scaling type {kind!r} is not implemented (llama3 and default are)")
-        eos = d.get("eos_token_id")
-        eos = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-        mpe = int(d.get("max_position_embeddings", 8192))
+                raise ConfigError(f"{source}: {rs.prefix[:-1]} type {kind!r} is not implemented (llama3 and default "
+                                  "are)")
+        eos = k.raw("eos_token_id", None, null_ok=True)
+        eos_list = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in eos_list):
+            raise k.bad("eos_token_id", "a token id or a list of token ids", eos)
+        bos = k.integer("bos_token_id", None, null_ok=True, minimum=0)
+        if bos is not None and bos >= vocab:
+            # generate starts from it when no prompt is given
+            raise ConfigError(f"{source}: bos_token_id {bos} is outside the vocabulary (vocab_size {vocab})")
+        mpe = k.integer("max_position_embeddings", 8192)
         # a sliding window (Mistral 7B v0.1) equals full attention only while every position is inside it
-        window = d.get("sliding_window") if d.get("use_sliding_window", True) else None
-        max_seq = max_seq or min(mpe, 8192, window or mpe)
+        used = k.flag("use_sliding_window", True, null_ok=True)
+        window = k.integer("sliding_window", None, null_ok=True) if used else None
+        if max_seq is None:
+            max_seq = min(mpe, 8192, window or mpe)
+        elif isinstance(max_seq, bool) or not isinstance(max_seq, int) or max_seq <= 0:
+            raise ConfigError(f"max_seq must be a positive integer, got {max_seq!r}")
+        elif max_seq > mpe:
+            raise ConfigError(f"max_seq {max_seq} is larger than max_position_embeddings ({mpe}) of {source}")
         if window and max_seq > window:
-            raise ConfigError(f"sliding_window {window} is not implemented: max_seq {max_seq} must be <= {window}")
-        return cls(
-            name=name, hidden=d["hidden_size"], n_layers=d["num_hidden_layers"], n_heads=n_heads,
-            n_kv_heads=d.get("num_key_value_heads") or n_heads, head_dim=head_dim,
-            intermediate=d["intermediate_size"], vocab=d["vocab_size"], rms_eps=float(d.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(theta if theta is not None else 10000.0), rope_scaling=scaling,
-            tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_seq=max_seq, qk_norm=arch == "qwen3",
-            bos_token_id=d.get("bos_token_id"), eos_token_ids=eos)
+            raise ConfigError(f"{source}: sliding_window {window} is not implemented: max_seq {max_seq} must be "
+                              f"<= {window}")
+        fields = dict(
+            name=name, hidden=hidden, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+            intermediate=intermediate, vocab=vocab, rms_eps=k.number("rms_norm_eps", 1e-5),
+            rope_theta=theta if theta is not None else 10000.0, rope_scaling=scaling,
+            tie_embeddings=k.flag("tie_word_embeddings", False, null_ok=True),
+            max_seq=max_seq, qk_norm=arch == "qwen3", bos_token_id=bos, eos_token_ids=tuple(eos_list),
+            max_positions=mpe)
+        problems = shape_problems(fields, HF_KEYS)
+        if problems:
+            raise ConfigError(f"{source}: " + "; ".join(problems))
+        return cls(**fields)
 
     @classmethod
     def from_json(cls, path: str | Path, max_seq: int | None = None) -> "ModelConfig":
@@ -172,9 +297,11 @@ class ModelConfig:
             d = json.loads(path.read_text())
         except FileNotFoundError:
             raise ConfigError(f"no config.json at {path}") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path} cannot be read: {e}") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
-        return cls.from_hf_dict(d, name=path.parent.name, max_seq=max_seq)
+        return cls.from_hf_dict(d, name=path.parent.name, max_seq=max_seq, source=str(path))
 
     def to_hf_dict(self) -> dict:
         """The HF LlamaConfig fields for these shapes (used to build test checkpoints and the PyTorch baselines)."""
@@ -202,28 +329,46 @@ _LLAMA3_ROPE = RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.
 PRESETS: dict[str, ModelConfig] = {
     "llama-3.2-1b": ModelConfig("llama-3.2-1b", hidden=2048, n_layers=16, n_heads=32, n_kv_heads=8, head_dim=64,
                                 intermediate=8192, vocab=128256, rope_scaling=_LLAMA3_ROPE, tie_embeddings=True,
-                                bos_token_id=128000, eos_token_ids=(128001, 128008, 128009)),
+                                bos_token_id=128000, eos_token_ids=(128001, 128008, 128009), max_positions=131072),
     "llama-3.2-3b": ModelConfig("llama-3.2-3b", hidden=3072, n_layers=28, n_heads=24, n_kv_heads=8, head_dim=128,
                                 intermediate=8192, vocab=128256, rope_scaling=_LLAMA3_ROPE, tie_embeddings=True,
-                                bos_token_id=128000, eos_token_ids=(128001, 128008, 128009)),
+                                bos_token_id=128000, eos_token_ids=(128001, 128008, 128009), max_positions=131072),
     "llama-3.1-8b": ModelConfig("llama-3.1-8b", hidden=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
                                 intermediate=14336, vocab=128256,
                                 rope_scaling=RopeScaling(8.0, 1.0, 4.0, 8192), tie_embeddings=False,
-                                bos_token_id=128000, eos_token_ids=(128001, 128008, 128009)),
+                                bos_token_id=128000, eos_token_ids=(128001, 128008, 128009), max_positions=131072),
     # small, awkward sizes so tails run: vocab and widths that divide neither 256 nor the warp count
     "tiny": ModelConfig("tiny", hidden=264, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=32, intermediate=712,
                         vocab=1003, rope_scaling=RopeScaling(4.0, 1.0, 4.0, 64), rope_theta=10000.0,
-                        tie_embeddings=True, max_seq=4352, bos_token_id=1, eos_token_ids=(2,)),
+                        tie_embeddings=True, max_seq=4352, bos_token_id=1, eos_token_ids=(2,),
+                        max_positions=131072),       # as the Llama 3 models it imitates
 }
 DEFAULT_MODEL = "llama-3.2-1b"
 
 
-def get_config(name_or_path: str, max_seq: int | None = None) -> ModelConfig:
-    """A preset by name, or the config.json of a local HF folder."""
-    if name_or_path in PRESETS:
-        cfg = PRESETS[name_or_path]
-        return cfg.with_(max_seq=max_seq) if max_seq else cfg
+def local_folder(name_or_path: str | Path) -> Path | None:
+    """The HF folder a --model names: None for a preset; a file inside a folder (its config.json, its
+    model.safetensors) means that folder, which is where the config and the weights are looked for."""
+    if str(name_or_path) in PRESETS:
+        return None
     p = Path(name_or_path)
-    if p.exists():
-        return ModelConfig.from_json(p, max_seq=max_seq)
-    raise ConfigError(f"{name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a folder with config.json")
+    if p.is_file():
+        return p.parent
+    if p.is_dir():
+        return p
+    raise ConfigError(f"{str(name_or_path)!r} is neither a preset ({', '.join(PRESETS)}) nor a folder with "
+                      f"config.json")
+
+
+def get_config(name_or_path: str | Path, max_seq: int | None = None) -> ModelConfig:
+    """A preset by name, or the config.json of a local HF folder (or of the folder of a file given instead)."""
+    folder = local_folder(name_or_path)
+    if folder is not None:
+        return ModelConfig.from_json(folder, max_seq=max_seq)
+    cfg = PRESETS[str(name_or_path)]
+    if max_seq is None:
+        return cfg
+    if not isinstance(max_seq, bool) and isinstance(max_seq, int) and max_seq > cfg.max_positions:
+        raise ConfigError(f"max_seq {max_seq} is larger than max_position_embeddings ({cfg.max_positions}) of "
+                          f"preset {cfg.name}")
+    return cfg.with_(max_seq=max_seq)             # a max_seq that is not a positive integer is refused there

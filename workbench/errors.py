@@ -1,0 +1,30 @@
+"""The errors that are the user's to fix, as opposed to bugs of the workbench.
+
+A `UserError` is something given to the workbench (an argument, a config.json, a checkpoint, the machine it runs on)
+that it cannot use. The command line reports one as a single line, `error: <message>`, and exits with code 2, so the
+message must stand alone: it names the argument, file, key or tensor at fault. Any other exception is a bug and keeps
+its traceback.
+
+They derive from ValueError so that code which caught ValueError before these existed still catches them.
+"""
+from __future__ import annotations
+
+
+class UserError(ValueError):
+    """Something the user gave that cannot be used; the message names what and why."""
+
+
+class UsageError(UserError):
+    """A command-line argument out of range, malformed, or not fitting the model (e.g. a prompt id past the vocab)."""
+
+
+class ConfigError(UserError):
+    """A config that the monokernel cannot run, with the reason."""
+
+
+class WeightsError(UserError):
+    """Missing, malformed or mis-shaped weights, with the file and tensor named."""
+
+
+class NoDeviceError(UserError):
+    """A command that needs a GPU on a machine where none is visible."""
