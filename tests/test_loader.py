@@ -1,4 +1,6 @@
 """Loading HF checkpoints, failing clearly on broken ones, and the kernel layout that prepare() produces."""
+import dataclasses
+import re
 import shutil
 
 import numpy as np
@@ -7,8 +9,8 @@ import torch
 
 from workbench.model import safetensors_io
 from workbench.model.config import get_config
-from workbench.model.weights import (WeightsError, layer_names, load_hf, prepare, random_weights, rope_inv_freq, rope_tables,
-                             round_bf16, to_f32, unprepare)
+from workbench.model.weights import (WeightsError, check_finite, layer_names, load, load_hf, prepare, random_weights,
+                                     rope_inv_freq, rope_tables, round_bf16, to_f32, unprepare)
 
 
 def hf_state_dict_bits(folder) -> dict[str, np.ndarray]:
@@ -46,9 +48,9 @@ def rewrite_single_file(src, dst, edit):
     dst.mkdir()
     shutil.copy(src / "config.json", dst / "config.json")
     st = safetensors_io.SafetensorsFile(src / "model.safetensors")
-    tensors = {k: np.array(st.get(k)) for k in st.keys()}
-    bf16 = {k for k in st.keys() if st.dtype(k) == "BF16"}
-    safetensors_io.write(dst / "model.safetensors", edit(tensors), bf16=bf16)
+    out = edit({k: np.array(st.get(k)) for k in st.keys()})
+    # bf16 stays uint16 bits in numpy: every uint16 array is written as BF16
+    safetensors_io.write(dst / "model.safetensors", out, bf16={k for k, v in out.items() if v.dtype == np.uint16})
     return dst
 
 
@@ -106,6 +108,67 @@ def test_not_a_checkpoint(tiny_hf_checkpoint, tmp_path):
     (empty / "model.safetensors").write_bytes((40).to_bytes(8, "little") + b"{ not json" + b" " * 30)
     with pytest.raises(WeightsError, match="header is not valid JSON"):
         load_hf(empty, progress=False)
+
+
+def test_harmless_extras_are_accepted(tiny_hf_checkpoint, tmp_path):
+    """An LM head equal to the tied embedding, and the RoPE buffers older transformers saved, are left out: they
+    change nothing. (What is refused instead is in test_bad_input.py.)"""
+    def extras(t):
+        return {**t, "lm_head.weight": t["model.embed_tokens.weight"],
+                "model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(16, np.float32)}
+    copy = rewrite_single_file(tiny_hf_checkpoint, tmp_path / "copy", extras)
+    a, b = load_hf(tiny_hf_checkpoint, progress=False), load_hf(copy, progress=False)
+    assert a.tensors.keys() == b.tensors.keys()
+    for name in a.tensors:
+        np.testing.assert_array_equal(a.tensors[name], b.tensors[name])
+
+
+def test_untied_lm_head_is_read(tiny_hf_checkpoint, tmp_path):
+    import json
+
+    copy = rewrite_single_file(tiny_hf_checkpoint, tmp_path / "copy",
+                               lambda t: {**t, "lm_head.weight": t["model.embed_tokens.weight"][::-1].copy()})
+    cfg = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": False}))
+    w = load_hf(copy, progress=False)
+    np.testing.assert_array_equal(w.tensors["lm_head.weight"], w.tensors["model.embed_tokens.weight"][::-1])
+
+
+@pytest.mark.parametrize("given", ["config.json", "model.safetensors", "."])
+def test_a_file_in_the_folder_means_the_folder(tiny_hf_checkpoint, given):
+    """load() given a file of a checkpoint reads the checkpoint (it used to fall back to random weights)."""
+    w = load(str(tiny_hf_checkpoint / given), progress=False)
+    assert w.source == str(tiny_hf_checkpoint)
+    ref = load_hf(tiny_hf_checkpoint, progress=False)
+    np.testing.assert_array_equal(w.tensors["model.norm.weight"], ref.tensors["model.norm.weight"])
+
+
+@pytest.mark.parametrize("chunk", [7, 1 << 24])
+def test_check_finite_names_the_tensor_count_and_first_index(chunk):
+    w = random_weights(get_config("tiny"), seed=3, progress=False)
+    check_finite(w, chunk=chunk)                                # random weights are finite
+    name = layer_names(1)["wu"]
+    t = w.tensors[name] = w.tensors[name].copy()
+    t[5, 17], t[5, 18], t[700, 1] = 0x7FC0, 0xFFC1, 0x7F80     # NaN, -NaN, +Inf as bf16 bits
+    with pytest.raises(WeightsError, match=rf"^{re.escape(w.source)}: tensor {name} has 2 NaN and 1 infinite values "
+                                           rf"\(first at \[5, 17\]\)$"):
+        check_finite(w, chunk=chunk)
+    f = {"x": np.array([[1.0, 2.0], [np.inf, np.nan]], np.float32)}
+    with pytest.raises(WeightsError, match=r"^somewhere: tensor x has 1 NaN and 1 infinite values \(first at "
+                                           r"\[1, 0\]\)$"):
+        check_finite(dataclasses.replace(w, tensors=f), where={"x": "somewhere"}, chunk=chunk)
+
+
+def test_check_finite_can_be_skipped(tiny_hf_checkpoint, tmp_path):
+    name = layer_names(0)["wd"]
+    def poison(t):
+        t[name] = t[name].copy()
+        t[name][1, 2] = 0x7FC0
+        return t
+    broken = rewrite_single_file(tiny_hf_checkpoint, tmp_path / "broken", poison)
+    with pytest.raises(WeightsError, match=rf"tensor {name} has 1 NaN value \(first at \[1, 2\]\)"):
+        load_hf(broken, progress=False)
+    assert np.isnan(to_f32(load_hf(broken, progress=False, check_values=False).tensors[name])[1, 2])
 
 
 # -- prepare / unprepare ----------------------------------------------------------------------------------------

@@ -6,37 +6,103 @@ dependency of loading; the format is a JSON header and raw little-endian tensors
 from __future__ import annotations
 
 import json
+import math
 import struct
 from pathlib import Path
 
 import numpy as np
 
+from ..errors import WeightsError
+
+# dtypes numpy can hold (bf16 as its uint16 bits)
 _DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
-           "I64": np.int64, "I32": np.int32, "U8": np.uint8, "BOOL": np.bool_}
-
-
-class WeightsError(ValueError):
-    """Missing, malformed or mis-shaped weights, with the file and tensor named."""
+           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+           "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_}
+# bytes per element of every dtype the format defines, readable or not: offsets can be checked for all of them
+_ITEMSIZE = {**{k: np.dtype(v).itemsize for k, v in _DTYPES.items()}, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1}
+MAX_HEADER = 100_000_000      # the safetensors library's own limit on the JSON header
 
 
 def read_header(path: Path) -> tuple[dict, int]:
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise WeightsError(f"{path}: too short to be a safetensors file")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100_000_000:
-            raise WeightsError(f"{path}: header length {n} is not plausible; not a safetensors file?")
-        try:
-            header = json.loads(f.read(n))
-        except json.JSONDecodeError as e:
-            raise WeightsError(f"{path}: header is not valid JSON ({e})") from None
-    header.pop("__metadata__", None)
+    """The header of a safetensors file (tensor name → dtype, shape, data_offsets), checked against the file:
+    every tensor's bytes are where the header says, inside the file, of the size its dtype and shape need, and no
+    two tensors share a byte. A header that lies would otherwise hand back other tensors' bytes, or the header's
+    own, as weights. Returns the header and the offset of the data."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise WeightsError(f"{path}: too short to be a safetensors file")
+            (n,) = struct.unpack("<Q", raw)
+            if n == 0 or n > MAX_HEADER or 8 + n > size:
+                raise WeightsError(f"{path}: header length {n} is not plausible for a file of {size} bytes; "
+                                   "not a safetensors file?")
+            text = f.read(n)
+    except OSError as e:
+        raise WeightsError(f"{path}: cannot be read ({e.strerror or e})") from None
+    try:
+        header = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise WeightsError(f"{path}: header is not valid JSON ({e})") from None
+    except _Duplicate as e:
+        raise WeightsError(f"{path}: tensor {e.args[0]} appears twice in the header") from None
+    if not isinstance(header, dict):
+        raise WeightsError(f"{path}: header is not a JSON object")
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not isinstance(meta, dict):
+        raise WeightsError(f"{path}: __metadata__ is not a JSON object")
+    _check_entries(path, header, size - 8 - n)
     return header, 8 + n
 
 
+class _Duplicate(Exception):
+    pass
+
+
+def _no_duplicates(pairs):
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise _Duplicate(k)
+        d[k] = v
+    return d
+
+
+def _check_entries(path: Path, header: dict, data_bytes: int):
+    spans = []
+    for name, h in header.items():
+        def bad(why):
+            return WeightsError(f"{path}: tensor {name} {why}")
+        if not isinstance(h, dict) or not {"dtype", "shape", "data_offsets"} <= h.keys():
+            raise bad("lacks dtype, shape or data_offsets in the header")
+        dt, shape, off = h["dtype"], h["shape"], h["data_offsets"]
+        if dt not in _ITEMSIZE:
+            raise bad(f"has unknown dtype {dt!r}")
+        if not isinstance(shape, list) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+            raise bad(f"has shape {json.dumps(shape)}, not a list of non-negative integers")
+        if not (isinstance(off, list) and len(off) == 2
+                and all(isinstance(o, int) and not isinstance(o, bool) for o in off)):
+            raise bad(f"has data_offsets {json.dumps(off)}, not two integers")
+        a, b = off
+        if a < 0 or b < a:
+            raise bad(f"has data_offsets [{a}, {b}]: they must be non-negative and in order")
+        if b > data_bytes:
+            raise bad(f"is truncated: its data_offsets end at byte {b} but the file holds {data_bytes} bytes of data")
+        need = math.prod(shape) * _ITEMSIZE[dt]
+        if b - a != need:
+            raise bad(f"has data_offsets [{a}, {b}] ({b - a} bytes) but {dt} {shape} takes {need} bytes")
+        if b > a:
+            spans.append((a, b, name))
+    spans.sort()
+    for (a0, b0, n0), (a1, b1, n1) in zip(spans, spans[1:]):
+        if a1 < b0:
+            raise WeightsError(f"{path}: tensors {n0} and {n1} overlap (data_offsets [{a0}, {b0}] and [{a1}, {b1}])")
+
+
 class SafetensorsFile:
-    """Lazy access to the tensors of one file through a memory map."""
+    """Lazy access to the tensors of one file through a memory map; the header is checked on opening."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -49,17 +115,16 @@ class SafetensorsFile:
     def dtype(self, name) -> str:
         return self.header[name]["dtype"]
 
+    def shape(self, name) -> tuple[int, ...]:
+        return tuple(self.header[name]["shape"])
+
     def get(self, name: str) -> np.ndarray:
         """The tensor as stored (bf16 as uint16 bits)."""
         h = self.header[name]
         if h["dtype"] not in _DTYPES:
-            raise WeightsError(f"{self.path}: tensor {name} has unsupported dtype {h['dtype']}")
+            raise WeightsError(f"{self.path}: tensor {name} has dtype {h['dtype']}, which cannot be read here")
         a, b = h["data_offsets"]
-        dt = np.dtype(_DTYPES[h["dtype"]])
-        n = int(np.prod(h["shape"])) if h["shape"] else 1
-        if b - a != n * dt.itemsize or self.offset + b > self._map.size:
-            raise WeightsError(f"{self.path}: tensor {name} is truncated or its offsets are inconsistent")
-        return self._map[self.offset + a:self.offset + b].view(dt).reshape(h["shape"])
+        return self._map[self.offset + a:self.offset + b].view(_DTYPES[h["dtype"]]).reshape(h["shape"])
 
     def get_f32(self, name: str) -> np.ndarray:
         t = self.get(name)

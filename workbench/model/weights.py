@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 
-from .config import ModelConfig, get_config
+from .config import ModelConfig, get_config, local_folder
 from .safetensors_io import SafetensorsFile, WeightsError, bf16_to_f32
 
 # -- bf16 bit helpers that work for numpy and cupy alike ---------------------------------------------------------
@@ -78,42 +79,165 @@ class Weights:
         return "model.embed_tokens.weight" if self.cfg.tie_embeddings else "lm_head.weight"
 
 
-def check_shapes(cfg: ModelConfig, tensors: dict, source: str):
+def check_shapes(cfg: ModelConfig, tensors: dict, source: str, where: dict[str, str] | None = None):
+    """Every tensor the config needs is there at its shape. `tensors` maps names to arrays or to shapes (a header's,
+    before any data is read); `where` names the file each came from, for the message."""
     want = expected_shapes(cfg)
     missing = [k for k in want if k not in tensors]
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
-        raise WeightsError(f"{source}: missing tensors {', '.join(missing[:3])}{more}")
+        hint = ""
+        if missing == ["lm_head.weight"]:
+            hint = " (the config does not tie the LM head to the embedding: tie_word_embeddings is false)"
+        raise WeightsError(f"{source}: missing tensors {', '.join(missing[:3])}{more}{hint}")
     for k, shape in want.items():
-        if tuple(tensors[k].shape) != shape:
-            raise WeightsError(f"{source}: tensor {k} has shape {tuple(tensors[k].shape)}, config says {shape}")
+        got = tuple(tensors[k]) if isinstance(tensors[k], (tuple, list)) else tuple(tensors[k].shape)
+        if got != shape:
+            raise WeightsError(f"{(where or {}).get(k, source)}: tensor {k} has shape {got}, config says {shape}")
 
 
-def load_hf(folder: str | Path, cfg: ModelConfig | None = None, progress: bool = True) -> Weights:
-    """Weights from a local HF folder: model.safetensors or a sharded model.safetensors.index.json."""
-    folder = Path(folder)
-    cfg = cfg or get_config(str(folder))
+# Tensors a checkpoint may hold that the kernel has no use for and loses nothing by ignoring: the RoPE inverse
+# frequencies older transformers saved as buffers (they are computed from the config here). The other one,
+# lm_head.weight next to tied embeddings, is accepted only when it equals the embedding (see load_hf).
+_HARMLESS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+# why a tensor the kernel does not read cannot just be dropped: what it would have changed, by its name
+_UNSUPPORTED = [
+    (re.compile(r"\.bias$"), "biases are not implemented"),
+    (re.compile(r"\.(q_norm|k_norm)\."), "per-head q/k norms (Qwen3-style) are not implemented"),
+    (re.compile(r"(_scale|_scales|\.scales|\.qweight|\.qzeros|\.g_idx|_zero_point|\.absmax|\.quant_map|\.SCB)$"),
+     "quantised weights are not implemented (bf16, fp16 or fp32 weights only)"),
+    (re.compile(r"\.(qkv_proj|gate_up_proj|W_pack)\."),
+     "fused projections are not implemented (the kernel reads q_proj, k_proj, v_proj, gate_proj and up_proj)"),
+]
+WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64")
+
+
+def _why_unused(name: str, cfg: ModelConfig) -> str:
+    for pattern, why in _UNSUPPORTED:
+        if pattern.search(name):
+            return why
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    if m and int(m[1]) >= cfg.n_layers:
+        return f"the config has {cfg.n_layers} layers (num_hidden_layers)"
+    if name == "lm_head.weight":
+        return "the config ties the LM head to the embedding (tie_word_embeddings) and this one differs from it"
+    return "it is not part of a Llama model with this config"
+
+
+def _shard_files(folder: Path) -> tuple[list[str], dict[str, str]]:
+    """The safetensors files of a checkpoint folder, and the index's tensor → file map (empty for one file)."""
     index = folder / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif (folder / "model.safetensors").exists():
-        files = ["model.safetensors"]
-    else:
+    if not index.exists():
+        if (folder / "model.safetensors").exists():
+            return ["model.safetensors"], {}
         raise WeightsError(f"{folder}: neither model.safetensors nor model.safetensors.index.json is there")
-    tensors = {}
-    want = expected_shapes(cfg)
-    for fname in _progress(files, "loading shards", progress and len(files) > 1):
+    try:
+        weight_map = json.loads(index.read_text()).get("weight_map")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise WeightsError(f"{index}: not a readable safetensors index ({e})") from None
+    if not isinstance(weight_map, dict) or not weight_map or \
+            not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise WeightsError(f"{index}: weight_map must be an object of tensor names to file names")
+    return sorted(set(weight_map.values())), weight_map
+
+
+def load_hf(folder: str | Path, cfg: ModelConfig | None = None, progress: bool = True,
+            check_values: bool = True) -> Weights:
+    """Weights from a local HF folder: model.safetensors or a sharded model.safetensors.index.json. A file given
+    instead of the folder (its config.json, its model.safetensors) means its folder.
+
+    Strict: every tensor in the checkpoint is either one the kernel reads or known to be harmless to leave out; a
+    bias, a q/k norm, a quantisation scale or a fused projection is refused by name, since dropping it would run a
+    different model without a word. Names, shapes and dtypes are checked from the headers before any data is read;
+    `check_values` then looks for NaN and Inf (check_finite), which the kernel would otherwise only report as logits
+    that are not finite, with no tensor named."""
+    folder = Path(folder)
+    if folder.is_file():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise WeightsError(f"{folder}: no such folder")
+    cfg = cfg or get_config(str(folder))
+    files, weight_map = _shard_files(folder)
+    opened, file_of, where = {}, {}, {}           # file name → file; tensor → its file, and that file's path
+    for fname in files:
         path = folder / fname
-        if not path.exists():
+        if not path.is_file():
             raise WeightsError(f"{folder}: shard {fname} named by the index is missing")
-        st = SafetensorsFile(path)
+        opened[fname] = st = SafetensorsFile(path)
         for k in st.keys():
-            if k in want or k == "lm_head.weight":
-                t = st.get(k)
-                tensors[k] = t if st.dtype(k) == "BF16" else t.astype(np.float32)
-    check_shapes(cfg, tensors, str(folder))
-    return Weights(cfg, tensors, np, source=str(folder))
+            if k in where:
+                raise WeightsError(f"{folder}: tensor {k} is in both {where[k]} and {path}")
+            file_of[k], where[k] = st, str(path)
+    for k, fname in weight_map.items():
+        if k not in opened[fname].keys():
+            raise WeightsError(f"{folder / 'model.safetensors.index.json'}: names tensor {k} in {fname}, "
+                               "which does not hold it")
+    want = expected_shapes(cfg)
+    # lm_head.weight next to tied embeddings is judged once its values are read, below
+    tied_head = cfg.tie_embeddings and "lm_head.weight" in where
+    unused = [k for k in where
+              if k not in want and not _HARMLESS.search(k) and not (tied_head and k == "lm_head.weight")]
+    if unused:
+        k = unused[0]
+        more = len(unused) - 1
+        more = f" (and {more} more tensor{'s' if more > 1 else ''} the kernel does not read)" if more else ""
+        raise WeightsError(f"{where[k]}: tensor {k} is not used by the kernel: {_why_unused(k, cfg)}{more}")
+    check_shapes(cfg, {k: f.shape(k) for k, f in file_of.items()}, str(folder), where)
+    for k in want:
+        dt = file_of[k].dtype(k)
+        if dt not in WEIGHT_DTYPES:
+            raise WeightsError(f"{where[k]}: tensor {k} has dtype {dt}; weights must be {', '.join(WEIGHT_DTYPES)}")
+    tensors = {}
+    for k in _progress(list(want), "reading tensors", progress and len(files) > 1):
+        t = file_of[k].get(k)
+        tensors[k] = t if file_of[k].dtype(k) == "BF16" else t.astype(np.float32)
+    if tied_head:
+        head, embed = file_of["lm_head.weight"].get("lm_head.weight"), tensors["model.embed_tokens.weight"]
+        if file_of["lm_head.weight"].dtype("lm_head.weight") == "BF16" and embed.dtype == np.uint16:
+            same = np.array_equal(head, embed)                  # the bits: a NaN equals itself here
+        else:
+            same = head.shape == embed.shape and np.array_equal(to_f32(head), to_f32(embed))
+        if not same:
+            raise WeightsError(f"{where['lm_head.weight']}: tensor lm_head.weight is not used by the kernel: "
+                               f"{_why_unused('lm_head.weight', cfg)}")
+    w = Weights(cfg, tensors, np, source=str(folder))
+    if check_values:
+        check_finite(w, where)
+    return w
+
+
+def check_finite(w: Weights, where: dict[str, str] | None = None, chunk: int = 1 << 20):
+    """Refuse NaN and Inf in any tensor, naming it, with the count and the first index. Works on numpy and cupy
+    arrays alike. Cheap: each tensor is read once, a chunk at a time into one reused buffer (allocating a
+    full-size temporary per tensor made it several times slower on the host), and counting only happens where a
+    chunk has a bad value. bf16 bits are judged by their exponent: all ones is Inf (mantissa 0) or NaN."""
+    xp = w.xp
+    bits, flags = xp.empty(chunk, xp.uint16), xp.empty(chunk, xp.bool_)
+    for name, t in w.tensors.items():
+        flat = t.reshape(-1)
+        for start in range(0, flat.size, chunk):
+            c = flat[start:start + chunk]
+            if c.dtype == xp.uint16:
+                mag = xp.bitwise_and(c, xp.uint16(0x7FFF), out=bits[:c.size])
+                if int(mag.max()) < 0x7F80:
+                    continue
+            elif bool(xp.isfinite(c, out=flags[:c.size]).all()):
+                continue
+            _report_nonfinite(name, flat[start:], start, t.shape, (where or {}).get(name, w.source), xp)
+
+
+def _report_nonfinite(name, rest, start, shape, src, xp):
+    if rest.dtype == xp.uint16:
+        mag = rest & xp.uint16(0x7FFF)
+        nan, inf = mag > 0x7F80, mag == 0x7F80
+    else:
+        nan, inf = xp.isnan(rest), xp.isinf(rest)
+    n_nan, n_inf = int(nan.sum()), int(inf.sum())
+    first = start + int(xp.argmax(nan | inf))
+    what = " and ".join(s for s in (f"{n_nan} NaN" if n_nan else "", f"{n_inf} infinite" if n_inf else "") if s)
+    index = ", ".join(str(int(i)) for i in np.unravel_index(first, shape))
+    raise WeightsError(f"{src + ': ' if src else ''}tensor {name} has {what} value{'s' if n_nan + n_inf > 1 else ''} "
+                       f"(first at [{index}])")
 
 
 def random_weights(cfg: ModelConfig, seed: int = 0, xp=np, progress: bool = True) -> Weights:
@@ -268,9 +392,10 @@ def unprepare(p: Prepared, xp=np) -> Weights:
 
 def load(model: str, weights: str | None = None, seed: int = 0, xp=np, max_seq: int | None = None,
          progress: bool = True) -> Weights:
-    """A model by preset name or HF folder; weights from `weights` (a folder), the folder itself, or random."""
+    """A model by preset name or HF folder (or a file in one); weights from `weights` (a folder, or a file in one),
+    else from the model's folder, else random at the preset's shapes."""
     cfg = get_config(model, max_seq=max_seq)
-    folder = weights or (model if Path(model).is_dir() else None)
+    folder = weights if weights is not None else local_folder(model)
     if folder is not None:
         return load_hf(folder, cfg, progress=progress)
     return random_weights(cfg, seed, xp=xp, progress=progress)
@@ -286,5 +411,5 @@ def _progress(it, desc, enabled):
     return tqdm(it, desc=desc, leave=False)
 
 
-__all__ = ["Weights", "Prepared", "load", "load_hf", "random_weights", "prepare", "unprepare", "rope_tables",
-           "rope_inv_freq", "to_f32", "to_bf16", "round_bf16", "WeightsError", "bf16_to_f32"]
+__all__ = ["Weights", "Prepared", "load", "load_hf", "check_finite", "check_shapes", "random_weights", "prepare",
+           "unprepare", "rope_tables", "rope_inv_freq", "to_f32", "to_bf16", "round_bf16", "WeightsError", "bf16_to_f32"]
