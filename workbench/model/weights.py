@@ -186,7 +186,8 @@ def load_hf(folder: str | Path, cfg: ModelConfig | None = None, progress: bool =
     for k in want:
         dt = file_of[k].dtype(k)
         if dt not in WEIGHT_DTYPES:
-            raise WeightsError(f"{where[k]}: tensor {k} has dtype {dt}; weights must be {', '.join(WEIGHT_DTYPES)}")
+            raise WeightsError(f"{where[k]}: tensor {k} has dtype {dt}; weights must be "
+                               f"{', '.join(WEIGHT_DTYPES[:-1])} or {WEIGHT_DTYPES[-1]}")
     tensors = {}
     for k in _progress(list(want), "reading tensors", progress and len(files) > 1):
         t = file_of[k].get(k)
