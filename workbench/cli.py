@@ -1,21 +1,201 @@
-"""python -m workbench generate | verify | build | bench — see README.md."""
+"""python -m workbench generate | verify | build | bench — see README.md.
+
+One error path: what the user gave and the workbench cannot use (an argument, a config.json, a checkpoint, a machine
+without a GPU: a `UserError`) is reported as one line, `error: …`, with exit code 2; anything else is a bug and keeps
+its traceback. Arguments are checked before any weight is read and before a GPU is touched, so a typo costs no load
+or compile.
+"""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
+import traceback
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from .model.config import DEFAULT_MODEL, PRESETS, ConfigError, get_config
+from .errors import NoDeviceError, UsageError, UserError
+from .model.config import DEFAULT_MODEL, PRESETS, ModelConfig, get_config, local_folder
+
+# -- argument types: argparse reports an ArgumentTypeError as "argument --x: <message>" ---------------------------
+
+
+def _number(text: str, kind):
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+
+
+def positive_int(text: str) -> int:
+    n = _number(text, int)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
+    return n
+
+
+def non_negative_int(text: str) -> int:
+    n = _number(text, int)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {n}")
+    return n
+
+
+def temperature(text: str) -> float:
+    t = _number(text, float)
+    if not (math.isfinite(t) and t >= 0):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0 (0 = greedy), got {text}")
+    return t
+
+
+def top_p(text: str) -> float:
+    p = _number(text, float)
+    if not 0 < p <= 1:                       # NaN fails this too
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (1 = off), got {text}")
+    return p
+
+
+def positive_float(text: str) -> float:
+    x = _number(text, float)
+    if not (math.isfinite(x) and x > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return x
+
+
+def threads(text: str) -> int:
+    # whole warps (work is dealt out per warp), at most a CUDA block's limit of 1024, which the reduction scratch
+    # is sized for (WB_MAX_WARPS)
+    n = _number(text, int)
+    if n % 32 or not 64 <= n <= 1024:
+        raise argparse.ArgumentTypeError(f"must be a multiple of 32 from 64 to 1024, got {n}")
+    return n
+
+
+def token_ids(text: str) -> list[int]:
+    ids = []
+    for part in text.split(","):
+        if not (part.strip().isascii() and part.strip().isdigit()):     # "²".isdigit() is true, int("²") fails
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids "
+                                             f"({part.strip()!r} is not a non-negative integer)")
+        ids.append(int(part))
+    return ids
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are raised as UsageError, to be reported like every other user error (one line)
+    rather than printed with the usage and exited from where they happen."""
+
+    def error(self, message):
+        hint = "" if message.startswith("argument ") else f" (see {self.prog} --help)"
+        raise UsageError(message + hint)
 
 
 def _model_args(p: argparse.ArgumentParser):
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"preset ({', '.join(PRESETS)}) or a local HF folder (default {DEFAULT_MODEL})")
     p.add_argument("--weights", help="HF folder with safetensors (default: the --model folder, else random)")
-    p.add_argument("--weights-seed", type=int, default=0, help="seed of random weights")
-    p.add_argument("--max-seq", type=int, help="KV-cache length (default: the config's, at most 8192)")
-    p.add_argument("--threads", type=int, default=512, help="threads per block (one block per SM)")
+    p.add_argument("--weights-seed", type=non_negative_int, default=0, help="seed of random weights")
+    p.add_argument("--max-seq", type=positive_int,
+                   help="KV-cache length (default: the config's, at most 8192; at most max_position_embeddings)")
+    p.add_argument("--threads", type=threads, default=512,
+                   help="threads per block (one block per SM): a multiple of 32 from 64 to 1024")
+
+
+# -- checks that need the config: before any weight is read and before the GPU is touched ---------------------------
+
+
+def _config(model: str, max_seq: int | None) -> ModelConfig:
+    """The model's config at the asked KV-cache length, which may not pass the positions it was trained for."""
+    cfg = get_config(model)
+    if max_seq is not None and cfg.max_positions is not None and max_seq > cfg.max_positions:
+        of = f"preset {model}" if model in PRESETS else str(local_folder(model) / "config.json")
+        raise UsageError(f"--max-seq {max_seq} is larger than max_position_embeddings ({cfg.max_positions}) of {of}")
+    return get_config(model, max_seq=max_seq)
+
+
+def _weights_folder(args) -> Path | None:
+    if args.weights is not None:
+        p = Path(args.weights)
+        if not p.exists():
+            raise UsageError(f"--weights {args.weights}: no such file or folder")
+        return p.parent if p.is_file() else p
+    return local_folder(args.model)
+
+
+def _fits(cfg: ModelConfig, prompt_len: int, tokens: int, what: str):
+    steps = prompt_len + tokens - 1             # positions the KV cache must hold: the last token is not fed back
+    if steps > cfg.max_seq:
+        raise UsageError(f"{what} need {steps} positions, but the KV cache of {cfg.name} holds {cfg.max_seq} "
+                         f"(--max-seq)")
+
+
+def _check_generate(args):
+    cfg = _config(args.model, args.max_seq)
+    _weights_folder(args)
+    tok = _tokenizer(args)
+    if args.prompt is not None:
+        if tok is None:
+            folder = _weights_folder(args)
+            where = f"in {folder}" if folder else "in a weights folder (these weights are random)"
+            raise UsageError(f"--prompt needs a tokenizer.json {where} and the tokenizers package; "
+                             "give --prompt-ids instead")
+        ids, given = tok.encode(args.prompt).ids, "--prompt"
+        if not ids:
+            raise UsageError(f"--prompt {args.prompt!r} encodes to no tokens")
+    elif args.prompt_ids is not None:
+        ids, given = args.prompt_ids, "--prompt-ids"
+    else:
+        ids, given = [cfg.bos_token_id if cfg.bos_token_id is not None else 0], "the default prompt"
+    bad = [t for t in ids if t >= cfg.vocab]
+    if bad:
+        raise UsageError(f"{given}: token id {bad[0]} is outside the vocabulary of {cfg.name} "
+                         f"(vocab_size {cfg.vocab}: ids 0 to {cfg.vocab - 1})")
+    if args.top_k > cfg.vocab:
+        raise UsageError(f"--top-k {args.top_k} is larger than the vocabulary of {cfg.name} ({cfg.vocab}); "
+                         "0 turns top-k off")
+    _fits(cfg, len(ids), args.tokens, f"a {len(ids)}-token prompt and --tokens {args.tokens}")
+    args.prompt_tokens, args.tokenizer = ids, tok           # for cmd_generate: read and checked once, here
+
+
+def _check_verify(args):
+    cfg = _config(args.model, args.max_seq)
+    _weights_folder(args)
+    _fits(cfg, args.prompt_len, args.tokens, f"--prompt-len {args.prompt_len} and --tokens {args.tokens}")
+
+
+def _check_build(args):
+    target = args.target or ("hip" if args.dump == "amdgcn" else "cuda")
+    if args.dump and (args.dump == "amdgcn") != (target == "hip"):
+        raise UsageError(f"--dump {args.dump} needs --target {'hip' if args.dump == 'amdgcn' else 'cuda'}")
+    if args.section and not args.dump:
+        raise UsageError("--section goes with --dump ptx|sass|amdgcn")
+    for name in (list(PRESETS) if args.all_presets else [args.model]):
+        _config(name, args.max_seq)
+
+
+def _check_bench(args):
+    get_config(args.model)
+
+
+def gpu_problem() -> str | None:
+    """Why no CUDA GPU can be used here, or None when one can. Asks the CUDA runtime through CuPy and nothing
+    else: no weights, no compile."""
+    try:
+        import cupy
+        n = cupy.cuda.runtime.getDeviceCount()
+    except ImportError as e:
+        return f"CuPy cannot be imported: {e}"
+    except Exception as e:                      # no driver, a driver too old, no libcuda: all mean "no GPU"
+        return str(e) or type(e).__name__
+    return None if n > 0 else "CuPy sees 0 devices"
+
+
+def _require_gpu(cmd: str):
+    why = gpu_problem()
+    if why is not None:
+        raise NoDeviceError(f"no CUDA GPU is visible ({why}); `{cmd}` needs one. Without one, `build` and the "
+                            "tests run: python -m workbench build --model M, python -m pytest -q")
 
 
 def _load(args):
@@ -43,40 +223,57 @@ def _kernel(args, p, **kw):
 
 
 def _tokenizer(args):
-    folder = args.weights or (args.model if Path(args.model).is_dir() else None)
-    if folder and (Path(folder) / "tokenizer.json").exists():
-        try:
-            from tokenizers import Tokenizer
-            return Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
-        except ImportError:
-            print("tokenizer.json found but the `tokenizers` package is missing: ids only", file=sys.stderr)
-    return None
+    folder = _weights_folder(args)
+    path = folder / "tokenizer.json" if folder else None
+    if path is None or not path.exists():
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        print("tokenizer.json found but the `tokenizers` package is missing: ids only", file=sys.stderr)
+        return None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:                      # the tokenizers package raises plain Exception for a bad file
+        raise UserError(f"{path}: not a tokenizer the tokenizers package can read ({e})") from None
+
+
+def stream_text(tokenizer, ids: Iterable[int], prompt: Iterable[int] = ()) -> Iterator[str]:
+    """The text of token ids as they arrive, piece by piece, through the tokenizer's own streaming decoder
+    (tokenizers.decoders.DecodeStream): a character whose bytes span several tokens (byte-level BPE splits "ï" or
+    an emoji across tokens) comes out whole once its last byte arrives, never as U+FFFD halves, and each token costs
+    a decode of the last few tokens only, not of everything so far. `prompt` primes the decoder so the first piece
+    reads in context (a leading space, a merge with the prompt's last token). Bytes still pending when `ids` ends
+    (generation stopped inside a character) come out as the tokenizer decodes them alone, so nothing is dropped."""
+    from tokenizers.decoders import DecodeStream
+
+    stream = DecodeStream(skip_special_tokens=True)       # as Tokenizer.decode does by default
+    for t in prompt:
+        stream.step(tokenizer, t)
+    pending = []
+    for t in ids:
+        pending.append(t)
+        piece = stream.step(tokenizer, t)
+        if piece:
+            pending.clear()
+            yield piece
+    if pending and (tail := tokenizer.decode(pending)):
+        yield tail
 
 
 def cmd_generate(args) -> int:
     from .run.runtime import Sampling
-    tok = _tokenizer(args)
-    if args.prompt is not None and tok is None:
-        print("--prompt needs a folder with tokenizer.json; use --prompt-ids", file=sys.stderr)
-        return 2
+    tok, ids = args.tokenizer, args.prompt_tokens          # from _check_generate
     p = _load(args)
     cfg = p.cfg
-    if args.prompt is not None:
-        ids = tok.encode(args.prompt).ids
-    elif args.prompt_ids:
-        ids = [int(t) for t in args.prompt_ids.split(",")]
-    else:
-        ids = [cfg.bos_token_id if cfg.bos_token_id is not None else 0]
     mk = _kernel(args, p, max_steps=len(ids) + args.tokens)
     s = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-    out = []
-    for t in mk.stream_tokens(ids, args.tokens, s, eos=None if args.stop_on_eos else []):
-        out.append(t)
-        if tok is not None:
-            text = tok.decode(out)
-            prev = tok.decode(out[:-1])
-            print(text[len(prev):], end="", flush=True)
-        else:
+    tokens = mk.stream_tokens(ids, args.tokens, s, eos=None if args.stop_on_eos else [])
+    if tok is not None:
+        for piece in stream_text(tok, tokens, prompt=ids):
+            print(piece, end="", flush=True)
+    else:
+        for t in tokens:
             print(t, end=" ", flush=True)
     res = mk.last
     print()
@@ -110,12 +307,6 @@ def cmd_build(args) -> int:
     from .build.assemble import BuildOptions, assemble, smem_bytes
     target = args.target or ("hip" if args.dump == "amdgcn" else "cuda")
     arch = args.arch or {"cuda": "sm_90", "hip": "gfx942"}[target]
-    if args.dump and (args.dump == "amdgcn") != (target == "hip"):
-        print(f"--dump {args.dump} needs --target {'hip' if args.dump == 'amdgcn' else 'cuda'}", file=sys.stderr)
-        return 2
-    if args.section and not args.dump:
-        print("--section goes with --dump ptx|sass|amdgcn", file=sys.stderr)
-        return 2
     names = list(PRESETS) if args.all_presets else [args.model]
     opt = BuildOptions(threads=args.threads, timing=args.timing)
     failed = False
@@ -174,32 +365,33 @@ def cmd_bench(args) -> int:
     return bench_main(args.model, args.tokens, args.repeats, args.json, args.no_torch, args.no_hf)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m workbench", description="batch-1 decode monokernel workbench")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+def _parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="python -m workbench", description="batch-1 decode monokernel workbench")
+    sub = ap.add_subparsers(dest="cmd", metavar="command", required=True)
     g = sub.add_parser("generate", help="stream tokens from the monokernel (GPU)")
     _model_args(g)
-    g.add_argument("--prompt", help="prompt text (needs tokenizer.json in the weights folder)")
-    g.add_argument("--prompt-ids", help="comma-separated prompt token ids")
-    g.add_argument("--tokens", type=int, default=64, help="tokens to generate")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
+    prompt = g.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", help="prompt text (needs tokenizer.json in the weights folder)")
+    prompt.add_argument("--prompt-ids", type=token_ids, help="comma-separated prompt token ids")
+    g.add_argument("--tokens", type=positive_int, default=64, help="tokens to generate")
+    g.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=top_p, default=1.0, help="in (0, 1]; 1 = off")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
     g.add_argument("--stop-on-eos", action="store_true", help="stop at the config's EOS ids")
     v = sub.add_parser("verify", help="kernel vs reference, teacher-forced (GPU); exits 1 on failure")
     _model_args(v)
-    v.add_argument("--seeds", type=int, nargs="+", default=[0])
-    v.add_argument("--prompt-len", type=int, default=8)
-    v.add_argument("--tokens", type=int, default=24)
-    v.add_argument("--rtol", type=float, default=None)
+    v.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0])
+    v.add_argument("--prompt-len", type=positive_int, default=8)
+    v.add_argument("--tokens", type=positive_int, default=24)
+    v.add_argument("--rtol", type=positive_float, default=None)
     v.add_argument("--sampling", action="store_true", help="also the chi-square checks of the sampler")
-    v.add_argument("--draws", type=int, default=20000)
+    v.add_argument("--draws", type=positive_int, default=20000)
     b = sub.add_parser("build", help="compile only (no GPU): registers, spills, shared memory")
     b.add_argument("--model", default=DEFAULT_MODEL)
     b.add_argument("--all-presets", action="store_true", help=f"build every preset ({', '.join(PRESETS)})")
-    b.add_argument("--max-seq", type=int)
-    b.add_argument("--threads", type=int, default=512)
+    b.add_argument("--max-seq", type=positive_int)
+    b.add_argument("--threads", type=threads, default=512)
     b.add_argument("--target", choices=["cuda", "hip"],
                    help="cuda: NVRTC for NVIDIA; hip: clang-19 for AMD (default cuda, hip with --dump amdgcn)")
     b.add_argument("--arch", help="sm_90 for cuda, gfx942 for hip (the defaults)")
@@ -212,20 +404,42 @@ def main(argv=None) -> int:
                                      "matvec, monokernel, portability), what is inlined into it included")
     be = sub.add_parser("bench", help="monokernel vs torch.compile, HF generate() and the bandwidth roofline (GPU)")
     be.add_argument("--model", default=DEFAULT_MODEL)
-    be.add_argument("--tokens", type=int, default=128, help="decode steps per timed run")
-    be.add_argument("--repeats", type=int, default=5)
+    be.add_argument("--tokens", type=positive_int, default=128, help="decode steps per timed run")
+    be.add_argument("--repeats", type=positive_int, default=5)
     be.add_argument("--json", help="write the table as JSON here")
     be.add_argument("--no-torch", action="store_true", help="skip the PyTorch paths")
     be.add_argument("--no-hf", action="store_true", help="skip HF generate()")
-    args = ap.parse_args(argv)
-    if getattr(args, "rtol", 0) is None:
-        from .check.verify import DEFAULT_RTOL
-        args.rtol = DEFAULT_RTOL
+    return ap
+
+
+COMMANDS = {"generate": (cmd_generate, _check_generate, True), "verify": (cmd_verify, _check_verify, True),
+            "build": (cmd_build, _check_build, False), "bench": (cmd_bench, _check_bench, True)}
+BUG = "this is a bug in the workbench: please report it, with the traceback above and the command line"
+
+
+def main(argv=None) -> int:
+    """Run one command; user errors become one line and exit code 2, anything else a traceback and a bug report."""
     try:
-        return {"generate": cmd_generate, "verify": cmd_verify, "build": cmd_build, "bench": cmd_bench}[args.cmd](args)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        args = _parser().parse_args(argv)
+        if getattr(args, "rtol", 0) is None:
+            from .check.verify import DEFAULT_RTOL
+            args.rtol = DEFAULT_RTOL
+        run, check, needs_gpu = COMMANDS[args.cmd]
+        check(args)
+        if needs_gpu:
+            _require_gpu(args.cmd)
+        return run(args)
+    except UserError as e:
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)        # one line, whatever the message held
         return 2
+    except Exception as e:
+        from .build.compile import CompileError
+        if isinstance(e, CompileError):                 # the kernel sources' fault, reported as `build` reports it
+            print(e, file=sys.stderr)
+            return 1
+        traceback.print_exc()
+        print(BUG, file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
