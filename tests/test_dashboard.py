@@ -1,13 +1,16 @@
-"""Timing traces (workbench.trace) and the dashboards (workbench.dashboard), in-process, no GPU.
+"""Timing traces (workbench.measure.trace) and the dashboards (workbench.ui.dashboard), in-process, no GPU.
 
 A synthetic trace with hand-computable spans checks the numbers every figure shows; the recorded H200 fixtures check
-the file format, the metadata and the titles; snapshots with unwritten (0) stamps check the live path.
+the file format, the metadata and the titles; snapshots with unwritten (0) stamps check the live path. The slot
+layout is the plan's: every slot stamped in every step, slot 0 "sampling+publish+embedding" (at step 0 only the
+embedding), then five per layer, then lm_head.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,12 +19,15 @@ pytest.importorskip("plotly")
 pytest.importorskip("ipywidgets")
 pytest.importorskip("anywidget")
 
+from workbench import plan                                        # noqa: E402
 from workbench.ui import dashboard as D                          # noqa: E402
 from workbench.measure import trace as T                              # noqa: E402
 from workbench.model.config import PRESETS                           # noqa: E402
-from workbench.measure.timing import slot_names, stage_bytes, stage_table  # noqa: E402
+from workbench.measure.timing import slot_labels, slot_names, spans, stage_bytes, stage_table  # noqa: E402
 
-CFG = PRESETS["tiny"]                  # 2 layers: 13 slots
+CFG = PRESETS["tiny"]                  # 2 layers: 12 slots
+N_SLOTS = 5 * CFG.n_layers + 2
+SLOT0 = "sampling+publish+embedding"
 L_NS = 500                             # barrier latency of the synthetic trace
 T0 = 10**15
 
@@ -36,8 +42,6 @@ def synthetic(cfg=CFG, steps=5, blocks=4, work_scale=None, t0=T0):
     prev = None
     for s in range(steps):
         for k in range(n_slots):
-            if s > 0 and k == 0:
-                continue                                  # the first embedding is stamped in step 0 only
             w = 1000 * (k + 1) * (1 if work_scale is None else work_scale(k)) + 100 * b
             start = np.full(blocks, t0, np.int64) if prev is None else prev
             arrive = start + w
@@ -51,15 +55,49 @@ def slot_span_ns(k):
     return 1000 * (k + 1) + 100 * 3 + L_NS + 30           # 4 blocks: the slowest is block 3
 
 
-STEP_NS = sum(slot_span_ns(k) for k in range(1, 13))     # a step after the first: slots 1..12
+STEP_NS = sum(slot_span_ns(k) for k in range(N_SLOTS))   # a step after the first: every slot
+
+
+def as_v1(t: np.ndarray) -> np.ndarray:
+    """The same barriers in the older layout (format /1): slot 0 the first embedding, stamped in step 0 only, then
+    the layers and lm_head, then sampling, whose barrier is the next step's slot 0 (the last step's is made up)."""
+    S, K, B, _ = t.shape
+    old = np.zeros((S, K + 1, B, 2), t.dtype)
+    old[:, 1:-1] = t[:, 1:]
+    old[0, 0] = t[0, 0]
+    old[:-1, -1] = t[1:, 0]
+    old[-1, -1] = t[-1, -1] + np.uint64(5000)
+    return old
+
+
+def save_v1(path, t: np.ndarray, meta: dict) -> Path:
+    base, delta = T.encode(t)
+    meta = dict(meta, format=T.FORMAT_V1)
+    meta.pop("slots", None)
+    np.savez_compressed(path, format=np.array(T.FORMAT_V1), base_ns=np.array(base, np.uint64), delta_ns=delta,
+                        meta=np.array(json.dumps(meta)))
+    return Path(path)
 
 
 # -- synthetic: the analysis ----------------------------------------------------------------------------------------
 
+def test_slot_layout_comes_from_the_plan():
+    names = slot_names(CFG)
+    assert names == [(s.label, s.layer) for s in plan.slots(CFG)] and len(names) == plan.n_slots(CFG) == N_SLOTS
+    assert names[0] == (SLOT0, -1) and names[-1] == ("lm_head", -1)
+    assert slot_names(CFG, first_step=True)[0] == ("embedding", -1)
+    assert slot_labels(CFG) == [SLOT0, *plan.LAYER_STAGES, "lm_head"]
+    assert stage_bytes(CFG, SLOT0, 7) == sum(plan.stage_bytes(CFG, s, 7) for s in ("sampling", "publish",
+                                                                                    "embedding"))
+    assert stage_bytes(CFG, "attention_decode", 9) == plan.stage_bytes(CFG, "attention_decode", 9)
+
+
 def test_synthetic_spans_are_what_the_construction_says():
     rows = {r.stage: r for r in stage_table(CFG, synthetic(), 0)}
+    assert list(rows) == slot_labels(CFG)
     qkv_slots = [k for k, (s, _) in enumerate(slot_names(CFG)) if s == "qkv_rope_append"]
     assert qkv_slots == [1, 6]
+    assert rows[SLOT0].us_per_token == pytest.approx(slot_span_ns(0) / 1e3)
     assert rows["qkv_rope_append"].us_per_token == pytest.approx(sum(slot_span_ns(k) for k in qkv_slots) / 1e3)
     assert rows["qkv_rope_append"].spread == pytest.approx((rows["qkv_rope_append"].us_per_token,) * 2)
     assert rows["lm_head"].us_per_token == pytest.approx(slot_span_ns(11) / 1e3)
@@ -87,13 +125,17 @@ def test_complete_steps_and_partial_stamps():
 def test_intervals_tile_each_block_without_gaps():
     t = synthetic()
     iv = T.intervals(t)
-    assert not iv.known[1:, 0].any() and iv.known[0].all() and iv.known[1:, 1:].all()
+    assert iv.known.all()                                                        # every slot, every step
     assert (iv.work[iv.known] >= 0).all() and (iv.wait[iv.known] > 0).all()    # step 0 starts at the first arrival
     for s in range(1, 5):
         for b in range(4):
-            total = (iv.work[s, 1:, b] + iv.wait[s, 1:, b]).sum()
+            total = (iv.work[s, :, b] + iv.wait[s, :, b]).sum()
             assert total == int(t[s, -1, b, 1]) - int(t[s - 1, -1, b, 1])
+            assert iv.start[s, 0, b] == t[s - 1, -1, b, 1]          # slot 0 starts where the last step let go
     assert (iv.work[2, 3] == 1000 * 4 + 100 * np.arange(4)).all()
+    assert (iv.work[3, 0] == 1000 + 100 * np.arange(4)).all()
+    _, work, wait = spans(t)                                                   # timing.spans agrees, per block
+    assert np.array_equal(work, iv.work) and np.array_equal(wait, iv.wait)
 
 
 # -- the trace file -------------------------------------------------------------------------------------------------
@@ -110,8 +152,28 @@ def test_save_load_roundtrip_with_unwritten_stamps(tmp_path):
     assert tr.pos0 == 12 and tr.tok_s == 1234.5 and tr.roofline_tbps == 4.2 and tr.recorded
     assert tr.cfg == CFG
     assert tr.title == "recorded on Test GPU, 2026-01-02, commit abc1234"
+    assert T.FORMAT == "workbench-timing-trace/2"
+    assert tr.meta["slots"]["labels"] == [n for n, _ in slot_names(CFG)]            # the trace describes its layout
+    assert tr.meta["slots"]["layers"] == [l for _, l in slot_names(CFG)]
+    assert tr.meta["slots"]["step0_label"] == "embedding" and tr.slot_names == slot_names(CFG)
     with np.load(path) as z:
         assert z["delta_ns"].dtype == np.int32 and (z["delta_ns"][4, 7:] == -1).all()
+    with pytest.raises(ValueError, match="slots per step"):
+        T.save_trace(tmp_path / "y.npz", as_v1(t), meta)                        # older-layout stamps do not fit
+
+
+def test_a_trace_is_read_with_its_own_layout(tmp_path):
+    """A trace whose recorded layout names stages differently from today's plan keeps its own rows."""
+    t = synthetic()
+    meta = T.recording_meta(CFG, device="x", commit="y")
+    meta["slots"]["labels"][0] = "old_first_stage"
+    tr = T.load_trace(T.save_trace(tmp_path / "own.npz", t, meta))
+    rows = tr.stage_table()
+    assert rows[0].stage == "old_first_stage" and rows[0].bytes == 0
+    assert [r.us_per_token for r in rows] == pytest.approx([r.us_per_token for r in stage_table(CFG, t)])
+    d = D.Dashboard.from_trace(tr)
+    assert list(d.figures["stages"].data[0].x)[0] == "old_first_stage"
+    assert d.figures["stages"].data[0].marker.color[0] == D.UNKNOWN_COLOR
 
 
 def test_long_runs_use_int64_deltas(tmp_path):
@@ -129,6 +191,51 @@ def test_not_a_trace_is_refused(tmp_path):
         T.load_trace(tmp_path / "other.npz")
 
 
+def test_convert_v1_regroups_the_same_barriers():
+    t = synthetic()
+    old = as_v1(t)
+    assert old.shape == (5, N_SLOTS + 1, 4, 2) and (old[1:, 0] == 0).all()
+    new = T.convert_v1(old)
+    assert new.shape == t.shape and np.array_equal(new, t)
+    assert np.array_equal(new[1:, 0], old[:-1, -1]) and np.array_equal(new[0, 0], old[0, 0])
+    assert np.array_equal(new[:, 1:], old[:, 1:-1])
+    with pytest.raises(ValueError):
+        T.convert_v1(np.zeros((2, 2, 4, 2), np.uint64))
+
+
+def test_an_old_layout_trace_is_refused_with_one_line(tmp_path, capsys):
+    t = synthetic()
+    meta = T.recording_meta(CFG, position=3, device="Test GPU", date="2026-01-02", commit="abc1234", note="kept")
+    old = save_v1(tmp_path / "old.npz", as_v1(t), meta)
+    with pytest.raises(T.OldLayoutError) as e:
+        T.load_trace(old)
+    msg = str(e.value)
+    assert "\n" not in msg and "old slot layout" in msg and "trace convert" in msg
+    assert T.main(["info", str(old)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "old slot layout" in err and len(err.splitlines()) == 1
+    # converted: the same stamps in this layout, the metadata kept, a note added
+    assert T.main(["convert", str(old), str(tmp_path / "new.npz")]) == 0
+    tr = T.load_trace(tmp_path / "new.npz")
+    assert np.array_equal(tr.stamps, t) and tr.meta["format"] == T.FORMAT
+    assert tr.meta["converted_from"] == T.FORMAT_V1 and tr.meta["device"] == "Test GPU" and tr.pos0 == 3
+    assert tr.meta["note"].startswith("kept; converted from the older slot layout")
+    assert tr.meta["slots"]["labels"][0] == SLOT0
+    assert T.main(["convert", str(tmp_path / "new.npz"), str(tmp_path / "again.npz")]) == 2   # already /2
+
+
+def test_cli_pack_from_v1(tmp_path, capsys):
+    t = synthetic()
+    np.save(tmp_path / "old.npy", as_v1(t))
+    args = ["--model", "tiny", "--device", "Test GPU", "--date", "2026-01-02", "--commit", "abc1234"]
+    assert T.main(["pack", str(tmp_path / "old.npy"), str(tmp_path / "x.npz"), *args]) == 2
+    err = capsys.readouterr().err
+    assert "--from-v1" in err and len(err.strip().splitlines()) == 1
+    assert T.main(["pack", str(tmp_path / "old.npy"), str(tmp_path / "t.npz"), *args, "--from-v1"]) == 0
+    tr = T.load_trace(tmp_path / "t.npz")
+    assert np.array_equal(tr.stamps, t) and tr.meta["converted_from"] == T.FORMAT_V1
+
+
 def test_cli_pack_info_perfetto(tmp_path, capsys):
     np.save(tmp_path / "raw.npy", synthetic())
     assert T.main(["pack", str(tmp_path / "raw.npy"), str(tmp_path / "t.npz"), "--model", "tiny", "--steps", "3",
@@ -137,7 +244,9 @@ def test_cli_pack_info_perfetto(tmp_path, capsys):
     tr = T.load_trace(tmp_path / "t.npz")
     assert tr.stamps.shape[0] == 3 and tr.meta["steps_in_run"] == 5 and tr.meta["weights"] == "random"
     assert T.main(["info", str(tmp_path / "t.npz")]) == 0
-    assert "recorded on Test GPU, 2026-01-02, commit abc1234" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "recorded on Test GPU, 2026-01-02, commit abc1234" in out
+    assert f"{N_SLOTS} slots per step: {SLOT0}, qkv_rope_append" in out
     assert T.main(["perfetto", str(tmp_path / "t.npz"), str(tmp_path / "t.json"), "--steps", "1-2"]) == 0
     doc = json.loads((tmp_path / "t.json").read_text())
     assert {e["args"]["step"] for e in doc["traceEvents"] if e["ph"] == "X"} == {1, 2}
@@ -155,7 +264,10 @@ def test_recorded_fixtures_are_small_and_labelled():
         assert m["recorded"] is True and m["device"] == "NVIDIA H200" and m["date"] == "2026-11-30"
         assert m["commit"] == "9967ec4" and m["model"] == "llama-3.2-1b" and m["position"] == pos
         assert m["tok_s"] == tok_s and m["roofline_tbps"] == pytest.approx(4.59, abs=0.005)
-        assert tr.stamps.shape == (17, 83, 132, 2) and tr.complete_steps == 17
+        assert m["format"] == T.FORMAT and m["converted_from"] == T.FORMAT_V1
+        assert "converted from the older slot layout" in m["note"]
+        assert tr.stamps.shape == (17, 82, 132, 2) and tr.complete_steps == 17
+        assert tr.slot_names == slot_names(tr.cfg)
         assert tr.cfg == PRESETS["llama-3.2-1b"]
         assert tr.title == "recorded on NVIDIA H200, 2026-11-30, commit 9967ec4"
     assert total < 3e6
@@ -163,10 +275,13 @@ def test_recorded_fixtures_are_small_and_labelled():
 
 def test_recorded_stage_table_matches_the_notes():
     """NOTES.md's round-4 per-stage table ("Where the time goes now", rounded there): the fixture's 16 steps after
-    step 0."""
-    notes = {"qkv_rope_append": 108.3, "o_proj_residual": 77.1, "gate_up_silu": 282.9, "down_residual": 174.0,
-             "lm_head": 121.3, "sampling": 5.2}
+    step 0. The fixture was recorded in the older slot layout and converted: the layer stages and lm_head are the
+    same barriers and spans; NOTES' "sampling" is now slot 0, "sampling+publish+embedding" (the barrier after
+    sampling, counted in the next step: the steps 0–15's, not 1–16's)."""
+    notes = {SLOT0: 5.2, "qkv_rope_append": 108.3, "attention_decode": 65.4, "o_proj_residual": 77.1,
+             "gate_up_silu": 282.9, "down_residual": 174.0, "lm_head": 121.3}
     rows = {r.stage: r for r in T.load_recorded(0).stage_table()}
+    assert list(rows) == list(notes)
     for stage, us in notes.items():
         assert rows[stage].us_per_token == pytest.approx(us, rel=0.02), stage
     assert rows["lm_head"].tbps / 4.5866 == pytest.approx(0.944, abs=0.01)
@@ -235,7 +350,7 @@ def test_perfetto_synthetic_structure_and_sums():
         assert all(ev["args"]["block"] == b for _, _, ev in sl)
         for s in range(1, 5):
             mine = [ev for _, _, ev in sl if ev["args"]["step"] == s]
-            assert len(mine) == 2 * 12                       # work and wait for slots 1..12
+            assert len(mine) == 2 * N_SLOTS                  # work and wait for every slot
             assert {ev["cat"] for ev in mine} == {"work", "wait"}
             assert {ev["args"]["position"] for ev in mine} == {100 + s}
             expect_ns = int(t[s, -1, b, 1]) - int(t[s - 1, -1, b, 1])
@@ -244,6 +359,9 @@ def test_perfetto_synthetic_structure_and_sums():
         work = [ev for _, _, ev in sl if ev["cat"] == "work" and ev["args"]["step"] == 2]
         layers = {(ev["name"], ev["args"]["layer"]) for ev in work}
         assert ("qkv_rope_append", 0) in layers and ("qkv_rope_append", 1) in layers and ("lm_head", -1) in layers
+        assert (SLOT0, -1) in layers
+        first = {ev["name"] for _, _, ev in sl if ev["args"]["step"] == 0 and ev["args"]["slot"] == 0}
+        assert first == {"embedding", "wait (embedding)"}                         # step 0 only embeds
     grid = next(sl for tid, sl in tracks.items() if names[tid].startswith("grid"))
     for s in range(1, 5):
         assert sum(int(ev["dur"] * 1000) for _, _, ev in grid if ev["args"]["step"] == s) == STEP_NS
@@ -259,7 +377,7 @@ def test_perfetto_of_partial_stamps_skips_unwritten_slots():
     steps = {ev["args"]["step"] for sl in got["tracks"].values() for _, _, ev in sl}
     assert steps == {0, 1, 2}
     slots2 = {ev["args"]["slot"] for sl in got["tracks"].values() for _, _, ev in sl if ev["args"]["step"] == 2}
-    assert slots2 == {1, 2, 3}
+    assert slots2 == {0, 1, 2, 3}
 
 
 def test_perfetto_of_the_recorded_fixture(tmp_path):
@@ -283,10 +401,10 @@ def test_dashboard_figures_synthetic():
     assert d.update_timing(t, pos0=100, tok_s=9999.0) == 5
     rows = stage_table(CFG, t, 100)
     st = d.figures["stages"].data[0]
-    assert list(st.x) == D.STAGES == [r.stage for r in rows]
+    assert list(st.x) == slot_labels(CFG) == [r.stage for r in rows]
     assert list(st.y) == pytest.approx([r.us_per_token for r in rows])
     assert list(st.error_y.array) == pytest.approx([0.0] * 7, abs=1e-9)     # every step alike
-    assert list(st.marker.color) == [D.COLORS[s] for s in D.STAGES]
+    assert list(st.marker.color) == [D.color_of(s) for s in slot_labels(CFG)]
 
     bw = d.figures["bandwidth"]
     moved = [r for r in rows if r.bytes > 0]
@@ -309,6 +427,17 @@ def test_dashboard_figures_synthetic():
         assert "synthetic" in fig.layout.title.text
 
 
+def test_colours_and_short_names_come_from_the_plan():
+    assert list(D.COLORS) == list(D.SHORT) == list(plan.STAGE_NAMES)
+    for i, name in enumerate(plan.STAGE_NAMES):
+        assert D.COLORS[name] == D.PALETTE[i % len(D.PALETTE)]
+    assert D.WAIT_COLOR not in D.PALETTE and D.UNKNOWN_COLOR not in D.PALETTE
+    assert D.color_of(SLOT0) == D.COLORS["sampling"]                      # a slot of several: its first stage's
+    assert D.short_of(SLOT0) == "+".join(D.SHORT[s] for s in ("sampling", "publish", "embedding"))
+    assert [D.SHORT[s] for s in plan.LAYER_STAGES] == ["qkv", "attention", "o-proj", "gate-up", "down"]
+    assert D.SHORT["lm_head"] == "lm-head"
+
+
 def test_gantt_synthetic():
     t = synthetic()
     d = D.Dashboard(CFG, source="synthetic")
@@ -320,6 +449,7 @@ def test_gantt_synthetic():
     for tr in g.data:
         by_name.setdefault(tr.name, []).append(tr)
     qkv = by_name["qkv_rope_append"][0]
+    assert qkv is d.gantt_trace("qkv_rope_append") and qkv.marker.color == D.COLORS["qkv_rope_append"]
     assert len(qkv.y) == 2 * 4                                    # two layers × four blocks
     iv = T.intervals(t)
     t0 = int(t[1, -1, :, 1].max())
@@ -327,19 +457,21 @@ def test_gantt_synthetic():
         k = 1 + 5 * layer
         assert x == pytest.approx(iv.work[2, k, y] / 1e3, abs=1e-3)
         assert base == pytest.approx((iv.start[2, k, y] - t0) / 1e3, abs=1e-3)
-    assert len(by_name["embedding"][0].y) == 0                      # only step 0 embeds by barrier
+    assert len(by_name["embedding"][0].y) == 0                      # the embedding alone: step 0 only
+    assert len(by_name[SLOT0][0].y) == 4 and by_name[SLOT0][0].marker.color == D.COLORS["sampling"]
     waits = by_name[D.WAIT_TRACE]
     assert {tr.marker.color for tr in waits} == {D.WAIT_COLOR}
-    assert D.WAIT_COLOR not in {tr.marker.color for n, trs in by_name.items() if n in D.COLORS for tr in trs}
-    assert sum(len(tr.y) for tr in waits) == 12 * 4
+    assert D.WAIT_COLOR not in {tr.marker.color for n, trs in by_name.items() if n != D.WAIT_TRACE for tr in trs}
+    assert sum(len(tr.y) for tr in waits) == N_SLOTS * 4
     assert sum(bool(tr.showlegend) for tr in waits) == 1
     grid = g.data[0]
-    assert list(grid.y) == [D.GRID_Y] * 12
+    assert list(grid.y) == [D.GRID_Y] * N_SLOTS
     assert sum(grid.x) == pytest.approx(STEP_NS / 1e3, abs=1e-2)
-    assert list(grid.text)[:5] == ["qkv", "attn", "o-proj", "gate/up", "down"]
+    assert list(grid.text)[:6] == [D.short_of(SLOT0), "qkv", "attention", "o-proj", "gate-up", "down"]
     assert "Token 2" in g.layout.title.text
     d.step_slider.value = 0
-    assert len(by_name["embedding"][0].y) == 4 and len(g.data[0].y) == 13
+    assert len(by_name["embedding"][0].y) == 4 and len(by_name[SLOT0][0].y) == 0
+    assert len(g.data[0].y) == N_SLOTS and g.data[0].text[0] == "embedding"
 
 
 def test_partial_snapshots_as_while_the_kernel_runs():
@@ -347,7 +479,7 @@ def test_partial_snapshots_as_while_the_kernel_runs():
     full = synthetic()
     d = D.Dashboard(CFG, roofline_tbps=2.0, source="live on Test GPU")
     n_steps, n_slots = full.shape[:2]
-    order = [(s, k) for s in range(n_steps) for k in range(n_slots) if not (s > 0 and k == 0)]
+    order = [(s, k) for s in range(n_steps) for k in range(n_slots)]
     seen = []
     snap = np.zeros_like(full)
     assert d.update_timing(snap, CFG, progress=0) == 0
@@ -360,7 +492,7 @@ def test_partial_snapshots_as_while_the_kernel_runs():
         if s == 2 and k == 6:
             assert d.n_complete == 2 and d.step_slider.max == 2     # the step being written is on show
             g = d.figures["gantt"]
-            assert len(g.data[D.STAGE_ORDER.index("qkv_rope_append") + 1].y) == 2 * 4
+            assert len(d.gantt_trace("qkv_rope_append").y) == 2 * 4
             assert "being written" in g.layout.title.text
             assert "kernel at step 2" in d.header.value
     assert seen == sorted(seen) and seen[-1] == n_steps
@@ -540,8 +672,9 @@ def test_ab_rows_and_view_synthetic():
     assert rows["total"]["a_tok_s"] == pytest.approx(1e9 / STEP_NS)
     fa, fb = view.fig.data
     assert (fa.name, fb.name) == ("base", "slow attention")
-    assert list(fa.x) == list(fb.x) == D.STAGES
-    assert fb.y[D.STAGES.index("attention_decode")] - fa.y[D.STAGES.index("attention_decode")] == \
+    labels = slot_labels(CFG)
+    assert list(fa.x) == list(fb.x) == labels
+    assert fb.y[labels.index("attention_decode")] - fa.y[labels.index("attention_decode")] == \
         pytest.approx(attn_extra)
     assert "slow attention" in view.table.value and f"+{attn_extra:.1f} µs" in view.table.value
 

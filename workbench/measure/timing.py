@@ -1,10 +1,18 @@
 """Per-stage timing from the kernel's %globaltimer stamps (a build with BuildOptions(timing=True)).
 
-The stamps are [steps, slots, blocks, 2]: for every barrier, when each block arrived (its share of the stage's work
-done) and when it left (everyone had arrived). Slot 0 is the first embedding, then five per layer
-(qkv_rope_append, attention_decode, o_proj_residual, gate_up_silu, down_residual), then lm_head and sampling.
-A stage's span runs from the previous barrier's release to its own; a block's work is the part before it arrived,
-its wait the rest. All blocks read one clock, so spans from different SMs line up.
+The stamps are [steps, slots, blocks, 2]: for every grid barrier of a step (a slot of `plan.slots`), when each block
+arrived (its share of the slot's work done) and when it left (everyone had arrived). Every slot is stamped in every
+step. Slot 0 ends at the barrier after the stages the plan runs before the first layer stage, and also holds what
+the previous step ran after its last barrier (with the plan of today: the previous step's sampling and publish,
+then this step's embedding, "sampling+publish+embedding"; at step 0 only the embedding). Then come the layers'
+slots and the slots after them, in the plan's order.
+
+A block's work in a slot runs from its leaving the previous barrier to its arriving at this one, its wait from
+arriving to leaving; slot 0 of step s starts where the last slot of step s − 1 let go, and at step 0 (whose start
+is not stamped) at the first arrival. A slot's span runs from the previous barrier's release (the last block to
+leave) to its own. All blocks read one clock, so spans from different SMs line up.
+
+Slot names and bytes come from `workbench.plan`; nothing here lists the stages.
 """
 from __future__ import annotations
 
@@ -12,31 +20,53 @@ import dataclasses
 
 import numpy as np
 
-from ..build.assemble import LAYER_STAGES
+from .. import plan
 from ..model.config import ModelConfig
 
 
-def slot_names(cfg: ModelConfig) -> list[tuple[str, int]]:
-    names = [("embedding", -1)]
-    for layer in range(cfg.n_layers):
-        names += [(s, layer) for s in LAYER_STAGES]
-    return names + [("lm_head", -1), ("sampling", -1)]
+def slot_names(cfg: ModelConfig, first_step: bool = False) -> list[tuple[str, int]]:
+    """(label, layer) of every slot of a step, in order: the plan's slots. With first_step, the labels of step 0,
+    where slot 0 holds only its own stages (nothing ran before it)."""
+    names = [(s.label, s.layer) for s in plan.slots(cfg)]
+    if first_step and names:
+        names[0] = (first_step_label(cfg), names[0][1])
+    return names
+
+
+def first_step_label(cfg: ModelConfig) -> str:
+    """Slot 0's label at step 0: its stages without those the previous step carries into it (they come after the
+    step's last barrier in execution order)."""
+    slots = plan.slots(cfg)
+    order = plan.execution(cfg)
+    last = order.index(slots[-1].stages[-1])
+    own = [st for st, layer in slots[0].stages if order.index((st, layer)) <= last]
+    return "+".join(dict.fromkeys(own)) or slots[0].label
+
+
+def slot_labels(cfg: ModelConfig, names: list[tuple[str, int]] | None = None) -> list[str]:
+    """The distinct slot labels in slot order: the rows of `stage_table` (layer stages once, not per layer)."""
+    return list(dict.fromkeys(label for label, _ in (names or slot_names(cfg))))
+
+
+def label_stages(label: str) -> list[str]:
+    """The stages a slot label names ("sampling+publish+embedding" → three)."""
+    return label.split("+")
 
 
 def stage_bytes(cfg: ModelConfig, stage: str, pos: int) -> int:
-    """Bytes a stage must move from memory (weights bf16, KV cache bf16), for the roofline of each stage."""
-    D, F, hd = cfg.hidden, cfg.intermediate, cfg.head_dim
-    return {"qkv_rope_append": 2 * cfg.qkv_rows * D,
-            "attention_decode": 2 * 2 * cfg.kv_dim * (pos + 1),
-            "o_proj_residual": 2 * D * cfg.q_dim,
-            "gate_up_silu": 2 * 2 * F * D,
-            "down_residual": 2 * D * F,
-            "lm_head": 2 * cfg.vocab * D}.get(stage, 0)
+    """Bytes a stage must move from memory at position `pos` (plan.stage_bytes: weights bf16, the KV cache read by
+    attention); a slot label made of several stages gives their sum; a stage the plan does not know (an older
+    trace's) gives 0."""
+    total = 0
+    for name in label_stages(stage):
+        if name in plan.STAGE_NAMES:
+            total += plan.stage_bytes(cfg, name, pos)
+    return total
 
 
 @dataclasses.dataclass
 class StageRow:
-    stage: str
+    stage: str                 # a slot label: one stage, or several run between the same two barriers ("a+b")
     us_per_token: float        # span summed over layers, median over steps
     spread: tuple              # (p10, p90) over steps
     work_us: float             # mean over blocks of the work part, summed over layers
@@ -46,34 +76,42 @@ class StageRow:
 
 
 def spans(t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """span [steps, slots], work and wait [steps, slots, blocks] in ns (step 0's slot 0 has no predecessor)."""
+    """span [steps, slots], work and wait [steps, slots, blocks] in ns. Step 0's slot 0 starts at the first
+    arrival (the kernel's start is not stamped)."""
     arrive, leave = t[..., 0].astype(np.int64), t[..., 1].astype(np.int64)
-    # slot 0 (the first embedding) is stamped in step 0 only; later steps start where the previous one ended
-    arrive[1:, 0] = arrive[:-1, -1]
-    leave[1:, 0] = leave[:-1, -1]
     release = leave.max(axis=2)                              # when the last block left: the barrier's release
     prev = np.empty_like(release)
     prev[:, 1:] = release[:, :-1]
     prev[1:, 0] = release[:-1, -1]
     prev[0, 0] = arrive[0, 0].min()
     span = release - prev
-    work = arrive - prev[..., None]
+    start = np.empty_like(leave)                             # each block starts a slot when it left the last one
+    start[:, 1:] = leave[:, :-1]
+    start[1:, 0] = leave[:-1, -1]
+    start[0, 0] = prev[0, 0]
+    work = arrive - start
     wait = leave - arrive
     return span, work, wait
 
 
-def stage_table(cfg: ModelConfig, t: np.ndarray, pos0: int = 0, skip_first: int = 1) -> list[StageRow]:
+def stage_table(cfg: ModelConfig, t: np.ndarray, pos0: int = 0, skip_first: int = 1,
+                names: list[tuple[str, int]] | None = None) -> list[StageRow]:
+    """One row per distinct slot label, in slot order (a layer stage's slots summed over the layers), over the
+    steps from `skip_first` on. Bytes at the run's middle position. `names`: the trace's own slot layout (default
+    the plan's)."""
+    names = names or slot_names(cfg)
+    if t.shape[1] != len(names):
+        raise ValueError(f"stamps have {t.shape[1]} slots per step, the layout {len(names)}")
     span, work, wait = spans(t)
-    names = slot_names(cfg)
     steps = range(skip_first, t.shape[0])
+    mid = pos0 + t.shape[0] // 2
     rows = []
-    for stage in ["qkv_rope_append", "attention_decode", "o_proj_residual", "gate_up_silu", "down_residual",
-                  "lm_head", "sampling"]:
-        idx = [i for i, (s, _) in enumerate(names) if s == stage]
+    for label in slot_labels(cfg, names):
+        idx = [i for i, (s, _) in enumerate(names) if s == label]
         per_step = span[steps][:, idx].sum(axis=1) / 1e3
-        nbytes = stage_bytes(cfg, stage, pos0 + t.shape[0] // 2) * (len(idx) if stage in LAYER_STAGES else 1)
+        nbytes = stage_bytes(cfg, label, mid) * len(idx)
         us = float(np.median(per_step))
-        rows.append(StageRow(stage, us, (float(np.percentile(per_step, 10)), float(np.percentile(per_step, 90))),
+        rows.append(StageRow(label, us, (float(np.percentile(per_step, 10)), float(np.percentile(per_step, 90))),
                              float(work[steps][:, idx].mean(axis=(0, 2)).sum() / 1e3),
                              float(wait[steps][:, idx].mean(axis=(0, 2)).sum() / 1e3), nbytes,
                              nbytes / (us * 1e-6) / 1e12 if us > 0 else 0.0))
@@ -82,24 +120,25 @@ def stage_table(cfg: ModelConfig, t: np.ndarray, pos0: int = 0, skip_first: int 
 
 def format_table(rows: list[StageRow], roofline_tbps: float | None = None) -> str:
     total = sum(r.us_per_token for r in rows)
-    out = [f"{'stage':18s} {'µs/token':>9s} {'p10–p90':>15s} {'work':>8s} {'wait':>8s} {'MB':>8s} {'TB/s':>6s}"
+    w = max([18] + [len(r.stage) for r in rows])
+    out = [f"{'stage':{w}s} {'µs/token':>9s} {'p10–p90':>15s} {'work':>8s} {'wait':>8s} {'MB':>8s} {'TB/s':>6s}"
            + (f" {'%roof':>6s}" if roofline_tbps else "")]
     for r in rows:
-        line = (f"{r.stage:18s} {r.us_per_token:9.1f} {r.spread[0]:7.1f}–{r.spread[1]:<7.1f} {r.work_us:8.1f} "
+        line = (f"{r.stage:{w}s} {r.us_per_token:9.1f} {r.spread[0]:7.1f}–{r.spread[1]:<7.1f} {r.work_us:8.1f} "
                 f"{r.wait_us:8.1f} {r.bytes / 1e6:8.1f} {r.tbps:6.2f}")
         if roofline_tbps:
             line += f" {100 * r.tbps / roofline_tbps:6.1f}"
         out.append(line)
-    out.append(f"{'total':18s} {total:9.1f}   ({1e6 / total:.0f} tok/s)")
+    out.append(f"{'total':{w}s} {total:9.1f}   ({1e6 / total:.0f} tok/s)" if total > 0 else f"{'total':{w}s} —")
     return "\n".join(out)
 
 
 def barrier_cost(t: np.ndarray, skip_first: int = 1) -> dict:
     """The grid barrier measured in the kernel: from the last block's arrival to the first block's and to the last
-    block's departure (ns, medians over every barrier of the recorded steps)."""
-    arrive, leave = t[skip_first:, 1:, :, 0].astype(np.int64), t[skip_first:, 1:, :, 1].astype(np.int64)
+    block's departure (ns, medians over every barrier of the recorded steps: every slot is one)."""
+    arrive, leave = t[skip_first:, :, :, 0].astype(np.int64), t[skip_first:, :, :, 1].astype(np.int64)
     last_in = arrive.max(axis=2)
     first_out = leave.min(axis=2) - last_in
     last_out = leave.max(axis=2) - last_in
     return {"first_out_ns": float(np.median(first_out)), "last_out_ns": float(np.median(last_out)),
-            "barriers_per_token": int(t.shape[1] - 1)}
+            "barriers_per_token": int(t.shape[1])}

@@ -8,7 +8,8 @@
     dash.update_timing(res.timing, mk.cfg, pos0=0, tok_s=res.tok_per_s)
 
 Panels, each a FigureWidget (or an HTML table) the tests and notebooks can read back:
-  stages     per-stage time per token (summed over layers), median over tokens, p10–p90 as error bars
+  stages     per-stage time per token (summed over layers), median over tokens, p10–p90 as error bars; one bar per
+             slot of the plan (a slot running several stages between two barriers is one bar, "a+b")
   bandwidth  achieved TB/s per stage (stage bytes / time) against the measured streaming-read roofline
   gantt      one token on every block: work (coloured by stage) and wait at the barrier (grey), stages labelled
   tok_s      tok/s of every step of the run, against the roofline at that position
@@ -19,6 +20,9 @@ Panels, each a FigureWidget (or an HTML table) the tests and notebooks can read 
 `update_timing` may be called again and again with a growing snapshot (`Monokernel.timing_snapshot()`: stamps not
 yet written are 0); only complete steps enter the tables, and a step still being written shows in the Gantt chart
 as far as it got.
+
+Stage order, colours and short names come from `workbench.plan`: a stage's colour is PALETTE at its position in
+plan.STAGE_NAMES, a slot of several stages takes its first stage's colour, and its short name joins theirs with "+".
 """
 from __future__ import annotations
 
@@ -31,20 +35,63 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
+from .. import plan
 from ..model.config import ModelConfig
-from ..measure.timing import StageRow, slot_names
-from ..measure.trace import (STAGE_ORDER, Trace, complete_steps, intervals, load_trace, recording_meta, roofline_tok_s,
-                    save_trace, source_title, stage_rows, step_ns)
+from ..measure.timing import StageRow, first_step_label, label_stages, slot_names
+from ..measure.trace import (Trace, complete_steps, intervals, load_trace, names_at, recording_meta, roofline_tok_s,
+                             save_trace, slots_from_meta, source_title, stage_rows, step_ns)
 
-STAGES = STAGE_ORDER[1:]          # the rows of timing.stage_table (the one embedding of step 0 is not one)
-COLORS = {"embedding": "#7f7f7f", "qkv_rope_append": "#1f77b4", "attention_decode": "#ff7f0e",
-          "o_proj_residual": "#2ca02c", "gate_up_silu": "#d62728", "down_residual": "#9467bd",
-          "lm_head": "#8c564b", "sampling": "#e377c2"}
-SHORT = {"embedding": "emb", "qkv_rope_append": "qkv", "attention_decode": "attn", "o_proj_residual": "o-proj",
-         "gate_up_silu": "gate/up", "down_residual": "down", "lm_head": "lm head", "sampling": "sample"}
+# colours by the stage's position in the plan (category10 without its grey, which is the wait's)
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf",
+           "#393b79")
+UNKNOWN_COLOR = "#555555"         # a stage the plan does not know (an older trace's)
 WAIT_COLOR = "#c8c8c8"
 WAIT_TRACE = "wait at the barrier"
 GRID_Y = -3                       # the Gantt chart's row of barrier-to-barrier spans, above block 0
+GRID_HOVER = "grid: %{customdata[0]} %{customdata[1]}<br>%{base:.2f} µs + %{x:.2f} µs<extra></extra>"
+
+
+def work_hover(label: str) -> str:
+    return f"block %{{y}}<br>{label} layer %{{customdata}}<br>work %{{x:.2f}} µs from %{{base:.2f}} µs<extra></extra>"
+
+
+def wait_hover(label: str) -> str:
+    return (f"block %{{y}}<br>wait after {label} layer %{{customdata}}<br>"
+            "%{x:.2f} µs from %{base:.2f} µs<extra></extra>")
+
+
+def short_name(stage: str) -> str:
+    """A stage's name for a narrow bar: its first word, with the words of one or two letters next to it
+    (qkv_rope_append → qkv, o_proj_residual → o-proj, gate_up_silu → gate-up, lm_head → lm-head)."""
+    words = stage.split("_")
+    out = [words[0]]
+    for w in words[1:]:
+        if len(w) > 2 and len("-".join(out)) > 2:
+            break
+        out.append(w)
+    return "-".join(out)
+
+
+COLORS = {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(plan.STAGE_NAMES)}
+SHORT = {name: short_name(name) for name in plan.STAGE_NAMES}
+
+
+def color_of(label: str) -> str:
+    """A stage's or a slot's colour: that of its first stage."""
+    return COLORS.get(label_stages(label)[0], UNKNOWN_COLOR)
+
+
+def short_of(label: str) -> str:
+    """A stage's or a slot's short name: its stages' short names joined with "+"."""
+    return "+".join(SHORT.get(s, s) for s in label_stages(label))
+
+
+def gantt_labels(names: list[tuple[str, int]], step0_label: str) -> list[str]:
+    """The labels the Gantt chart draws, each once, in slot order (slot 0's label at step 0 just before its own)."""
+    out = []
+    for k, (label, _) in enumerate(names):
+        out += ([step0_label] if k == 0 else []) + [label]
+    return list(dict.fromkeys(out))
 
 
 def _go():
@@ -190,13 +237,15 @@ class HistoryTable:
 
 # -- data for the figures ------------------------------------------------------------------------------------------
 
-def gantt_data(stamps: np.ndarray, cfg: ModelConfig, step: int, blocks=None) -> dict:
+def gantt_data(stamps: np.ndarray, cfg: ModelConfig, step: int, blocks=None, layout=None) -> dict:
     """One step on every block, in µs from the step's start (the previous step's last release; step 0: the first
-    arrival). {"work": {stage: (block, start, dur, layer)}, "wait": (block, start, dur, stage, layer),
-    "grid": (stage, start, dur, layer), "t0_ns": int}; only slots whose stamps are written."""
+    arrival). {"work": {label: (block, start, dur, layer)}, "wait": (block, start, dur, label, layer),
+    "grid": (label, start, dur, layer), "t0_ns": int}; only slots whose stamps are written. `layout`: (slot names,
+    slot 0's label at step 0) of a trace (default the plan's)."""
     t = np.asarray(stamps)
     iv = intervals(t)
-    names = slot_names(cfg)
+    names, step0 = layout or (slot_names(cfg), first_step_label(cfg))
+    names = names_at(names, step0, int(step))
     n_blocks = t.shape[2]
     blocks = np.arange(n_blocks) if blocks is None else np.asarray(list(blocks))
     s = int(step)
@@ -213,10 +262,9 @@ def gantt_data(stamps: np.ndarray, cfg: ModelConfig, step: int, blocks=None) -> 
     arrive = (iv.arrive[s][k_idx, b] - t0) / 1e3
     leave = (iv.leave[s][k_idx, b] - t0) / 1e3
     work = {}
-    for stage in STAGE_ORDER:
-        m = stage_of[k_idx] == stage
-        if m.any():
-            work[stage] = (b[m], start[m], arrive[m] - start[m], layer_of[k_idx[m]])
+    for label in dict.fromkeys(stage_of[k_idx].tolist()):
+        m = stage_of[k_idx] == label
+        work[label] = (b[m], start[m], arrive[m] - start[m], layer_of[k_idx[m]])
     wait = (b, arrive, leave - arrive, stage_of[k_idx], layer_of[k_idx])      # block, start, dur, stage, layer
     full = iv.known[s].all(axis=1)                                         # slots stamped by every block
     g_idx = np.flatnonzero(full)
@@ -228,11 +276,12 @@ def gantt_data(stamps: np.ndarray, cfg: ModelConfig, step: int, blocks=None) -> 
 
 
 def ab_rows(rows_a: list[StageRow], rows_b: list[StageRow]) -> list[dict]:
-    """Per stage: A and B µs/token, B − A in µs and %; then a total row with tok/s."""
+    """Per stage (in the order of A's rows, then any only B has): A and B µs/token, B − A in µs and %; then a total
+    row with tok/s."""
     a = {r.stage: r for r in rows_a}
     b = {r.stage: r for r in rows_b}
     out = []
-    for st in [s for s in STAGES if s in a or s in b]:
+    for st in dict.fromkeys([r.stage for r in rows_a] + [r.stage for r in rows_b]):
         ua = a[st].us_per_token if st in a else float("nan")
         ub = b[st].us_per_token if st in b else float("nan")
         out.append({"stage": st, "a_us": ua, "b_us": ub, "delta_us": ub - ua,
@@ -309,7 +358,7 @@ class ABView:
         with self.fig.batch_update():
             for tr, rows, label in zip(self.fig.data, (ra, rb), (la, lb)):
                 by = {r.stage: r for r in rows}
-                st = [s for s in STAGES if s in by]
+                st = [r["stage"] for r in self.rows[:-1] if r["stage"] in by]
                 tr.name = label
                 tr.x = st
                 tr.y = [by[s].us_per_token for s in st]
@@ -376,6 +425,9 @@ class Dashboard:
         self.gantt_blocks = gantt_blocks
         self.updates = 0
         self._gantt_key = None
+        # the slot layout of a trace's metadata (a trace describes itself); None: the plan's for cfg
+        self.layout = slots_from_meta(self.meta)
+        self._gantt_labels = None
 
         self.header = w.HTML()
         self.step_slider = w.IntSlider(value=0, min=0, max=0, description="token", continuous_update=False,
@@ -401,23 +453,9 @@ class Dashboard:
         gantt = go.FigureWidget()
         gantt.add_bar(name="grid: barrier to barrier", orientation="h", y=[], x=[], base=[], marker_color=[],
                       text=[], textposition="inside", insidetextanchor="middle", textfont=dict(size=9),
-                      customdata=[], width=2.4, showlegend=False,
-                      hovertemplate="grid: %{customdata[0]} %{customdata[1]}<br>%{base:.2f} µs + %{x:.2f} µs"
-                                    "<extra></extra>")
-        self._gantt_stage_traces = {}
-        for stage in STAGE_ORDER:
-            gantt.add_bar(name=stage, orientation="h", y=[], x=[], base=[], marker_color=COLORS[stage],
-                          customdata=[], legendgroup=stage, width=0.9, marker_line_width=0,
-                          hovertemplate=f"block %{{y}}<br>{stage} layer %{{customdata}}<br>work %{{x:.2f}} µs "
-                                        "from %{base:.2f} µs<extra></extra>")
-            self._gantt_stage_traces[stage] = len(gantt.data) - 1
-        self._gantt_wait_traces = {}
-        for k, stage in enumerate(STAGE_ORDER):
-            gantt.add_bar(name=WAIT_TRACE, orientation="h", y=[], x=[], base=[], marker_color=WAIT_COLOR,
-                          customdata=[], width=0.9, marker_line_width=0, legendgroup="wait", showlegend=k == 0,
-                          hovertemplate=f"block %{{y}}<br>wait after {stage} layer %{{customdata}}<br>"
-                                        "%{x:.2f} µs from %{base:.2f} µs<extra></extra>")
-            self._gantt_wait_traces[stage] = len(gantt.data) - 1
+                      customdata=[], width=2.4, showlegend=False, hovertemplate=GRID_HOVER)
+        self._gantt_stage_traces: dict[str, int] = {}
+        self._gantt_wait_traces: dict[str, int] = {}
         gantt.update_layout(barmode="overlay", width=980, height=800, bargap=0,
                             margin=dict(l=70, r=20, t=60, b=90), xaxis_title="µs from the start of the token",
                             yaxis=dict(title="block (one per SM)", autorange=False, zeroline=False),
@@ -439,7 +477,43 @@ class Dashboard:
         self.ab._box.layout.display = "none"
         self._box = w.VBox([self.header, w.HBox([stages, bw]), self.step_slider, gantt,
                             w.HBox([toks, self.history.widget]), self.ab._box])
+        if cfg is not None:
+            self._setup_gantt(cfg)
         self._render_header()
+
+    def slot_layout(self, cfg: ModelConfig | None = None) -> tuple[list[tuple[str, int]], str]:
+        """(slot names, slot 0's label at step 0): the trace's own when it came with one, else the plan's."""
+        if self.layout is not None:
+            return self.layout
+        cfg = cfg or self.cfg
+        return slot_names(cfg), first_step_label(cfg)
+
+    def _setup_gantt(self, cfg: ModelConfig):
+        """One work trace per slot label and one wait trace each (all named WAIT_TRACE, one legend entry), made
+        again when the layout changes."""
+        labels = gantt_labels(*self.slot_layout(cfg))
+        if labels == self._gantt_labels:
+            return
+        fig = self.figures["gantt"]
+        with fig.batch_update():
+            fig.data = fig.data[:1]
+            self._gantt_stage_traces, self._gantt_wait_traces = {}, {}
+            for label in labels:
+                fig.add_bar(name=label, orientation="h", y=[], x=[], base=[], marker_color=color_of(label),
+                            customdata=[], legendgroup=label, width=0.9, marker_line_width=0,
+                            hovertemplate=work_hover(label))
+                self._gantt_stage_traces[label] = len(fig.data) - 1
+            for k, label in enumerate(labels):
+                fig.add_bar(name=WAIT_TRACE, orientation="h", y=[], x=[], base=[], marker_color=WAIT_COLOR,
+                            customdata=[], width=0.9, marker_line_width=0, legendgroup="wait", showlegend=k == 0,
+                            hovertemplate=wait_hover(label))
+                self._gantt_wait_traces[label] = len(fig.data) - 1
+        self._gantt_labels = labels
+        self._gantt_key = None
+
+    def gantt_trace(self, label: str, wait: bool = False):
+        """The Gantt chart's work trace of a slot label (or its wait trace)."""
+        return self.figures["gantt"].data[(self._gantt_wait_traces if wait else self._gantt_stage_traces)[label]]
 
     # -- constructors --------------------------------------------------------------------------------------------
     @classmethod
@@ -466,7 +540,9 @@ class Dashboard:
         cfg = cfg or self.cfg
         if cfg is None:
             raise ValueError("update_timing needs the model config (cfg=) the first time")
-        n_slots = len(slot_names(cfg))
+        if self.layout is not None and self.cfg is not None and cfg != self.cfg:
+            self.layout = None                      # another model: the plan's layout, not the trace's
+        n_slots = len(self.slot_layout(cfg)[0])
         if stamps.ndim != 4 or stamps.shape[1] != n_slots or stamps.shape[3] != 2:
             raise ValueError(f"stamps of shape {stamps.shape} do not fit {cfg.name}: expected "
                              f"[steps, {n_slots}, blocks, 2]")
@@ -475,6 +551,7 @@ class Dashboard:
                    or (pos0 is not None and pos0 != self.pos0)
                    or (stamps.size > 0 and int(old.flat[0]) != 0 and int(stamps.flat[0]) != int(old.flat[0])))
         self.cfg = cfg
+        self._setup_gantt(cfg)
         self.stamps = stamps
         if pos0 is not None:
             self.pos0 = int(pos0)
@@ -484,7 +561,7 @@ class Dashboard:
             self.roofline_tbps = float(roofline_tbps)
         self.progress = progress
         self.n_complete = complete_steps(stamps)
-        self.rows = stage_rows(stamps, cfg, self.pos0)
+        self.rows = stage_rows(stamps, cfg, self.pos0, names=self.slot_layout(cfg)[0])
         self.updates += 1
         with self.figures["stages"].batch_update():
             self._draw_stages()
@@ -611,7 +688,7 @@ class Dashboard:
         tr = fig.data[0]
         tr.x = [r.stage for r in rows]
         tr.y = [r.us_per_token for r in rows]
-        tr.marker.color = [COLORS[r.stage] for r in rows]
+        tr.marker.color = [color_of(r.stage) for r in rows]
         tr.error_y.array = [r.spread[1] - r.us_per_token for r in rows]
         tr.error_y.arrayminus = [r.us_per_token - r.spread[0] for r in rows]
         tr.customdata = [[r.spread[0], r.spread[1], r.work_us, r.wait_us] for r in rows]
@@ -627,7 +704,7 @@ class Dashboard:
         tr = fig.data[0]
         tr.x = [r.stage for r in rows]
         tr.y = [r.tbps for r in rows]
-        tr.marker.color = [COLORS[r.stage] for r in rows]
+        tr.marker.color = [color_of(r.stage) for r in rows]
         tr.text = [f"{100 * r.tbps / roof:.0f}%" if roof else "" for r in rows]
         tr.customdata = [r.bytes / 1e6 for r in rows]
         if roof:
@@ -683,28 +760,29 @@ class Dashboard:
         if not force and key is not None and key == self._gantt_key:
             return
         self._gantt_key = key
-        d = gantt_data(self.stamps, self.cfg, step, self.gantt_blocks)
+        d = gantt_data(self.stamps, self.cfg, step, self.gantt_blocks, self.slot_layout())
         fig = self.figures["gantt"]
         r3 = lambda a: np.round(np.asarray(a, dtype=float), 3)
+
         with fig.batch_update():
             g_stage, g_start, g_dur, g_layer = d["grid"]
             g = fig.data[0]
             g.y = [GRID_Y] * len(g_stage)
             g.base = r3(g_start)
             g.x = r3(g_dur)
-            g.marker.color = [COLORS[s] for s in g_stage]
-            g.text = [SHORT[s] for s in g_stage]
+            g.marker.color = [color_of(s) for s in g_stage]
+            g.text = [short_of(s) for s in g_stage]
             g.customdata = [[s, f"layer {l}" if l >= 0 else ""] for s, l in zip(g_stage, g_layer)]
-            for stage, i in self._gantt_stage_traces.items():
+            for label, i in self._gantt_stage_traces.items():
                 tr = fig.data[i]
-                if stage in d["work"]:
-                    b, st, du, layer = d["work"][stage]
+                if label in d["work"]:
+                    b, st, du, layer = d["work"][label]
                     tr.y, tr.base, tr.x, tr.customdata = b, r3(st), r3(du), layer
                 else:
                     tr.y, tr.base, tr.x, tr.customdata = [], [], [], []
             b, st, du, stg, layer = d["wait"]
-            for stage, i in self._gantt_wait_traces.items():
-                m = stg == stage
+            for label, i in self._gantt_wait_traces.items():
+                m = stg == label
                 tr = fig.data[i]
                 tr.y, tr.base, tr.x, tr.customdata = b[m], r3(st[m]), r3(du[m]), layer[m]
             n_blocks = self.stamps.shape[2]
