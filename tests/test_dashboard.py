@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,7 @@ N_SLOTS = 5 * CFG.n_layers + 2
 SLOT0 = "sampling+publish+embedding"
 L_NS = 500                             # barrier latency of the synthetic trace
 T0 = 10**15
+CHROMIUM = "/usr/bin/chromium"
 
 
 def synthetic(cfg=CFG, steps=5, blocks=4, work_scale=None, t0=T0):
@@ -252,6 +254,31 @@ def test_cli_pack_info_perfetto(tmp_path, capsys):
     assert {e["args"]["step"] for e in doc["traceEvents"] if e["ph"] == "X"} == {1, 2}
 
 
+def test_info_columns_have_units(capsys):
+    assert T.main(["info", str(T.recorded_path(0))]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("stage"))
+    assert header.split()[1:] == ["µs/token", "p10–p90", "µs", "work", "µs", "wait", "µs", "MB", "TB/s", "%roof"]
+
+
+def test_perfetto_steps_out_of_range_is_an_error(tmp_path, capsys):
+    """A 17-step trace asked for step 99 wrote an empty file; now: one line saying which steps exist, exit 2."""
+    out = tmp_path / "none.json"
+    assert T.main(["perfetto", str(T.recorded_path(0)), str(out), "--steps", "99"]) == 2
+    cap = capsys.readouterr()
+    err = cap.err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: --steps 99: ")
+    assert "step 99 is not in the trace: it has steps 0–16" in err
+    assert not out.exists()
+    assert T.main(["perfetto", str(T.recorded_path(0)), str(out), "--steps", "15-20"]) == 2
+    assert "steps 17–20 are not in the trace: it has steps 0–16" in capsys.readouterr().err
+    assert T.main(["perfetto", str(T.recorded_path(0)), str(out), "--steps", "x"]) == 2
+    assert "give N or A-B" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="block 9 is not in the trace: it has blocks 0–3"):
+        T.to_perfetto(synthetic(), CFG, blocks=[9])
+    assert not out.exists()
+
+
 # -- the recorded fixtures ------------------------------------------------------------------------------------------
 
 def test_recorded_fixtures_are_small_and_labelled():
@@ -453,10 +480,12 @@ def test_gantt_synthetic():
     assert len(qkv.y) == 2 * 4                                    # two layers × four blocks
     iv = T.intervals(t)
     t0 = int(t[1, -1, :, 1].max())
-    for y, base, x, layer in zip(qkv.y, qkv.base, qkv.x, qkv.customdata):
+    for y, base, x, cd in zip(qkv.y, qkv.base, qkv.x, qkv.customdata):
+        layer = int(cd[0].split()[1])
         k = 1 + 5 * layer
         assert x == pytest.approx(iv.work[2, k, y] / 1e3, abs=1e-3)
         assert base == pytest.approx((iv.start[2, k, y] - t0) / 1e3, abs=1e-3)
+        assert cd[1:] == pytest.approx([x, base, base + x], abs=1e-3)          # length, start, end for the hover
     assert len(by_name["embedding"][0].y) == 0                      # the embedding alone: step 0 only
     assert len(by_name[SLOT0][0].y) == 4 and by_name[SLOT0][0].marker.color == D.COLORS["sampling"]
     waits = by_name[D.WAIT_TRACE]
@@ -472,6 +501,68 @@ def test_gantt_synthetic():
     d.step_slider.value = 0
     assert len(by_name["embedding"][0].y) == 4 and len(by_name[SLOT0][0].y) == 0
     assert len(g.data[0].y) == N_SLOTS and g.data[0].text[0] == "embedding"
+
+
+def test_gantt_hover_shows_the_length():
+    """A bar with a base: plotly's %{x} is where it ends (a 3.7 µs wait read "305.06 µs from 301.38 µs"). The
+    hover texts take the length, start and end from customdata."""
+    t = synthetic()
+    d = D.Dashboard(CFG, source="synthetic")
+    d.update_timing(t)
+    g = d.figures["gantt"]
+    for tr in g.data:
+        assert "%{x" not in tr.hovertemplate and "%{base" not in tr.hovertemplate
+    wait = d.gantt_trace("gate_up_silu", wait=True)
+    assert "wait %{customdata[1]:.2f} µs, from %{customdata[2]:.2f} µs to %{customdata[3]:.2f} µs" in \
+        wait.hovertemplate
+    for x, base, cd in zip(wait.x, wait.base, wait.customdata):
+        assert cd[1] == pytest.approx(x) and cd[2] == pytest.approx(base) and cd[3] == pytest.approx(base + x)
+    assert "%{customdata[2]:.2f} µs, from %{customdata[3]:.2f} µs to %{customdata[4]:.2f} µs" in g.data[0].hovertemplate
+
+
+def _hover_texts(fig_json: str, points: list[tuple[int, int]]) -> list[str]:
+    """The hover label plotly.js draws for each (trace, point) of a figure, in headless Chromium."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    import plotly
+    if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
+        pytest.skip(f"no Chromium at {CHROMIUM}")
+    js = (Path(plotly.__file__).parent / "package_data" / "plotly.min.js").read_text()
+    page = ("<html><body><div id='g'></div><script>" + js + "</script><script>var f = " + fig_json
+            + "; Plotly.newPlot('g', f.data, f.layout);</script></body></html>")
+    out = []
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            pg = browser.new_page()
+            pg.set_content(page)
+            pg.wait_for_function("document.querySelector('#g .main-svg') !== null")
+            for curve, point in points:
+                pg.evaluate("Plotly.Fx.unhover('g')")
+                pg.wait_for_timeout(100)                        # plotly.js drops hovers closer than 50 ms apart
+                pg.evaluate(f"Plotly.Fx.hover('g', [{{curveNumber: {curve}, pointNumber: {point}}}])")
+                out.append(pg.evaluate("Array.from(document.querySelectorAll('#g .hovertext'))"
+                                       ".map(e => e.textContent).join(' | ')"))
+        finally:
+            browser.close()
+    return out
+
+
+def test_gantt_hover_in_a_browser():
+    """What plotly.js itself shows when hovering a wait bar and a work bar: the length, then where it starts and
+    ends."""
+    import plotly.io as pio
+    d = D.Dashboard(CFG, source="synthetic")
+    d.update_timing(synthetic())
+    d.step_slider.value = 2
+    g = d.figures["gantt"]
+    wi = d._gantt_wait_traces["gate_up_silu"]
+    ki = d._gantt_stage_traces["qkv_rope_append"]
+    wait, work = g.data[wi], g.data[ki]
+    texts = _hover_texts(pio.to_json(g), [(wi, 0), (ki, 0)])
+    x, base = float(wait.x[0]), float(wait.base[0])
+    assert f"wait {x:.2f} µs, from {base:.2f} µs to {base + x:.2f} µs" in texts[0]
+    x, base = float(work.x[0]), float(work.base[0])
+    assert f"work {x:.2f} µs, from {base:.2f} µs to {base + x:.2f} µs" in texts[1]
 
 
 def test_partial_snapshots_as_while_the_kernel_runs():

@@ -121,8 +121,8 @@ def stage_table(cfg: ModelConfig, t: np.ndarray, pos0: int = 0, skip_first: int 
 def format_table(rows: list[StageRow], roofline_tbps: float | None = None) -> str:
     total = sum(r.us_per_token for r in rows)
     w = max([18] + [len(r.stage) for r in rows])
-    out = [f"{'stage':{w}s} {'µs/token':>9s} {'p10–p90':>15s} {'work':>8s} {'wait':>8s} {'MB':>8s} {'TB/s':>6s}"
-           + (f" {'%roof':>6s}" if roofline_tbps else "")]
+    out = [f"{'stage':{w}s} {'µs/token':>9s} {'p10–p90 µs':>15s} {'work µs':>8s} {'wait µs':>8s} {'MB':>8s} "
+           f"{'TB/s':>6s}" + (f" {'%roof':>6s}" if roofline_tbps else "")]
     for r in rows:
         line = (f"{r.stage:{w}s} {r.us_per_token:9.1f} {r.spread[0]:7.1f}–{r.spread[1]:<7.1f} {r.work_us:8.1f} "
                 f"{r.wait_us:8.1f} {r.bytes / 1e6:8.1f} {r.tbps:6.2f}")

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import UserError
+from ..errors import UsageError, UserError
 from ..model.config import PRESETS, ModelConfig, RopeScaling
 from ..paths import FIXTURES
 from .timing import StageRow, first_step_label, slot_names, stage_table
@@ -51,7 +51,7 @@ class OldLayoutError(UserError):
     """A trace recorded with the older slot layout (format /1): convert it first."""
 
 
-# -- the slot layout a trace follows -------------------------------------------------------------------------------
+# -- the slot layout a trace follows ------------------------------------------------------------------------------
 
 def slots_meta(cfg: ModelConfig) -> dict:
     """The plan's slot layout for cfg, as a trace's meta["slots"]."""
@@ -326,7 +326,7 @@ def load_recorded(position: int = 0) -> Trace:
     return load_trace(recorded_path(position))
 
 
-# -- analysis that tolerates unwritten stamps ----------------------------------------------------------------------
+# -- analysis that tolerates unwritten stamps ---------------------------------------------------------------------
 
 def complete_steps(stamps: np.ndarray) -> int:
     """How many leading steps have every stamp written (every slot is stamped in every step)."""
@@ -398,13 +398,14 @@ def intervals(stamps: np.ndarray) -> Intervals:
     return Intervals(start, arrive, leave, known)
 
 
-# -- Perfetto / Chrome trace JSON --------------------------------------------------------------------------------
+# -- Perfetto / Chrome trace JSON ---------------------------------------------------------------------------------
 
 def to_perfetto(stamps: np.ndarray, cfg: ModelConfig, *, pos0: int = 0, meta: dict | None = None,
                 steps=None, blocks=None, grid_track: bool = True) -> dict:
     """Chrome trace-event JSON (a dict; see write_perfetto) of the given steps (default: every step with stamps) and
-    blocks (default all). The slot layout is the one in `meta` (a trace's own), else the plan's. ~22k events per
-    step for 132 blocks: export a few steps, not hundreds."""
+    blocks (default all); a step or block the stamps do not have is refused (UsageError). The slot layout is the
+    one in `meta` (a trace's own), else the plan's. ~22k events per step for 132 blocks: export a few steps, not
+    hundreds."""
     t = np.asarray(stamps)
     iv = intervals(t)
     names, step0_label = _layout(cfg, meta)
@@ -412,8 +413,17 @@ def to_perfetto(stamps: np.ndarray, cfg: ModelConfig, *, pos0: int = 0, meta: di
         raise UserError(f"stamps have {t.shape[1]} slots per step, the layout of {cfg.name} {len(names)}")
     base = int(t[t > 0].min()) if (t > 0).any() else 0
     n_steps, n_slots, n_blocks = iv.arrive.shape
-    steps = range(n_steps) if steps is None else [s for s in steps if 0 <= s < n_steps]
-    blocks = range(n_blocks) if blocks is None else [b for b in blocks if 0 <= b < n_blocks]
+    steps = range(n_steps) if steps is None else list(steps)
+    blocks = range(n_blocks) if blocks is None else list(blocks)
+    for what, asked, n in (("step", steps, n_steps), ("block", blocks, n_blocks)):
+        missing = [x for x in asked if not 0 <= x < n]
+        have = f"{what}s 0–{n - 1}" if n > 1 else f"{what} 0" if n else f"no {what}s"
+        if missing:
+            one = len(missing) == 1
+            raise UsageError(f"{what}{'' if one else 's'} {_span(missing)} {'is' if one else 'are'} not in the "
+                             f"trace: it has {have}")
+        if not len(asked):
+            raise UsageError(f"no {what}s asked for: the trace has {have}")
     title = f"monokernel {cfg.name}" + (f" ({source_title(meta)})" if meta else "")
     pid, grid_tid = 1, 999
 
@@ -467,15 +477,36 @@ def write_perfetto(path, trace_json: dict) -> Path:
     return path
 
 
+def _span(xs) -> str:
+    """Numbers as text: "99", "17–20" for a run, else a list."""
+    xs = sorted(xs)
+    if len(xs) == 1:
+        return str(xs[0])
+    if xs == list(range(xs[0], xs[-1] + 1)):
+        return f"{xs[0]}–{xs[-1]}"
+    return ", ".join(map(str, xs))
+
+
 def _ascii(s: str) -> str:
     return s.replace("µ", "u").replace("–", "-").replace("·", "-").encode("ascii", "replace").decode()
 
 
-# -- command line: pack, info, perfetto --------------------------------------------------------------------------
+# -- command line: pack, convert, info, perfetto ------------------------------------------------------------------
+
+def _steps_arg(text: str) -> range:
+    lo, sep, hi = text.partition("-")
+    try:
+        a, b = int(lo), int(hi) if sep else int(lo)
+    except ValueError:
+        raise UsageError(f"--steps {text!r}: give N or A-B (e.g. 1 or 1-2)") from None
+    if b < a:
+        raise UsageError(f"--steps {text}: the range ends before it starts")
+    return range(a, b + 1)
+
 
 def main(argv=None) -> int:
-    """The command line; a refusal (a trace of the older layout, ...) is one line on stderr, `error: ...`, and exit
-    code 2."""
+    """The command line; a refusal (a trace of the older layout, steps the trace lacks, ...) is one line on stderr,
+    `error: ...`, and exit code 2."""
     try:
         return _main(argv)
     except (UserError, FileNotFoundError) as e:
@@ -552,9 +583,12 @@ def _main(argv=None) -> int:
         print(format_table(tr.stage_table(), tr.roofline_tbps))
     else:
         tr = load_trace(a.trace)
-        lo, _, hi = a.steps.partition("-")
-        steps = range(int(lo), int(hi or lo) + 1)
-        out = tr.write_perfetto(a.out, steps=steps)
+        steps = _steps_arg(a.steps)
+        try:
+            doc = tr.to_perfetto(steps=steps)
+        except UsageError as err:
+            raise UsageError(f"--steps {a.steps}: {err} ({a.trace})") from None
+        out = write_perfetto(a.out, doc)
         print(f"{out}: {out.stat().st_size / 1e6:.1f} MB")
     return 0
 

@@ -48,16 +48,21 @@ UNKNOWN_COLOR = "#555555"         # a stage the plan does not know (an older tra
 WAIT_COLOR = "#c8c8c8"
 WAIT_TRACE = "wait at the barrier"
 GRID_Y = -3                       # the Gantt chart's row of barrier-to-barrier spans, above block 0
-GRID_HOVER = "grid: %{customdata[0]} %{customdata[1]}<br>%{base:.2f} µs + %{x:.2f} µs<extra></extra>"
+# The Gantt bars' hover texts. customdata per bar: [layer text, length, start, end] (the grid's: [label, layer text,
+# length, start, end]), in µs from the token's start. Not %{x}: for a bar with a base, plotly's %{x} is where the
+# bar ends (base + length).
+GRID_HOVER = ("grid: %{customdata[0]} %{customdata[1]}<br>%{customdata[2]:.2f} µs, from %{customdata[3]:.2f} µs "
+              "to %{customdata[4]:.2f} µs<extra></extra>")
 
 
 def work_hover(label: str) -> str:
-    return f"block %{{y}}<br>{label} layer %{{customdata}}<br>work %{{x:.2f}} µs from %{{base:.2f}} µs<extra></extra>"
+    return (f"block %{{y}}<br>{label} %{{customdata[0]}}<br>work %{{customdata[1]:.2f}} µs, "
+            "from %{customdata[2]:.2f} µs to %{customdata[3]:.2f} µs<extra></extra>")
 
 
 def wait_hover(label: str) -> str:
-    return (f"block %{{y}}<br>wait after {label} layer %{{customdata}}<br>"
-            "%{x:.2f} µs from %{base:.2f} µs<extra></extra>")
+    return (f"block %{{y}}<br>wait after {label} %{{customdata[0]}}<br>wait %{{customdata[1]:.2f}} µs, "
+            "from %{customdata[2]:.2f} µs to %{customdata[3]:.2f} µs<extra></extra>")
 
 
 def short_name(stage: str) -> str:
@@ -92,6 +97,10 @@ def gantt_labels(names: list[tuple[str, int]], step0_label: str) -> list[str]:
     for k, (label, _) in enumerate(names):
         out += ([step0_label] if k == 0 else []) + [label]
     return list(dict.fromkeys(out))
+
+
+def _layer_text(layer) -> str:
+    return f"layer {int(layer)}" if int(layer) >= 0 else ""
 
 
 def _go():
@@ -439,7 +448,8 @@ class Dashboard:
         stages.add_bar(name="µs per token (median)", x=[], y=[], marker_color=[],
                        error_y=dict(type="data", symmetric=False, array=[], arrayminus=[], color="#333"),
                        customdata=[], hovertemplate="%{x}<br>median %{y:.1f} µs/token<br>p10–p90 %{customdata[0]:.1f}"
-                       "–%{customdata[1]:.1f}<br>work %{customdata[2]:.1f}, wait %{customdata[3]:.1f}<extra></extra>")
+                       "–%{customdata[1]:.1f} µs<br>work %{customdata[2]:.1f} µs, wait %{customdata[3]:.1f} µs"
+                       "<extra></extra>")
         stages.update_layout(width=480, height=380, margin=dict(l=60, r=20, t=60, b=90), showlegend=False,
                              yaxis_title="µs per token (all layers)")
 
@@ -450,6 +460,8 @@ class Dashboard:
         bw.update_layout(width=480, height=380, margin=dict(l=60, r=20, t=60, b=90), showlegend=False,
                          yaxis_title="TB/s")
 
+        # Bars with a base: plotly's %{x} is where the bar ends (base + length), not its length, so the hover texts
+        # read the length, start and end from customdata
         gantt = go.FigureWidget()
         gantt.add_bar(name="grid: barrier to barrier", orientation="h", y=[], x=[], base=[], marker_color=[],
                       text=[], textposition="inside", insidetextanchor="middle", textfont=dict(size=9),
@@ -764,6 +776,11 @@ class Dashboard:
         fig = self.figures["gantt"]
         r3 = lambda a: np.round(np.asarray(a, dtype=float), 3)
 
+        def hover(layers, start, dur):
+            """customdata: [layer text, length, start, end] per bar (see work_hover)."""
+            return [[_layer_text(l), float(x), float(s0), float(e)]
+                    for l, x, s0, e in zip(layers, r3(dur), r3(start), r3(np.asarray(start) + np.asarray(dur)))]
+
         with fig.batch_update():
             g_stage, g_start, g_dur, g_layer = d["grid"]
             g = fig.data[0]
@@ -772,19 +789,19 @@ class Dashboard:
             g.x = r3(g_dur)
             g.marker.color = [color_of(s) for s in g_stage]
             g.text = [short_of(s) for s in g_stage]
-            g.customdata = [[s, f"layer {l}" if l >= 0 else ""] for s, l in zip(g_stage, g_layer)]
+            g.customdata = [[s] + h for s, h in zip(g_stage, hover(g_layer, g_start, g_dur))]
             for label, i in self._gantt_stage_traces.items():
                 tr = fig.data[i]
                 if label in d["work"]:
                     b, st, du, layer = d["work"][label]
-                    tr.y, tr.base, tr.x, tr.customdata = b, r3(st), r3(du), layer
+                    tr.y, tr.base, tr.x, tr.customdata = b, r3(st), r3(du), hover(layer, st, du)
                 else:
                     tr.y, tr.base, tr.x, tr.customdata = [], [], [], []
             b, st, du, stg, layer = d["wait"]
             for label, i in self._gantt_wait_traces.items():
                 m = stg == label
                 tr = fig.data[i]
-                tr.y, tr.base, tr.x, tr.customdata = b[m], r3(st[m]), r3(du[m]), layer[m]
+                tr.y, tr.base, tr.x, tr.customdata = b[m], r3(st[m]), r3(du[m]), hover(layer[m], st[m], du[m])
             n_blocks = self.stamps.shape[2]
             fig.layout.yaxis.tickvals = [GRID_Y] + list(range(0, n_blocks, 8))
             fig.layout.yaxis.ticktext = ["grid"] + [str(i) for i in range(0, n_blocks, 8)]
