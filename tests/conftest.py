@@ -41,16 +41,15 @@ def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
-def _build_tiny_llama(seed: int = 0):
-    """LlamaForCausalLM at the 'tiny' preset's shapes, re-initialised so that every layer does something:
+def _build_llama(hf_config: dict, seed: int = 0):
+    """LlamaForCausalLM with these LlamaConfig fields, re-initialised so that every layer does something:
     projections with std 1/sqrt(fan_in), norm gains 1 + 0.2·N(0, 1), embeddings with std 0.1 (HF's default init,
     std 0.02 everywhere and unit gains, leaves the residual stream nearly untouched by the layers)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = LlamaConfig(**get_config("tiny").to_hf_dict())
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model = LlamaForCausalLM(LlamaConfig(**hf_config)).to(torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "embed_tokens" in name or "lm_head" in name:
@@ -60,6 +59,11 @@ def _build_tiny_llama(seed: int = 0):
             else:                                               # nn.Linear weight [out, in]
                 p.normal_(0.0, p.shape[1] ** -0.5)
     return model
+
+
+def _build_tiny_llama(seed: int = 0):
+    """LlamaForCausalLM at the 'tiny' preset's shapes, re-initialised as _build_llama does."""
+    return _build_llama(get_config("tiny").to_hf_dict(), seed)
 
 
 @pytest.fixture(scope="session")
@@ -91,3 +95,25 @@ def fresh_seed() -> int:
     s = int.from_bytes(os.urandom(4), "little")
     print(f"seed {s}")
     return s
+
+
+@pytest.fixture(scope="session")
+def hf_checkpoint(tmp_path_factory):
+    """A factory: hf_checkpoint(seed=0, **LlamaConfig fields) → a folder holding config.json and model.safetensors
+    of a random Llama of those shapes (re-initialised as _build_llama does), stored in bf16. Each distinct set of
+    fields is built once per session."""
+    import json
+
+    import torch
+
+    made: dict = {}
+
+    def make(seed: int = 0, **fields):
+        key = json.dumps([seed, fields], sort_keys=True)
+        if key not in made:
+            path = tmp_path_factory.mktemp("hf_llama")
+            _build_llama(fields, seed).to(torch.bfloat16).save_pretrained(path)
+            made[key] = path
+        return made[key]
+
+    return make
