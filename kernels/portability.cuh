@@ -177,15 +177,17 @@ __device__ __forceinline__ bf16 f32_to_bf16(float f) {   // round to nearest eve
     return (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-// Sum over the lanes of a warp (or over aligned groups of `width` lanes)
+// Sum over the lanes of a warp (or over aligned groups of `width` lanes: xor pairing needs a power of two)
 template <int width = WB_WARP>
 __device__ __forceinline__ float wb_warp_sum(float v) {
+    static_assert(width > 0 && (width & (width - 1)) == 0 && width <= WB_WARP, "lane groups are powers of two");
 #pragma unroll
     for (int m = width / 2; m > 0; m >>= 1) v += wb_shfl_xor(v, m);
     return v;
 }
 template <int width = WB_WARP>
 __device__ __forceinline__ float wb_warp_max(float v) {
+    static_assert(width > 0 && (width & (width - 1)) == 0 && width <= WB_WARP, "lane groups are powers of two");
 #pragma unroll
     for (int m = width / 2; m > 0; m >>= 1) v = wb_fmaxf(v, wb_shfl_xor(v, m));
     return v;

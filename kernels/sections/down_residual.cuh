@@ -1,10 +1,11 @@
-// x += Wd · h: the MLP's output projection and the second residual add.
+// x += Wd · hmlp: the MLP's output projection and the second residual add.
 #pragma once
 
-WB_SECTION void stage_down_residual(const Params* __restrict__ P, int layer, float* act) {
-    const bf16* __restrict__ W = P->wd + (long long)layer * WB_D * WB_FF;
-    auto prologue = [&] { load_activation(act, P->hmlp, WB_FF); };
-    for_warp_units<WB_FF, 1>(W, WB_D, act, prologue, [&](int r, const float* y) {
-        if (wb_lane() == 0) P->x[r] = wb_ld_cg(P->x + r) + y[0];
+WB_SECTION void stage_down_residual(const float* hmlp, const bf16* __restrict__ wd, int layer, float* smem, float* x) {
+    static_assert(WB_SMEM_DOWN_RESIDUAL_ACT_FLOATS >= WB_FF, "the plan's act region holds hmlp");
+    float* act = smem + WB_SMEM_DOWN_RESIDUAL_ACT;
+    auto prologue = [&] { load_activation(act, hmlp, WB_FF); };
+    for_warp_units<WB_FF, 1>(wd, WB_D, act, prologue, [&](int r, const float* y) {
+        if (wb_lane() == 0) x[r] = wb_ld_cg(x + r) + y[0];
     });
 }

@@ -1,12 +1,18 @@
 // logits = W_lm · rmsnorm(x) (final norm's gain folded into W_lm). The greedy argmax is fused here: each block
-// leaves its best (value, index); the sampler reduces 1 pair per block instead of rereading the vocabulary.
+// leaves its best (value, index) in blk_max/blk_arg, so the sampler reduces one pair per block instead of
+// rereading the vocabulary.
 #pragma once
 
-WB_SECTION void stage_lm_head(const Params* __restrict__ P, float* __restrict__ logits, float* act, float* red) {
+WB_SECTION void stage_lm_head(const float* x, const bf16* __restrict__ lm_head, float* smem, float* logits,
+                              float* blk_max, int* blk_arg) {
+    static_assert(WB_SMEM_LM_HEAD_ACT_FLOATS >= WB_D && WB_SMEM_LM_HEAD_RED_FLOATS >= 2 * WB_MAX_WARPS,
+                  "the plan's regions hold x and a (value, index) per warp");
+    float* act = smem + WB_SMEM_LM_HEAD_ACT;
+    float* red = smem + WB_SMEM_LM_HEAD_RED;
     float best = -WB_INF;
     int arg = 0x7fffffff;
-    auto prologue = [&] { load_rms_normalized(act, P->x, WB_D, red); };
-    for_warp_units<WB_D, 1>(P->lm_head, WB_VOCAB, act, prologue, [&](int v, const float* y) {
+    auto prologue = [&] { load_rms_normalized(act, x, WB_D, red); };
+    for_warp_units<WB_D, 1>(lm_head, WB_VOCAB, act, prologue, [&](int v, const float* y) {
         if (y[0] > best) { best = y[0]; arg = v; }             // rows rise within a warp: ties keep the lowest
         if (wb_lane() == 0) logits[v] = y[0];
     });
@@ -17,7 +23,7 @@ WB_SECTION void stage_lm_head(const Params* __restrict__ P, float* __restrict__ 
     if (wb_tid() == 0) {
         for (int w = 1; w < wb_nwarps(); ++w)
             if (red[w] > best || (red[w] == best && red_arg[w] < arg)) { best = red[w]; arg = red_arg[w]; }
-        P->blk_max[wb_bid()] = best;
-        P->blk_arg[wb_bid()] = arg;
+        blk_max[wb_bid()] = best;
+        blk_arg[wb_bid()] = arg;
     }
 }

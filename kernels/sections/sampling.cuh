@@ -30,6 +30,8 @@ struct SampScratch {
     u32 prefix, mask;
     u64 remaining;
 };
+static_assert(sizeof(SampScratch) <= 4 * WB_SMEM_SAMPLING_SCRATCH_FLOATS && WB_THREADS <= 1024,
+              "the plan's scratch region holds SampScratch, one chunk per thread");
 
 // Radix selection: the largest key threshold t (as ord_key) such that the kept set {ord ≥ t} reaches `target`,
 // counting each kept element as 1 (by_mass = false: top-k) or as its fixed-point mass (top-p). Only elements
@@ -64,9 +66,11 @@ __device__ u32 samp_radix_select(const float* __restrict__ logits, float T, floa
     return sc->prefix;
 }
 
-// Returns the sampled token (valid in thread 0). Called by one block only; `draws` > 1 repeats the final draw
-// with successive draw counters into P->draws (for the statistical test), the first draw being the token.
-WB_SECTION int sample_token(const Params* __restrict__ P, const float* __restrict__ logits, int step, float* smem) {
+// Returns the sampled token (valid in thread 0). Called by one block only. At a recorded step with n_draws > 0,
+// the final draw is repeated with successive draw counters into P->draws (the statistical and the exact checks of
+// the sampler), the first draw being the token. P: temperature, top_k, top_p, seed.
+WB_SECTION int stage_sampling(const float* logits, const float* blk_max, const int* blk_arg, const Params* __restrict__ P,
+                              int step, float* smem) {
     // max logit and greedy argmax from the LM head's per-block partials
     __shared__ float best_v;
     __shared__ int best_i;
@@ -74,8 +78,8 @@ WB_SECTION int sample_token(const Params* __restrict__ P, const float* __restric
         float bv = -WB_INF;
         int bi = 0x7fffffff;
         for (int b = wb_lane(); b < wb_nbid(); b += WB_WARP) {
-            const float v = wb_ld_cg(P->blk_max + b);
-            const int i = ((volatile int*)P->blk_arg)[b];
+            const float v = wb_ld_cg(blk_max + b);
+            const int i = ((volatile const int*)blk_arg)[b];
             if (v > bv || (v == bv && i < bi)) { bv = v; bi = i; }
         }
 #pragma unroll
@@ -91,7 +95,7 @@ WB_SECTION int sample_token(const Params* __restrict__ P, const float* __restric
     // a greedy-only build (WB_SAMPLER_FULL 0) has none of the code below; the host refuses to sample with it
     if (!WB_SAMPLER_FULL || !(T > 0.f) || P->top_k == 1) return best_i;
 
-    SampScratch* sc = (SampScratch*)smem;
+    SampScratch* sc = (SampScratch*)(smem + WB_SMEM_SAMPLING_SCRATCH);
     const float mkey = best_v / T;
     u32 floor_ord = 0;
     if (P->top_k > 0 && P->top_k < WB_VOCAB)
@@ -121,7 +125,9 @@ WB_SECTION int sample_token(const Params* __restrict__ P, const float* __restric
     const u64 Z = chunk_mass(floor_ord);
     __shared__ int token;
     {   // draws are independent: the block's threads share them (thread 0 makes draw 0, the token)
-        const int ndraw = P->n_draws > 0 ? P->n_draws : 1;
+        const int rec = P->rec_slot[step];
+        const bool keep = P->n_draws > 0 && rec >= 0;             // a recorded step: its draws go to P->draws
+        const int ndraw = keep ? P->n_draws : 1;
         for (int d = wb_tid(); d < ndraw; d += wb_ntid()) {
             const u64 u = (u64)(samp_uniform(P->seed, step, d) * (double)Z);   // in [0, Z)
             int lo = 0, hi = nt - 1;                                            // first chunk whose prefix > u
@@ -136,7 +142,7 @@ WB_SECTION int sample_token(const Params* __restrict__ P, const float* __restric
                 if (cum > u) { tok = i; break; }
             }
             if (d == 0) token = tok;
-            if (P->n_draws > 0) P->draws[d] = tok;
+            if (keep) P->draws[(long long)rec * ndraw + d] = tok;
         }
     }
     wb_syncthreads();

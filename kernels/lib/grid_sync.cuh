@@ -9,11 +9,8 @@
 // arrived, with the stage that block last entered, so a hung section is reported instead of freezing the host.
 #pragma once
 
-enum WbError { WB_OK = 0, WB_ERR_HANG = 1, WB_ERR_ABORTED = 2, WB_ERR_BAD_TOKEN = 3 };
-
-// status[] layout (mapped host memory), mirrored in workbench/runtime.py
-enum WbStatus { ST_CODE = 0, ST_STAGE, ST_LAYER, ST_STEP, ST_BLOCK, ST_EPOCH, ST_MISSING_BLOCK, ST_MISSING_WHERE,
-                ST_N_MISSING, ST_ARRIVED, ST_WORDS = 16 };
+// WbError, the WbStatus words of status[] and wb_where() come from the plan (the generated header).
+static_assert(WB_STATUS_WORDS >= WB_STATUS_ARRIVED + 1, "status[] holds every status word");
 
 #define WB_BAR_STOP 0x80000000u
 
@@ -33,9 +30,6 @@ __device__ __forceinline__ bool wb_should_stop(const Params* __restrict__ P) {
 }
 
 // Where a block is: written at every stage entry, read only when diagnosing a hang
-__device__ __forceinline__ u32 wb_where(int stage, int layer, int step) {
-    return ((u32)step << 12) | ((u32)(layer + 1) << 5) | (u32)stage;
-}
 __device__ __forceinline__ void wb_enter(const Params* __restrict__ P, int stage, int layer, int step) {
     if (wb_tid() == 0) ((volatile u32*)P->where)[wb_bid()] = wb_where(stage, layer, step);
 }
@@ -53,12 +47,13 @@ __device__ __noinline__ void wb_report(const Params* __restrict__ P, int code, i
     wb_raise_stop(P, code);
     if (wb_atomic_cas(P->dev_flags + 2, 0, 1) != 0) return;  // someone else reported first
     volatile int* st = P->status;
-    st[ST_STAGE] = stage; st[ST_LAYER] = layer; st[ST_STEP] = step; st[ST_BLOCK] = wb_bid(); st[ST_EPOCH] = (int)epoch;
-    st[ST_MISSING_BLOCK] = first;
-    st[ST_MISSING_WHERE] = first_where;
-    st[ST_N_MISSING] = missing;
+    st[WB_STATUS_STAGE] = stage; st[WB_STATUS_LAYER] = layer; st[WB_STATUS_STEP] = step;
+    st[WB_STATUS_BLOCK] = wb_bid(); st[WB_STATUS_EPOCH] = (int)epoch;
+    st[WB_STATUS_MISSING_BLOCK] = first;
+    st[WB_STATUS_MISSING_WHERE] = first_where;
+    st[WB_STATUS_N_MISSING] = missing;
     wb_fence_system();
-    st[ST_CODE] = code;                                       // published last: the host reads the rest after it
+    st[WB_STATUS_CODE] = code;                                // published last: the host reads the rest after it
     wb_fence_system();
 }
 

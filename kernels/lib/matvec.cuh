@@ -27,7 +27,8 @@ struct RowLoads {
     static constexpr int STEP = WB_WARP * 8;                  // elements one warp-wide load covers
     static constexpr int ITERS = (K + STEP - 1) / STEP;
     static constexpr int UNROLL = NR == 1 ? WB_UNROLL_1 : WB_UNROLL_2;   // 16-byte loads in flight per lane per row
-    static constexpr int CHUNKS_UNROLLED = NR == 1 ? ITERS : 1;           // see warp_rows_dot
+    // see warp_rows_dot: single rows unrolled up to four chunks of loads (K ≤ 8,192 on NVIDIA), rolled beyond
+    static constexpr int CHUNKS_UNROLLED = NR == 1 && ITERS <= 4 * UNROLL ? ITERS : 1;
 };
 
 // acc[r] += the chunk of UNROLL loads starting at step i0, for each of the NR rows
@@ -55,7 +56,9 @@ __device__ __forceinline__ void warp_rows_dot(const bf16* __restrict__ row0, lon
     for (int r = 0; r < NR; ++r) acc[r] = 0.f;
     // Row pairs: chunks not unrolled. Each chunk's loads are already UNROLL deep; unrolling the chunks as well cost
     // registers, 2% tok/s (H200: 1,144 vs 1,121 tok/s) and a tenth of the compile time. Single rows stay unrolled:
-    // rolled, the long rows of the down projection spill on some shapes.
+    // rolled, the long rows of the down projection spill on some shapes (3b: 8 row pointers in local memory).
+    // Longer rows (8b's down projection, K = 14,336: 56 loads per lane) are rolled: unrolled, with the stage's
+    // buffers passed as arguments, they spilled 56 B.
 #pragma unroll L::CHUNKS_UNROLLED
     for (int i0 = 0; i0 < L::ITERS; i0 += L::UNROLL) {
         wb_u4 w[NR][L::UNROLL];

@@ -1,1 +1,0 @@
-"""The monokernel's CUDA sources and, next to each section, its numpy reference (kernels/sections)."""

@@ -1,0 +1,81 @@
+// How the generated decode step runs a stage: entering it, the grid barrier that ends it, and what the timing and
+// debug builds add there (%globaltimer stamps, taps). Everything here compiles away in a plain build except the
+// where word and the barrier itself.
+#pragma once
+
+#if WB_TIMING
+// Stamps of %globaltimer at each barrier: when this block arrived (its work done) and when it left (all arrived).
+// A slot's work is [previous leave, arrive); its wait is [arrive, leave). A step's stamps collect in shared memory
+// (nothing extra stays live in registers across the stage calls) and warp 0 writes them out once the step's last
+// barrier is passed: a global store after every barrier cost 2.5% tok/s, mostly in the next barrier's release
+// waiting for it.
+__shared__ u64 wb_t_stamps[WB_SLOTS][2];
+#define WB_STAMP_ARRIVE(slot) if (wb_tid() == 0) wb_t_stamps[slot][0] = wb_globaltimer_ns()
+#define WB_STAMP_LEAVE(slot) if (wb_tid() == 0) wb_t_stamps[slot][1] = wb_globaltimer_ns()
+// timing[step][slot][block][arrive, leave]. Out of line: inlined, its index arithmetic was hoisted out of the
+// step loop and spilled (the kernel is at its 128-register cap).
+__device__ __noinline__ void wb_flush_stamps(const Params* __restrict__ P, int step) {
+    if (wb_warp() != 0 || step >= P->timing_steps) return;
+    wb_syncwarp();                                         // thread 0's stamps, seen by its warp
+    for (int i = wb_lane(); i < 2 * WB_SLOTS; i += WB_WARP)
+        P->timing[(((long long)step * WB_SLOTS + i / 2) * wb_nbid() + wb_bid()) * 2 + i % 2] = wb_t_stamps[i / 2][i % 2];
+}
+#else
+#define WB_STAMP_ARRIVE(slot) ((void)0)
+#define WB_STAMP_LEAVE(slot) ((void)0)
+#define wb_flush_stamps(P, step) ((void)0)
+#endif
+
+// The previous step's publish decided to stop (dev_flags[1]); read by every block after the first barrier.
+__device__ __forceinline__ bool wb_done(const Params* __restrict__ P) { return ((volatile int*)P->dev_flags)[1] != 0; }
+
+// A stage every block takes part in; and one that block 0 runs alone (the others go on to the next barrier).
+#define WB_GRID(stage, layer, call)                                                                            \
+    do { wb_enter(P, stage, layer, s.step); wb_maybe_hang(P, stage, layer); call; } while (0)
+#define WB_BLOCK0(stage, layer, call)                                                                          \
+    do {                                                                                                        \
+        if (wb_bid() == 0) { wb_enter(P, stage, layer, s.step); wb_maybe_hang(P, stage, layer); call; wb_syncthreads(); } \
+    } while (0)
+// Ends a slot: the grid barrier (returning from the step on an error or abort) and, when timing, its two stamps.
+#define WB_SYNC(stage, layer, slot)                                                                            \
+    do {                                                                                                        \
+        WB_STAMP_ARRIVE(slot);                                                                                  \
+        if (grid_sync(P, stage, layer, s.step)) return true;                                                   \
+        WB_STAMP_LEAVE(slot);                                                                                   \
+    } while (0)
+
+#if WB_TAPS
+// Debug build: after a stage, block 0 copies what it wrote into the step's tap record (steps the host asked for),
+// so the host can check every stage of every layer on its own inputs. The copies read buffers that the next stage
+// does not write (the generator refuses a plan where it would), so they need no extra barrier.
+#define WB_TAP_COPIES(copies) do { if (wb_bid() == 0 && P->tap_slot[s.step] >= 0) { copies wb_syncthreads(); } } while (0)
+// (step and pos by value: a reference to the step's state would put it in local memory for the whole kernel)
+__device__ __forceinline__ float* wb_tap_dst(const Params* __restrict__ P, int step, int offset, int layer, int n) {
+    return P->taps + (long long)P->tap_slot[step] * WB_TAP_STEP_FLOATS + offset + (long long)layer * n;
+}
+__device__ __noinline__ void wb_tap_f32(const Params* __restrict__ P, int step, int offset, int layer,
+                                        const float* src, int n) {
+    float* dst = wb_tap_dst(P, step, offset, layer, n);
+    for (int i = wb_tid(); i < n; i += wb_ntid()) dst[i] = wb_ld_cg(src + i);
+}
+__device__ __noinline__ void wb_tap_int(const Params* __restrict__ P, int step, int offset, int layer,
+                                        const int* src, int n) {
+    float* dst = wb_tap_dst(P, step, offset, layer, n);
+    for (int i = wb_tid(); i < n; i += wb_ntid()) dst[i] = (float)((volatile const int*)src)[i];   // exact below 2^24
+}
+// the row a stage appended to a layer's cache [Hkv, max_seq, hd] at pos, as [Hkv·hd] floats
+__device__ __noinline__ void wb_tap_kv(const Params* __restrict__ P, int step, int pos, int offset, int layer,
+                                       const bf16* cache) {
+    constexpr int KVD = WB_KV_HEADS * WB_HEAD_DIM;
+    float* dst = wb_tap_dst(P, step, offset, layer, KVD);
+    for (int i = wb_tid(); i < KVD; i += wb_ntid())
+        dst[i] = bf16_to_f32(((volatile const bf16*)cache)[((long long)(i / WB_HEAD_DIM) * WB_MAX_SEQ + pos) * WB_HEAD_DIM
+                                                        + i % WB_HEAD_DIM]);
+}
+// a value thread 0 holds (the sampled token)
+__device__ __forceinline__ void wb_tap_value(const Params* __restrict__ P, int step, int offset, int v) {
+    if (wb_tid() == 0) *wb_tap_dst(P, step, offset, 0, 1) = (float)v;
+}
+#else
+#define WB_TAP_COPIES(copies) ((void)0)
+#endif

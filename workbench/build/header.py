@@ -1,0 +1,178 @@
+"""The C++ the plan generates: constants and layouts before the sections, the decode step after them.
+
+`plan_header` is pasted right after kernels/portability.cuh: shapes (from the model config), build switches, the
+Params struct, the stage / error / status / where / tap / slot / shared-memory constants and the per-step state
+`WbStep`. The kernel side checks what it relies on with static_asserts against these names, so a layout that no
+longer fits what a section needs fails to compile at the section's own line.
+
+`decode_step` is pasted after the sections: the decode step as one C++ function, one statement per stage in plan
+order, each showing what it computes, what it reads and (after `/* → */`) what it writes, followed by the grid
+barrier where the plan's reads and writes need one, and in a taps build the copies of what the stage wrote.
+"""
+from __future__ import annotations
+
+import ctypes
+
+from .. import plan
+from ..model.config import ModelConfig
+
+_CTYPES = {"u64": ctypes.c_uint64, "int": ctypes.c_int32, "float": ctypes.c_float}
+
+
+class Params(ctypes.Structure):
+    """The kernel's parameter block as the host fills it (one 64-bit word per pointer)."""
+    _fields_ = [(n, ctypes.c_uint64 if t.endswith("*") else _CTYPES[t]) for n, t in plan.params_fields()]
+
+
+def _upper(name: str) -> str:
+    return name.upper().replace(".", "_")
+
+
+def params_struct() -> str:
+    body = "\n".join(f"    {t} {n};" for n, t in plan.params_fields())
+    return (f"struct Params {{\n{body}\n}};\n"
+            f"static_assert(sizeof(Params) == {ctypes.sizeof(Params)}, \"Params: the host's layout\");\n")
+
+
+def plan_header(cfg: ModelConfig, launch: plan.Launch, defines: dict[str, str]) -> str:
+    """Everything the sections may name that the plan or the config decides."""
+    out = ["// ---- generated from the model config and workbench/plan.py: edit those, not this text ----"]
+    out += [f"#define {k} {v}" for k, v in defines.items()]
+    out.append(params_struct())
+    out.append("enum Stage { " + ", ".join(f"ST_{_upper(s)}" for s in plan.STAGE_NAMES) +
+               f", WB_N_STAGES }};")
+    out.append("enum WbError { " + ", ".join(f"WB_{'OK' if e == 'ok' else 'ERR_' + _upper(e)} = {i}"
+                                            for i, e in enumerate(plan.ERRORS)) + " };")
+    out.append("// status[] (mapped host memory): a stop's reason and place, read by the host after `code`")
+    out.append("enum WbStatus { " + ", ".join(f"WB_STATUS_{_upper(w)} = {i}" for i, w in enumerate(plan.STATUS_WORDS))
+               + f", WB_STATUS_WORDS = {plan.STATUS_LEN} }};")
+    shift = []
+    s = 0
+    for name, bits in plan.WHERE_FIELDS:
+        shift.append((name, s, bits))
+        s += bits
+    enc = " | ".join(f"((u32)({'layer + 1' if n == 'layer' else n}) & {(1 << b) - 1}u) << {sh}"
+                     for n, sh, b in shift)
+    out.append("// where a block is (its stage, layer + 1, step), written at every stage entry")
+    out.append(f"__device__ __forceinline__ u32 wb_where(int stage, int layer, int step) {{ return {enc}; }}")
+    out.append(f"constexpr int WB_SLOTS = {plan.n_slots(cfg)};           // grid barriers per step")
+    # taps
+    out.append(f"constexpr int WB_TAP_STEP_FLOATS = {plan.tap_step_floats(cfg, launch)};   // one step's tap record")
+    for t in plan.taps(cfg, launch):
+        out.append(f"constexpr int WB_TAP_{_upper(t.stage)}_{_upper(t.buffer)} = {t.offset}, "
+                   f"WB_TAP_{_upper(t.stage)}_{_upper(t.buffer)}_N = {t.size};")
+    # shared memory
+    regions = plan.smem_regions(cfg, launch)
+    for st, regs in regions.items():
+        for r, (off, n) in regs.items():
+            out.append(f"constexpr int WB_SMEM_{_upper(st)}_{_upper(r)} = {off}, "
+                       f"WB_SMEM_{_upper(st)}_{_upper(r)}_FLOATS = {n};")
+    out.append(f"constexpr int WB_SMEM_FLOATS = {plan.smem_floats(cfg, launch)};   // the largest stage's layout")
+    # per-layer slices
+    for b in plan.BUFFERS.values():
+        if b.per_layer:
+            n = b.elements(cfg, launch) // cfg.n_layers
+            out.append(f"constexpr long long WB_PER_LAYER_{_upper(b.name)} = {n}LL;")
+    values = [b.name for b in plan.BUFFERS.values() if b.kind == "value"]
+    out.append("// what one step carries from stage to stage in registers (block 0's thread 0 holds the tokens)")
+    out.append("struct WbStep { int step; int pos; " + " ".join(f"int {v};" for v in values) + " };")
+    return "\n".join(out) + "\n"
+
+
+def _arg(use: plan.Use, layer: str) -> str:
+    b = plan.BUFFERS[use.buffer]
+    if b.kind == "value":
+        return f"s.{b.name}"
+    if b.per_layer:
+        return f"P->{b.name} + {layer} * WB_PER_LAYER_{_upper(b.name)}"
+    return f"P->{b.name}"
+
+
+def stage_call(st: plan.Stage, layer: str = "layer") -> str:
+    """`stage_<name>(inputs..., extra..., /* → */ outputs...)`, a written value as the call's result. A buffer that
+    is read and written (the residual stream) is passed once, among the outputs, marked `+=`."""
+    written = {u.buffer for u in st.writes}
+    ins = [_arg(u, layer) for u in st.reads if u.buffer not in written]
+    outs, result = [], None
+    for u in st.writes:
+        b = plan.BUFFERS[u.buffer]
+        if b.kind == "value":
+            result = f"s.{b.name}"
+            continue
+        a = _arg(u, layer)
+        outs.append(a + (" /* += */" if st.reads_buffer(u.buffer) else ""))
+    args = ins + list(st.extra_args)
+    call = f"stage_{st.name}(" + ", ".join(args) + (", /* → */ " if outs and args else "/* → */ " if outs else "") \
+        + ", ".join(outs) + ")"
+    return f"{result} = {call}" if result else call
+
+
+def _tap_lines(cfg: ModelConfig, st: plan.Stage, layer: str) -> list[str]:
+    out = []
+    nxt = _next_stage(st)
+    for buf in st.taps:
+        if nxt is not None and nxt.writes_buffer(buf) and st.runs_on == "grid":
+            raise ValueError(f"stage {st.name} taps {buf}, which the next stage {nxt.name} overwrites while block 0 "
+                             f"copies it: tap it elsewhere")
+        b = plan.BUFFERS[buf]
+        name = f"WB_TAP_{_upper(st.name)}_{_upper(buf)}"
+        lay = layer if st.scope == "layer" else "0"
+        if b.kind == "cache":
+            out.append(f"wb_tap_kv(P, s.step, s.pos, {name}, {lay}, {_arg(plan.Use(buf), layer)});")
+        elif b.kind == "value":
+            out.append(f"wb_tap_value(P, s.step, {name}, s.{buf});")
+        elif b.dtype == "i32":
+            out.append(f"wb_tap_int(P, s.step, {name}, {lay}, {_arg(plan.Use(buf), layer)}, {name}_N);")
+        else:
+            out.append(f"wb_tap_f32(P, s.step, {name}, {lay}, {_arg(plan.Use(buf), layer)}, {name}_N);")
+    return out
+
+
+def _next_stage(st: plan.Stage) -> plan.Stage | None:
+    names = plan.STAGE_NAMES
+    i = names.index(st.name)
+    return plan.stage(names[(i + 1) % len(names)])
+
+
+def decode_step(cfg: ModelConfig, launch: plan.Launch) -> str:
+    """The decode step: `wb_decode_step(P, s, smem)` runs one step and returns true when the kernel must stop."""
+    slots = plan.slots(cfg)
+    first = next(i for i, st in enumerate(plan.STAGES) if st.scope == "layer")
+    last = max(i for i, st in enumerate(plan.STAGES) if st.scope == "layer")
+    per_layer = sum(1 for sl in slots if sl.layer == 0)        # barriers in one layer
+
+    def emit(st: plan.Stage, indent: str) -> list[str]:
+        layer = "layer" if st.scope == "layer" else "-1"
+        lines = [f"{indent}// {st.math}" + (f"  ({st.doc})" if st.doc else "")]
+        macro = "WB_BLOCK0" if st.runs_on == "block0" else "WB_GRID"
+        lines.append(f"{indent}{macro}(ST_{_upper(st.name)}, {layer}, {stage_call(st)});")
+        b = plan.barrier_slot(cfg, st.name, 0 if st.scope == "layer" else -1)
+        if b is not None:
+            slot = f"{b} + {per_layer} * layer" if st.scope == "layer" else str(b)
+            lines.append(f"{indent}WB_SYNC(ST_{_upper(st.name)}, {layer}, {slot});")
+        taps = _tap_lines(cfg, st, "layer")
+        if taps:
+            lines.append(f"{indent}WB_TAP_COPIES(" + " ".join(taps) + ");")
+        if b == len(slots) - 1:
+            lines.append(f"{indent}wb_flush_stamps(P, s.step);   // the step's last barrier: its stamps are complete")
+        if b == 0:
+            lines.append(f"{indent}if (wb_done(P)) return true;   // the previous step's publish said stop")
+        return lines
+
+    if plan.barrier_slot(cfg, plan.STAGES[0].name, -1) != 0:
+        raise ValueError("the plan's first stage must end the step's first slot (the stop test follows it)")
+    out = ["// ---- the decode step, generated from workbench/plan.py: edit the plan, not this text ----",
+           "// One statement per stage: what it computes, then the call (inputs, then after /* → */ what it writes).",
+           "// WB_GRID: every block takes a share; WB_BLOCK0: block 0 alone. WB_SYNC: a grid barrier where the plan's",
+           "// reads and writes need one (slot k of the step). WB_TAP_COPIES: what the debug build copies out.",
+           "__device__ __forceinline__ bool wb_decode_step(const Params* P, WbStep& s, float* smem) {"]
+    for st in plan.STAGES[:first]:
+        out += emit(st, "    ")
+    out.append("    for (int layer = 0; layer < WB_LAYERS; ++layer) {")
+    for st in plan.STAGES[first:last + 1]:
+        out += emit(st, "        ")
+    out.append("    }")
+    for st in plan.STAGES[last + 1:]:
+        out += emit(st, "    ")
+    out += ["    return false;", "}"]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,658 @@
+"""The decode step, declared once.
+
+One token's decode is the list `STAGES` below, in decode order. Each stage says what it computes (`math`), which
+buffers it reads and writes (with shapes, through `BUFFERS`), which of those are weights, how its work divides into
+units and which rows of each input a unit needs (the grain of its dependencies), its shared memory, what the
+debug build taps, and which reference function checks it. Everything that used to restate the step derives from
+here:
+
+* the generated C++ header (`workbench.build.header`): stage, tap, slot and status constants, the where-word
+  layout, the shared-memory layout, the Params struct, and the decode loop itself, one call per stage;
+* buffer allocation and the Params the runtime fills (`workbench.run.runtime`);
+* the taps and stage-local verification (`workbench.check`), the timing slots and bytes per stage
+  (`workbench.measure`), and the stage order of the dashboards and tables (`workbench.ui`).
+
+Adding or fusing a stage means editing this list and that stage's files (its section in kernels/sections/ and
+its reference in workbench/check/stages.py), nothing else.
+
+Shapes come from the model config (`ModelConfig`); a few scratch buffers also depend on the launch (`Launch`: the
+grid, one block per SM). Names of buffers are the names of the kernel's Params fields and of the prepared weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+from .check import stages as ref
+from .model.config import ModelConfig
+
+# ---- the launch: what a few shapes depend on besides the model ------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One block per SM, all resident (cooperative launch), `threads` per block."""
+    grid: int = 132
+    threads: int = 512
+    attn_min_chunk: int = 32        # fewest cache positions per attention split
+
+    def max_splits(self, cfg: ModelConfig) -> int:
+        """Attention splits each kv head's positions over at most this many blocks (≈ one block per SM)."""
+        return max(1, self.grid // cfg.n_kv_heads)
+
+
+MAX_WARPS = 32                      # warps in a 1024-thread block at the narrowest warp (32 lanes, NVIDIA)
+
+# ---- buffers --------------------------------------------------------------------------------------------------
+DTYPES = {"f32": ("float", 4), "bf16": ("bf16", 2), "i32": ("int", 4), "u32": ("u32", 4), "u64": ("u64", 8)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """A buffer of the decode step. `shape` is the whole buffer; for weights and the cache with `per_layer`, the
+    leading axis is the layer and each layer's stage is handed its slice."""
+    name: str
+    dtype: str
+    shape: Callable[[ModelConfig, Launch], tuple]
+    kind: str                       # weight | table | activation | cache | scratch | value
+    doc: str
+    per_layer: bool = False
+
+    def layer_shape(self, cfg: ModelConfig, launch: Launch = Launch()) -> tuple:
+        s = self.shape(cfg, launch)
+        return s[1:] if self.per_layer else s
+
+    def elements(self, cfg: ModelConfig, launch: Launch = Launch()) -> int:
+        n = 1
+        for d in self.shape(cfg, launch):
+            n *= d
+        return n
+
+    def nbytes(self, cfg: ModelConfig, launch: Launch = Launch()) -> int:
+        return self.elements(cfg, launch) * DTYPES[self.dtype][1]
+
+    @property
+    def ctype(self) -> str:
+        return DTYPES[self.dtype][0]
+
+
+def _b(name, dtype, shape, kind, doc, per_layer=False):
+    return Buffer(name, dtype, shape, kind, doc, per_layer)
+
+
+BUFFERS: dict[str, Buffer] = {b.name: b for b in [
+    # weights, in the layout prepare() gives them (workbench.model.weights.Prepared)
+    _b("embed", "bf16", lambda c, l: (c.vocab, c.hidden), "weight", "token embeddings [V, D]"),
+    _b("wqkv", "bf16", lambda c, l: (c.n_layers, c.qkv_rows, c.hidden), "weight",
+       "Wq, Wk, Wv stacked [L, Q+2KV, D]: rope pairs side by side, attention-norm gain folded in", True),
+    _b("wo", "bf16", lambda c, l: (c.n_layers, c.hidden, c.q_dim), "weight", "attention output [L, D, Q]", True),
+    _b("wgu", "bf16", lambda c, l: (c.n_layers, 2 * c.intermediate, c.hidden), "weight",
+       "gate row j then up row j [L, 2F, D], MLP-norm gain folded in", True),
+    _b("wd", "bf16", lambda c, l: (c.n_layers, c.hidden, c.intermediate), "weight", "down projection [L, D, F]",
+       True),
+    _b("lm_head", "bf16", lambda c, l: (c.vocab, c.hidden), "weight", "LM head [V, D], final-norm gain folded in"),
+    # tables
+    _b("rope_cos", "f32", lambda c, l: (c.max_seq, c.head_dim // 2), "table", "cos(pos·θ_i) [max_seq, hd/2]"),
+    _b("rope_sin", "f32", lambda c, l: (c.max_seq, c.head_dim // 2), "table", "sin(pos·θ_i) [max_seq, hd/2]"),
+    # the activations of one step
+    _b("x", "f32", lambda c, l: (c.hidden,), "activation", "the residual stream [D]"),
+    _b("q", "f32", lambda c, l: (c.q_dim,), "activation", "queries, rotated [Hq·hd]"),
+    _b("o", "f32", lambda c, l: (c.q_dim,), "activation", "attention output [Hq·hd]"),
+    _b("hmlp", "f32", lambda c, l: (c.intermediate,), "activation", "silu(gate) ⊙ up [F]"),
+    _b("logits", "f32", lambda c, l: (c.vocab,), "activation", "next-token logits [V]"),
+    # state that outlives the step
+    _b("k_cache", "bf16", lambda c, l: (c.n_layers, c.n_kv_heads, c.max_seq, c.head_dim), "cache",
+       "keys [L, Hkv, max_seq, hd]: position p holds the key of the token fed at p", True),
+    _b("v_cache", "bf16", lambda c, l: (c.n_layers, c.n_kv_heads, c.max_seq, c.head_dim), "cache",
+       "values [L, Hkv, max_seq, hd]", True),
+    # cross-block scratch: contracts between the blocks of one stage, or between two stages
+    _b("attn_part", "f32", lambda c, l: (c.n_heads, l.max_splits(c), c.head_dim + 2), "scratch",
+       "per (query head, split): max, sum, unnormalised output, merged by the last split's block"),
+    _b("attn_count", "u32", lambda c, l: (c.n_kv_heads,), "scratch", "splits of each kv head done"),
+    _b("blk_max", "f32", lambda c, l: (l.grid,), "scratch", "each block's largest logit (lm_head → sampling)"),
+    _b("blk_arg", "i32", lambda c, l: (l.grid,), "scratch", "the index of that logit, lowest on ties"),
+    # values one block hands on in registers (no Params field)
+    _b("token", "i32", lambda c, l: (), "value", "the token fed at this step"),
+    _b("sampled", "i32", lambda c, l: (), "value", "the token the sampler chose"),
+]}
+
+
+# ---- stages ---------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Use:
+    """Part of a buffer a stage reads or writes. `rows(cfg, unit)` gives the rows (flat element ranges of the
+    buffer's per-layer slice, as (start, stop) pairs) that one work unit touches; None means all of it. For the
+    cache, `positions` says which positions: "pos" (the one being appended) or "0..pos"."""
+    buffer: str
+    rows: Callable | None = None
+    positions: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    name: str
+    scope: str                          # "layer": once per layer; "token": once per step
+    math: str                           # what it computes, one line
+    reads: tuple
+    writes: tuple
+    units: Callable                     # (cfg, launch) → how many work units the stage divides into
+    unit: str                           # what one unit is
+    runs_on: str = "grid"               # "grid": every block takes units; "block0": one block does it all
+    taps: tuple = ()                    # written buffers the taps build copies out after the stage
+    smem: Callable | None = None        # (cfg, launch) → {region: floats}, laid out from 0 in this order
+    extra_args: tuple = ()              # C++ arguments after the buffers (e.g. "s.pos", "smem")
+    doc: str = ""
+    paths: Callable | None = None       # (cfg, launch, thorough) → positions where the section's code path changes
+    reference: Callable | None = None   # its math on a check.stages.StageIO → {buffer: value}
+    tolerances: dict = dataclasses.field(default_factory=dict)   # {written buffer: check.stages.Tolerance}
+    contracts: tuple = ()               # checks beyond tolerances (check.stages.*_contract)
+
+    @property
+    def weights(self) -> tuple:
+        return tuple(u.buffer for u in self.reads if BUFFERS[u.buffer].kind == "weight")
+
+    def reads_buffer(self, name: str) -> bool:
+        return any(u.buffer == name for u in self.reads)
+
+    def writes_buffer(self, name: str) -> bool:
+        return any(u.buffer == name for u in self.writes)
+
+
+def _act(c: ModelConfig) -> int:
+    return _pad4(max(c.hidden, c.q_dim, c.intermediate))
+
+
+def _pad4(n: int) -> int:
+    """Regions start on 16 bytes (float4 accesses)."""
+    return -(-n // 4) * 4
+
+
+RED = 2 * MAX_WARPS                     # block reductions: one float and one int per warp
+
+
+def _qkv_rows(c: ModelConfig, u: int):
+    """Rows a QKV row pair writes, as (buffer, start, stop) in the q / k / v layouts (heads of hd)."""
+    pair = 2 * u
+    if pair < c.q_dim:
+        return "q", pair // c.head_dim
+    if pair < c.q_dim + c.kv_dim:
+        return "k", (pair - c.q_dim) // c.head_dim
+    return "v", (pair - c.q_dim - c.kv_dim) // c.head_dim
+
+
+def _head_rows(c: ModelConfig, head: int, heads: int = 1):
+    return ((head * c.head_dim, (head + heads) * c.head_dim),)
+
+
+def _qkv_write(part: str):
+    def rows(c: ModelConfig, u: int):
+        which, head = _qkv_rows(c, u)
+        return _head_rows(c, head) if which == part else ()
+    return rows
+
+
+def attention_paths(c: ModelConfig, l: Launch, thorough: bool = False) -> list[int]:
+    """Positions on both sides of every change of attention's code path: one split (direct write) to two (partials
+    merged by the last block), every further split when thorough, the saturation at max_splits (beyond it the
+    chunks grow), and a long position (≥ 4,096, where chunks span several passes of the block's warps)."""
+    chunk, S = l.attn_min_chunk, l.max_splits(c)
+    n = {1, 2, 3, 4}
+    if S > 1:
+        n |= {chunk - 1, chunk, chunk + 1, chunk + 2, chunk * S, chunk * S + 1}
+    if thorough:
+        n |= {chunk * m + d for m in range(2, S) for d in (0, 1)}
+    n |= {4096, 4097, 4098}
+    return sorted(p - 1 for p in n if 1 <= p <= c.max_seq)
+
+
+SAMPLER_SCRATCH_FLOATS = (256 + 1024) * 2 + 4    # SampScratch: u64 hist[256], u64 chunk[1024], two u32, one u64
+
+STAGES: tuple[Stage, ...] = (
+    Stage("embedding", "token", "x = embed[token]",
+          reads=(Use("token"), Use("embed", positions="token")), writes=(Use("x"),),
+          units=lambda c, l: 1, unit="the whole row", runs_on="block0", taps=("x",),
+          reference=ref.embedding_io, tolerances={"x": ref.EXACT}),
+    Stage("qkv_rope_append", "layer", "q, k, v = rope(Wq·n(x)), rope(Wk·n(x)), Wv·n(x); K[pos], V[pos] = k, v",
+          reads=(Use("x"), Use("wqkv", rows=lambda c, u: ((2 * u * c.hidden, (2 * u + 2) * c.hidden),)),
+                 Use("rope_cos", positions="pos"), Use("rope_sin", positions="pos")),
+          writes=(Use("q", rows=_qkv_write("q")), Use("k_cache", rows=_qkv_write("k"), positions="pos"),
+                  Use("v_cache", rows=_qkv_write("v"), positions="pos")),
+          units=lambda c, l: c.qkv_rows // 2, unit="a row pair (a rope pair of q or k, two dims of v)",
+          taps=("q", "k_cache", "v_cache"),
+          smem=lambda c, l: {"act": _act(c), "red": RED}, extra_args=("layer", "s.pos", "smem"),
+          doc="n = RMSNorm without its gain (folded into Wqkv)", reference=ref.qkv_rope_append_io,
+          tolerances={"q": ref.FP32, "k_cache": ref.KV_BF16, "v_cache": ref.KV_BF16}),
+    Stage("attention_decode", "layer", "o = softmax(q·Kᵀ/√hd)·V over positions 0..pos, per query head",
+          reads=(Use("q", rows=lambda c, h: _head_rows(c, h * c.group, c.group)),
+                 Use("k_cache", rows=lambda c, h: _head_rows(c, h), positions="0..pos"),
+                 Use("v_cache", rows=lambda c, h: _head_rows(c, h), positions="0..pos")),
+          writes=(Use("o", rows=lambda c, h: _head_rows(c, h * c.group, c.group)), Use("attn_part"),
+                  Use("attn_count")),
+          units=lambda c, l: c.n_kv_heads, unit="a kv head (its positions split over up to max_splits blocks)",
+          taps=("o",),
+          smem=lambda c, l: {"q": _pad4(c.group * c.head_dim),
+                             "warps": _pad4(l.threads // 32 * c.group * (c.head_dim + 2))},
+          extra_args=("layer", "s.pos", "P->attn_max_splits", "smem"), paths=attention_paths,
+          reference=ref.attention_decode_io, tolerances={"o": ref.ATTENTION}),
+    Stage("o_proj_residual", "layer", "x += Wo·o",
+          reads=(Use("o"), Use("wo", rows=lambda c, r: ((r * c.q_dim, (r + 1) * c.q_dim),)),
+                 Use("x", rows=lambda c, r: ((r, r + 1),))),
+          writes=(Use("x", rows=lambda c, r: ((r, r + 1),)),),
+          units=lambda c, l: c.hidden, unit="an output row", taps=("x",),
+          smem=lambda c, l: {"act": _act(c)}, extra_args=("layer", "smem"),
+          reference=ref.o_proj_residual_io, tolerances={"x": ref.FP32}),
+    Stage("gate_up_silu", "layer", "hmlp = silu(Wg·m(x)) ⊙ Wu·m(x)",
+          reads=(Use("x"), Use("wgu", rows=lambda c, j: ((2 * j * c.hidden, (2 * j + 2) * c.hidden),))),
+          writes=(Use("hmlp", rows=lambda c, j: ((j, j + 1),)),),
+          units=lambda c, l: c.intermediate, unit="a gate/up row pair", taps=("hmlp",),
+          smem=lambda c, l: {"act": _act(c), "red": RED}, extra_args=("layer", "smem"),
+          doc="m = RMSNorm without its gain (folded into Wgu)", reference=ref.gate_up_silu_io,
+          tolerances={"hmlp": ref.FP32}),
+    Stage("down_residual", "layer", "x += Wd·hmlp",
+          reads=(Use("hmlp"), Use("wd", rows=lambda c, r: ((r * c.intermediate, (r + 1) * c.intermediate),)),
+                 Use("x", rows=lambda c, r: ((r, r + 1),))),
+          writes=(Use("x", rows=lambda c, r: ((r, r + 1),)),),
+          units=lambda c, l: c.hidden, unit="an output row", taps=("x",),
+          smem=lambda c, l: {"act": _act(c)}, extra_args=("layer", "smem"),
+          reference=ref.down_residual_io, tolerances={"x": ref.FP32}),
+    Stage("lm_head", "token", "logits = W_lm·n(x); each block's best (value, index)",
+          reads=(Use("x"), Use("lm_head", rows=lambda c, v: ((v * c.hidden, (v + 1) * c.hidden),))),
+          writes=(Use("logits", rows=lambda c, v: ((v, v + 1),)), Use("blk_max"), Use("blk_arg")),
+          units=lambda c, l: c.vocab, unit="a vocabulary row", taps=("logits", "blk_max", "blk_arg"),
+          smem=lambda c, l: {"act": _act(c), "red": RED}, extra_args=("smem",),
+          doc="n = RMSNorm without its gain (folded into W_lm); the greedy argmax is fused into the partials",
+          reference=ref.lm_head_io, tolerances={"logits": ref.FP32}, contracts=(ref.partials_contract,)),
+    Stage("sampling", "token", "sampled = argmax(logits), or a draw from softmax(logits/T) cut by top-k, top-p",
+          reads=(Use("logits"), Use("blk_max"), Use("blk_arg")), writes=(Use("sampled"),),
+          units=lambda c, l: 1, unit="the whole step", runs_on="block0", taps=("sampled",),
+          smem=lambda c, l: {"scratch": SAMPLER_SCRATCH_FLOATS}, extra_args=("P", "s.step", "smem"),
+          doc="P: the sampling settings; the draws of recorded steps go to P->draws", reference=ref.sampling_io,
+          contracts=(ref.sampler_contract,)),
+    Stage("publish", "token", "token = prompt[step + 1] while forced, else sampled: streamed; EOS, limits, abort",
+          reads=(Use("sampled"),), writes=(Use("token"),),
+          units=lambda c, l: 1, unit="the whole step", runs_on="block0", extra_args=("P", "s.step"),
+          doc="P: the prompt, the host's mapped words, the limits; recorded steps' logits to P->logits_hist",
+          contracts=(ref.publish_contract,)),
+)
+STAGE_NAMES = tuple(s.name for s in STAGES)
+_BY_NAME = {s.name: s for s in STAGES}
+
+
+def stage(name: str) -> Stage:
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"no stage {name!r} in the plan (stages: {', '.join(STAGE_NAMES)})") from None
+
+
+LAYER_STAGES = tuple(s.name for s in STAGES if s.scope == "layer")
+TOKEN_STAGES = tuple(s.name for s in STAGES if s.scope == "token")
+
+# The kernel's library headers (not stages: the building blocks the sections share), pasted before the sections in
+# this order; the sections follow in decode order, then the generated decode step, then kernels/monokernel.cuh.
+LIBRARY = ("grid_sync", "matvec", "instrument")
+FILES = LIBRARY + STAGE_NAMES + ("monokernel",)
+
+
+# ---- what runs where, and where the grid must synchronise -----------------------------------------------------
+
+def _first_layer_index() -> int:
+    return next(i for i, s in enumerate(STAGES) if s.scope == "layer")
+
+
+def execution(cfg: ModelConfig) -> list[tuple[str, int]]:
+    """(stage, layer) in the order one step executes them; layer -1 for the token stages. The layer stages form
+    one contiguous run of the plan, repeated for every layer."""
+    return list(_execution(cfg.n_layers))
+
+
+@functools.lru_cache(maxsize=64)
+def _execution(n_layers: int) -> tuple:
+    first = _first_layer_index()
+    last = max(i for i, s in enumerate(STAGES) if s.scope == "layer")
+    if any(s.scope != "layer" for s in STAGES[first:last + 1]):
+        raise ValueError("the plan's layer stages must be contiguous")
+    out = [(s.name, -1) for s in STAGES[:first]]
+    for layer in range(n_layers):
+        out += [(s.name, layer) for s in STAGES[first:last + 1]]
+    return tuple(out + [(s.name, -1) for s in STAGES[last + 1:]])
+
+
+def conflicts(a: Stage, b: Stage) -> set:
+    """Buffers through which stage b, running after stage a, depends on it: b reads or overwrites what a wrote, or
+    overwrites what a read. Two stages of the one block need no barrier between them (a block barrier orders them),
+    so they conflict in nothing."""
+    if a.runs_on == "block0" and b.runs_on == "block0":
+        return set()
+    wa, ra = {u.buffer for u in a.writes}, {u.buffer for u in a.reads}
+    wb, rb = {u.buffer for u in b.writes}, {u.buffer for u in b.reads}
+    return (wa & (rb | wb)) | (ra & wb)
+
+
+def _barriers(seq) -> list[bool]:
+    """barrier[i]: a grid barrier follows seq[i]. Greedy: a barrier goes in just before the first stage that
+    conflicts with a stage run since the last barrier, which places the fewest barriers that respect every
+    dependency of the declared reads and writes."""
+    after = [False] * len(seq)
+    pending = []
+    for i, (name, _) in enumerate(seq):
+        s = stage(name)
+        if any(conflicts(p, s) for p in pending):
+            after[i - 1] = True
+            pending = []
+        pending.append(s)
+    return after
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One grid barrier of a step and the stages that run between the previous barrier and it."""
+    index: int
+    stages: tuple                       # ((stage, layer), ...) in execution order
+    label: str                          # e.g. "gate_up_silu", or "sampling+publish+embedding"
+    layer: int                          # of the stage that ends at this barrier
+
+    @property
+    def stage(self) -> str:
+        """The stage that ends at this barrier."""
+        return self.stages[-1][0]
+
+
+@functools.lru_cache(maxsize=64)
+def _slots(n_layers: int) -> tuple:
+    seq = list(_execution(n_layers))
+    n = len(seq)
+    # a barrier after a step's last stage is decided by the next step's first: look at consecutive steps
+    first_step = _barriers(seq + seq)[:n]
+    steady = _barriers(seq * 3)[n:2 * n]        # what the previous step left running decides too
+    if first_step != steady:
+        raise ValueError("the plan needs different barriers at step 0 than later: the generated loop assumes not")
+    if not any(steady):
+        raise ValueError("the plan has no grid barrier")
+    last = max(i for i in range(n) if steady[i])
+    carried = tuple(seq[last + 1:])             # run after the step's last barrier: they open the next slot 0
+    out, current = [], []
+    for i in range(n):
+        current.append(seq[i])
+        if steady[i]:
+            st = (carried if not out else ()) + tuple(current)
+            out.append(Slot(len(out), st, "+".join(dict.fromkeys(s for s, _ in st)), seq[i][1]))
+            current = []
+    return tuple(out)
+
+
+def slots(cfg: ModelConfig) -> tuple:
+    """The grid barriers of one step, in order. Slot 0 also holds the stages the previous step ran after its last
+    barrier (at step 0 there are none: it holds only its own)."""
+    return _slots(cfg.n_layers)
+
+
+def n_slots(cfg: ModelConfig) -> int:
+    return len(slots(cfg))
+
+
+def barrier_slot(cfg: ModelConfig, stage_name: str, layer: int) -> int | None:
+    """The index of the barrier that follows this stage, or None when none does."""
+    for s in slots(cfg):
+        if s.stages[-1] == (stage_name, layer):
+            return s.index
+    return None
+
+
+def slot_of(cfg: ModelConfig, stage_name: str, layer: int) -> int:
+    """The slot (the barrier that ends it) in which this stage runs, in steady state."""
+    for s in slots(cfg):
+        if (stage_name, layer) in s.stages:
+            return s.index
+    raise KeyError((stage_name, layer))
+
+
+# ---- taps: what the debug build copies out, per step ----------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Tap:
+    """A buffer as a stage left it (for the cache: the row appended at pos), at every layer for layer stages."""
+    stage: str
+    buffer: str
+    size: int                       # floats per layer (or per step for token stages)
+    offset: int                     # of layer 0, in floats from the start of the step's record
+    layers: int                     # 1 for token stages
+
+    @property
+    def name(self) -> str:
+        return f"{self.stage}.{self.buffer}"
+
+    def at(self, layer: int) -> int:
+        return self.offset + (layer if self.layers > 1 else 0) * self.size
+
+
+def tap_size(cfg: ModelConfig, buffer: str, launch: Launch = Launch()) -> int:
+    b = BUFFERS[buffer]
+    if b.kind == "cache":
+        return cfg.kv_dim                   # the row appended at pos: [Hkv, hd]
+    if b.kind == "value":
+        return 1
+    return b.elements(cfg, launch)
+
+
+def taps(cfg: ModelConfig, launch: Launch = Launch()) -> tuple:
+    out, off = [], 0
+    for s in STAGES:
+        layers = cfg.n_layers if s.scope == "layer" else 1
+        for buf in s.taps:
+            n = tap_size(cfg, buf, launch)
+            out.append(Tap(s.name, buf, n, off, layers))
+            off += n * layers
+    return tuple(out)
+
+
+def tap_step_floats(cfg: ModelConfig, launch: Launch = Launch()) -> int:
+    t = taps(cfg, launch)
+    return t[-1].offset + t[-1].size * t[-1].layers if t else 0
+
+
+def tap(cfg: ModelConfig, stage_name: str, buffer: str, launch: Launch = Launch()) -> Tap:
+    for t in taps(cfg, launch):
+        if t.stage == stage_name and t.buffer == buffer:
+            return t
+    raise KeyError(f"stage {stage_name} taps no {buffer}")
+
+
+def producer(cfg: ModelConfig, buffer: str, stage_name: str, layer: int) -> tuple[str, int] | None:
+    """The (stage, layer) whose write of `buffer` the given stage reads: the latest writer before it in the step's
+    execution order (an earlier step's, for what the step reads before anything wrote it: None)."""
+    order = execution(cfg)
+    i = order.index((stage_name, layer))
+    for s, l in reversed(order[:i]):
+        if stage(s).writes_buffer(buffer):
+            return s, l
+    return None
+
+
+# ---- shared memory ---------------------------------------------------------------------------------------------
+
+def smem_regions(cfg: ModelConfig, launch: Launch = Launch()) -> dict[str, dict[str, tuple[int, int]]]:
+    """{stage: {region: (offset, floats)}}: each stage lays its regions out from 0 (stages never overlap in time
+    within a block), 16-byte aligned."""
+    out = {}
+    for s in STAGES:
+        regions, off = {}, 0
+        for name, n in (s.smem(cfg, launch) if s.smem else {}).items():
+            regions[name] = (off, _pad4(n))
+            off += _pad4(n)
+        out[s.name] = regions
+    return out
+
+
+def smem_floats(cfg: ModelConfig, launch: Launch = Launch()) -> int:
+    return max((sum(n for _, n in r.values()) for r in smem_regions(cfg, launch).values()), default=0)
+
+
+def smem_bytes(cfg: ModelConfig, launch: Launch = Launch()) -> int:
+    """The dynamic shared memory a block is launched with: the largest stage's layout."""
+    return 4 * smem_floats(cfg, launch)
+
+
+# ---- bytes: what each stage must move from memory --------------------------------------------------------------
+
+def stage_weight_bytes(cfg: ModelConfig, stage_name: str) -> int:
+    """Weight bytes one execution of the stage streams (one layer's slice for a layer stage)."""
+    s = stage(stage_name)
+    total = 0
+    for u in s.reads:
+        b = BUFFERS[u.buffer]
+        if b.kind != "weight":
+            continue
+        if b.per_layer:
+            total += b.nbytes(cfg) // cfg.n_layers
+        elif u.positions == "token":                    # one row, the token's
+            total += b.nbytes(cfg) // b.shape(cfg, Launch())[0]
+        else:
+            total += b.nbytes(cfg)
+    return total
+
+
+def stage_bytes(cfg: ModelConfig, stage_name: str, pos: int) -> int:
+    """Bytes one execution of the stage cannot avoid moving from memory: its weights, and for attention the K and
+    V of positions 0..pos (activations live in L2 and are not counted)."""
+    s = stage(stage_name)
+    total = stage_weight_bytes(cfg, stage_name)
+    for u in s.reads:
+        b = BUFFERS[u.buffer]
+        if b.kind == "cache" and u.positions == "0..pos":
+            total += 2 * cfg.kv_dim * (pos + 1)
+    return total
+
+
+def weight_bytes_per_token(cfg: ModelConfig) -> int:
+    """Every layer's weights plus the LM head (the embedding row is negligible): what a token must stream."""
+    return sum(stage_weight_bytes(cfg, s) * (cfg.n_layers if stage(s).scope == "layer" else 1)
+               for s in STAGE_NAMES if s != "embedding")
+
+
+# ---- dependencies: which producer units a consumer unit waits for -----------------------------------------------
+
+def _overlap(a, b) -> bool:
+    if a is None or b is None:
+        return True
+    return any(x0 < y1 and y0 < x1 for x0, x1 in a for y0, y1 in b)
+
+
+def dependencies(cfg: ModelConfig, launch: Launch = Launch()) -> dict:
+    """{(consumer stage, buffer): (producer stage, [n_producer_units each consumer unit waits for])} for every
+    activation or cache read whose producer is in the same step. This is what per-unit dependency counters would
+    count (a consumer unit may start once that many of its producer's units have published)."""
+    out = {}
+    for s in STAGES:
+        l = 1 if (s.scope == "layer" and cfg.n_layers > 1) else (0 if s.scope == "layer" else -1)
+        for u in s.reads:
+            b = BUFFERS[u.buffer]
+            if b.kind not in ("activation", "cache", "scratch", "value"):
+                continue
+            prod = producer(cfg, u.buffer, s.name, l)
+            if prod is None:
+                continue
+            p = stage(prod[0])
+            pw = next(w for w in p.writes if w.buffer == u.buffer)
+            n_p = p.units(cfg, launch)
+            n_c = s.units(cfg, launch)
+            counts = []
+            for cu in range(n_c):
+                want = u.rows(cfg, cu) if u.rows is not None else None
+                counts.append(sum(1 for pu in range(n_p)
+                                  if _overlap(want, pw.rows(cfg, pu) if pw.rows is not None else None)
+                                  and (pw.rows is None or pw.rows(cfg, pu) != ())))
+            out[s.name, u.buffer] = (prod[0], counts)
+    return out
+
+
+# ---- control: status words, error codes, the where word, the mapped host block ----------------------------------
+# The kernel publishes a stop's reason and place in `status` (mapped host memory: readable while it runs and after
+# it is gone); the host reads the same names.
+STATUS_WORDS = ("code", "stage", "layer", "step", "block", "epoch", "missing_block", "missing_where", "n_missing",
+                "arrived")
+STATUS_LEN = 16
+ERRORS = ("ok", "hang", "aborted", "bad_token")
+# Where each block is: written at every stage entry, read when diagnosing a hang. (field, bits), low bits first;
+# the layer is stored + 1 so that -1 (a token stage) is 0.
+WHERE_FIELDS = (("stage", 5), ("layer", 7), ("step", 20))
+# The mapped host block: status words, then the host's abort flag, the count of published tokens, the heartbeat
+# (steps done), one spare word, then the tokens.
+MAPPED = ("status", "host_abort", "n_out", "progress", "spare", "tokens_out")
+
+
+def mapped_offset(name: str) -> int:
+    off = 0
+    for n in MAPPED:
+        if n == name:
+            return off
+        off += STATUS_LEN if n == "status" else 1
+    raise KeyError(name)
+
+
+def where(stage_index: int, layer: int, step: int) -> int:
+    v, shift = 0, 0
+    for (name, bits), val in zip(WHERE_FIELDS, (stage_index, layer + 1, step)):
+        v |= (val & ((1 << bits) - 1)) << shift
+        shift += bits
+    return v
+
+
+def decode_where(w: int) -> tuple[str, int, int] | None:
+    """(stage, layer, step) of a where word, None for "unknown" (negative)."""
+    if w < 0:
+        return None
+    vals, shift = [], 0
+    for _, bits in WHERE_FIELDS:
+        vals.append((w >> shift) & ((1 << bits) - 1))
+        shift += bits
+    st, layer, step = vals
+    return (STAGE_NAMES[st] if st < len(STAGE_NAMES) else f"stage {st}"), layer - 1, step
+
+
+def describe_where(w: int) -> str:
+    d = decode_where(w)
+    if d is None:
+        return "unknown"
+    st, layer, step = d
+    return st + (f" of layer {layer}" if layer >= 0 else "") + f" at step {step}"
+
+
+# Kernel parameters that are not buffers of the step: the synchronisation words, the host's mapped memory, the
+# inputs of a launch, recording and instrumentation. (field, C type)
+CONTROL = (
+    ("bar_count", "u32*"), ("arrive", "u32*"), ("where", "u32*"), ("dev_flags", "int*"), ("status", "int*"),
+    ("host_abort", "const int*"), ("tokens_out", "int*"), ("n_out", "int*"), ("progress", "int*"),
+    ("tokens_in", "const int*"), ("eos", "const int*"), ("draws", "int*"), ("timing", "u64*"),
+    ("taps", "float*"), ("tap_slot", "const int*"), ("logits_hist", "float*"), ("rec_slot", "const int*"),
+    ("seed", "u64"), ("timeout_ns", "u64"),
+    ("n_in", "int"), ("n_steps", "int"), ("max_new", "int"), ("pos0", "int"), ("n_eos", "int"), ("top_k", "int"),
+    ("n_draws", "int"), ("attn_max_splits", "int"), ("timing_steps", "int"),
+    ("temperature", "float"), ("top_p", "float"),
+)
+
+
+def params_fields() -> list[tuple[str, str]]:
+    """(field, C type) of the kernel's Params: every buffer of the step (weights and tables const), then CONTROL."""
+    out = []
+    for b in BUFFERS.values():
+        if b.kind == "value":
+            continue
+        const = "const " if b.kind in ("weight", "table") else ""
+        out.append((b.name, f"{const}{b.ctype}*"))
+    return out + list(CONTROL)
+
+
+def describe(cfg: ModelConfig, launch: Launch = Launch()) -> str:
+    """The plan as text: the decode step, stage by stage, with its buffers, weights and bytes."""
+    lines = [f"decode step of {cfg.name}: {len(STAGES)} stages, {n_slots(cfg)} grid barriers per token"]
+    for s in STAGES:
+        wb = stage_weight_bytes(cfg, s.name)
+        reads = ", ".join(u.buffer + (f"[{u.positions}]" if u.positions else "") for u in s.reads)
+        writes = ", ".join(u.buffer + (f"[{u.positions}]" if u.positions else "") for u in s.writes)
+        lines.append(f"  {s.name:16s} {s.scope:5s} {s.math}")
+        lines.append(f"  {'':16s}       reads {reads} → writes {writes}; {s.units(cfg, launch):,} units "
+                     f"({s.unit}); {wb / 1e6:.1f} MB of weights" + (f"; taps {', '.join(s.taps)}" if s.taps else ""))
+    return "\n".join(lines)
