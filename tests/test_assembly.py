@@ -8,8 +8,8 @@ import re
 import numpy as np
 import pytest
 
-from workbench.build.assemble import (PARAMS, SECTIONS, BuildOptions, Params, assemble, defines, section_path,
-                                smem_bytes)
+from workbench import plan
+from workbench.build.assemble import BuildOptions, Params, assemble, defines, section_path, smem_bytes
 from workbench.build.compile import CompileError, compile_cubin, parse_log, resource_usage
 from workbench.model.config import PRESETS, get_config
 
@@ -22,19 +22,29 @@ def tiny_asm():
 def test_source_is_self_contained_with_line_markers(tiny_asm):
     src = tiny_asm.source
     assert not re.search(r"^\s*#\s*include", src, re.M)
-    for name in SECTIONS:
+    for name in plan.STAGE_NAMES:
         assert f'#line 1 "kernels/sections/{name}.cuh"' in src
+    for name in plan.LIBRARY:
+        assert f'#line 1 "kernels/lib/{name}.cuh"' in src
     assert '#line 1 "kernels/portability.cuh"' in src and '#line 1 "kernels/monokernel.cuh"' in src
+    # the order: portability, the plan's header, the library, the stages in decode order, the decode step, the entry
+    order = [m for m in re.findall(r'^#line 1 "([^"]+)"', src, re.M)]
+    assert order == (["kernels/portability.cuh", "<generated: plan header>"]
+                     + [f"kernels/lib/{n}.cuh" for n in plan.LIBRARY]
+                     + [f"kernels/sections/{n}.cuh" for n in plan.STAGE_NAMES]
+                     + ["<generated: decode step>", "kernels/monokernel.cuh"])
 
 
 def test_shapes_arrive_only_as_defines():
     cfg = get_config("llama-3.2-1b")
     d = defines(cfg, BuildOptions())
     assert d["WB_D"] == "2048" and d["WB_VOCAB"] == "128256" and d["WB_FF"] == "8192"
-    src = assemble(cfg).source
-    body = src.split('#line 1 "kernels/portability.cuh"', 1)[1]
-    for shape in ("2048", "8192", "128256"):
-        assert not re.search(rf"\b{shape}\b", body), f"literal {shape} in the kernel sources"
+    asm = assemble(cfg)
+    for _, path, text in asm.pieces:            # what a person wrote: no shape of any preset appears as a literal
+        if path.startswith("<generated"):
+            continue
+        for shape in ("2048", "8192", "128256", "3072", "14336"):
+            assert not re.search(rf"\b{shape}\b", text), f"literal {shape} in {path}"
 
 
 def test_every_line_maps_back_to_its_file(tiny_asm):
@@ -50,7 +60,7 @@ def test_every_line_maps_back_to_its_file(tiny_asm):
 
 def test_params_struct_matches_ctypes(tiny_asm):
     assert f"static_assert(sizeof(Params) == {ctypes.sizeof(Params)}" in tiny_asm.source
-    assert [f[0] for f in Params._fields_] == [p[0] for p in PARAMS]
+    assert [f[0] for f in Params._fields_] == [n for n, _ in plan.params_fields()]
 
 
 def test_edit_changes_the_cache_key(tiny_asm):
@@ -71,7 +81,7 @@ def test_missing_variant_is_named():
 def test_compile_error_names_section_file_and_line():
     text = section_path("gate_up_silu").read_text()
     lines = text.splitlines()
-    k = next(i for i, l in enumerate(lines) if "P->hmlp[j] =" in l)
+    k = next(i for i, l in enumerate(lines) if "hmlp[j] =" in l)
     lines[k] = lines[k] + " undeclared_symbol += 1;"
     with pytest.raises(CompileError) as e:
         compile_cubin(assemble(get_config("tiny"), overrides={"gate_up_silu": "\n".join(lines)}))
@@ -82,9 +92,9 @@ def test_compile_error_names_section_file_and_line():
 
 
 def test_parse_log_ignores_noise():
-    log = 'kernels/sections/matvec.cuh(12): warning #177-D: variable "x" was declared but never referenced\nnoise\n'
+    log = 'kernels/lib/matvec.cuh(12): warning #177-D: variable "x" was declared but never referenced\nnoise\n'
     (m,) = parse_log(log)
-    assert m[:3] == ("kernels/sections/matvec.cuh", 12, "warning")
+    assert m[:3] == ("kernels/lib/matvec.cuh", 12, "warning")
 
 
 @pytest.mark.parametrize("name", ["tiny", "llama-3.2-1b"])
@@ -95,7 +105,7 @@ def test_sm90_build_has_no_spills(name, timing):
     assert r.kernel == "wb_generate"
     assert r.stack == 0, f"{name}: {r.stack} B of local memory (spills)"
     assert 32 <= r.registers <= 128                  # 512 threads, one block per SM: at most 128 registers
-    assert smem_bytes(get_config(name), 512) <= 227 * 1024
+    assert smem_bytes(get_config(name)) <= 227 * 1024
 
 
 def test_timing_switch_compiles_away():
@@ -117,9 +127,7 @@ def test_timing_table_on_a_synthetic_trace():
     t = np.zeros((n, S, G, 2), np.uint64)
     now = 1_000_000
     for i in range(n):
-        for s in range(S):
-            if s == 0 and i > 0:
-                continue                                        # the kernel stamps the first embedding once
+        for s in range(S):                                     # every slot of every step is stamped
             for b in range(G):
                 t[i, s, b] = (now + 400 + 100 * b, now + 1000)     # block b works 400+100b ns, all leave at 1000
             now += 1000
@@ -186,7 +194,7 @@ def test_chi2_survival():
 
 def test_presets_fit_the_kernel():
     for cfg in PRESETS.values():
-        assert smem_bytes(cfg, 512) <= 227 * 1024
+        assert smem_bytes(cfg) <= 227 * 1024
 
 
 def test_compiling_leaves_python_bytes_alone():
@@ -195,8 +203,51 @@ def test_compiling_leaves_python_bytes_alone():
     assert b" "[0] == 0x20 and bytes(1)[0] == 0
 
 
-def test_timing_slots_agree_with_slot_names():
-    from workbench.build.assemble import timing_slots
+def test_generated_constants_are_the_plans():
+    """What the C++ side is told (the generated header) is what the host reads (the plan)."""
+    from workbench.build.header import plan_header
     from workbench.measure.timing import slot_names
     for cfg in PRESETS.values():
-        assert len(slot_names(cfg)) == timing_slots(cfg) == int(defines(cfg, BuildOptions())["WB_SLOTS"])
+        launch = plan.Launch()
+        text = plan_header(cfg, launch, {})
+        assert f"constexpr int WB_SLOTS = {plan.n_slots(cfg)};" in text
+        assert len(slot_names(cfg)) == plan.n_slots(cfg) == 5 * cfg.n_layers + 2
+        assert f"WB_TAP_STEP_FLOATS = {plan.tap_step_floats(cfg, launch)};" in text
+        for tp in plan.taps(cfg, launch):
+            assert f"WB_TAP_{tp.stage.upper()}_{tp.buffer.upper()} = {tp.offset}," in text
+        for st, regions in plan.smem_regions(cfg, launch).items():
+            for r, (off, n) in regions.items():
+                assert f"WB_SMEM_{st.upper()}_{r.upper()} = {off}, WB_SMEM_{st.upper()}_{r.upper()}_FLOATS = {n};" in text
+        assert "enum Stage { " + ", ".join(f"ST_{s.upper()}" for s in plan.STAGE_NAMES) in text
+
+
+def test_a_layout_that_no_longer_fits_fails_at_the_sections_line(monkeypatch):
+    """The sections static_assert what they need of the plan's layout: a region made too small is a compile
+    error at the section's own line, not a silent overflow."""
+    from workbench.build import header
+    orig = plan.smem_regions
+
+    def shrunk(cfg, launch=plan.Launch()):
+        r = orig(cfg, launch)
+        r["attention_decode"]["warps"] = (r["attention_decode"]["warps"][0], 4)
+        return r
+    monkeypatch.setattr(plan, "smem_regions", shrunk)
+    monkeypatch.setattr(header.plan, "smem_regions", shrunk)
+    with pytest.raises(CompileError) as e:
+        compile_cubin(assemble(get_config("tiny")))
+    assert any(m[0] == "kernels/sections/attention_decode.cuh" and "static assertion" in m[3]
+               for m in e.value.messages), e.value.messages
+
+
+def test_the_decode_step_is_generated_from_the_plan():
+    """One statement per stage, in plan order, with its buffers; a barrier only where the plan needs one."""
+    from workbench.build.header import decode_step, stage_call
+    cfg = get_config("tiny")
+    text = decode_step(cfg, plan.Launch())
+    calls = re.findall(r"WB_(GRID|BLOCK0)\(ST_(\w+),", text)
+    assert [c[1].lower() for c in calls] == list(plan.STAGE_NAMES)
+    assert text.count("WB_SYNC(") == len({s.stages[-1][0] for s in plan.slots(cfg)})
+    assert "stage_o_proj_residual(P->o, P->wo + layer * WB_PER_LAYER_WO, layer, smem, /* → */ P->x /* += */)" in text
+    assert stage_call(plan.stage("sampling")).startswith("s.sampled = stage_sampling(P->logits")
+    for st in plan.STAGES:
+        assert f"// {st.math}" in text

@@ -443,9 +443,6 @@ def test_decode_step_rejects_bad_cache_and_types(tiny_weights):
     assert decode_step(tiny_weights, KVCache.empty(cfg, np.float32), 2, 0).shape == (cfg.vocab,)  # bf16 fits fp32
 
 
-@pytest.mark.xfail(strict=True, reason="decode_step checks a cache's dtype only when kv_bf16 is False: a float16 or "
-                                        "integer cache silently rounds (or truncates) the keys and values; the "
-                                        "step before the plan refused any cache but float32 and float64")
 @pytest.mark.parametrize("dtype", [np.float16, np.int32])
 def test_decode_step_rejects_a_cache_that_would_round_bf16(tiny_weights, dtype):
     with pytest.raises(ValueError, match="would round"):
@@ -465,10 +462,6 @@ def test_generate_reference_rejects_bad_runs(tiny_weights):
         generate_reference(tiny_weights, [1, 5000])
 
 
-@pytest.mark.xfail(strict=True, reason="generate_reference and forward do not check a cache they are given: an "
-                                        "fp32 cache silently rounds fp64 keys and values kept unrounded, a cache "
-                                        "of another model's shape fails with an IndexError or not at all; the step "
-                                        "before the plan refused both (decode_step still does)")
 @pytest.mark.parametrize("case", ["fp32 cache for unrounded fp64", "cache of another model"])
 def test_generate_reference_rejects_a_bad_cache(tiny_weights, case):
     cfg = tiny_weights.cfg
@@ -497,17 +490,12 @@ def test_forward_rejects_bad_tokens_and_positions(tiny_weights):
         forward(missing, [1])
 
 
-@pytest.mark.xfail(strict=True, reason="forward casts tokens and positions to int64 without looking: 1.5 is fed as "
-                                        "token 1 or position 1; the batched reference it replaces refused "
-                                        "non-integer tokens, and decode_step refuses a float token")
 @pytest.mark.parametrize("tokens, positions", [([1.5, 2.0], None), ([1, 2], [0.0, 1.5])])
 def test_forward_rejects_non_integer_tokens_and_positions(tiny_weights, tokens, positions):
     with pytest.raises((TypeError, ValueError), match="integer"):
         forward(tiny_weights, tokens, positions)
 
 
-@pytest.mark.xfail(strict=True, reason="forward accepts two rows at the same position: both write that cache row "
-                                        "and every row attends to the last one's key, which no decode computes")
 def test_forward_rejects_repeated_positions(tiny_weights):
     with pytest.raises(ValueError, match="position"):
         forward(tiny_weights, [1, 2], [0, 0])

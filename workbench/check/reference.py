@@ -1,8 +1,14 @@
-"""The CPU reference decode step: one token through the model, section by section, in numpy.
+"""The reference: the plan's decode step interpreted stage by stage on numpy or cupy arrays.
 
-It is composed from the section references in kernels/sections, one call per section of the kernel,
-and it can record every intermediate ("taps") to compare against the kernel's. It steps one token at a time like
-the kernel does; for long sequences at real model sizes use reference_torch, which computes the same thing batched.
+`forward` runs the stages of workbench/plan.py in their execution order, each through its reference in
+workbench/check/stages.py, over a batch of tokens at given positions (a whole teacher-forced sequence at once, or
+one decode step), keeping a KV cache. It is the same list of stages the kernel is generated from, so the reference
+cannot drift from the kernel's decode step: a stage added to the plan is computed here too.
+
+Weights are seen in Hugging Face's layout through a view: `HFView` over `Weights` (a checkpoint, gains and all;
+what the HF cross-check uses) or `PreparedView` over the kernel's own `Prepared` weights (folded gains, unit norms:
+exactly what the kernel computes with), converted layer by layer to the working dtype so that fp64 references of
+large models fit in memory.
 
 The math, per layer l, for the token at position pos:
     q, k, v   = rope(Wq·n(x)), rope(Wk·n(x)), Wv·n(x)       n = RMSNorm with the attention-norm gain
@@ -15,151 +21,242 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import weakref
 
 import numpy as np
 
-from kernels.sections import (attention_decode, down_residual, embedding, gate_up_silu, lm_head, o_proj_residual,
-                              qkv_rope_append)
-
+from .. import plan
 from ..model.config import ModelConfig
-from ..model.weights import Weights, layer_names, round_bf16, rope_tables
+from ..model.weights import Prepared, Weights, layer_names, qkv_row_order, rope_tables, to_f32
+from . import stages as S
 
-TAP_STAGES = ("x_in", "q", "k", "v", "attn", "x_attn", "h_mlp", "x_out")   # per layer; plus ("logits", -1)
 
+def round_bf16(a):
+    """The value a bf16 store keeps (round to nearest even), in a's dtype, via fp32 as the kernel rounds."""
+    xp = S.xp_of(a)
+    u = xp.ascontiguousarray(a.astype(xp.float32)).view(xp.uint32)
+    r = ((u + xp.uint32(0x7FFF) + ((u >> 16) & xp.uint32(1))) >> 16) << 16
+    out = r.astype(xp.uint32).view(xp.float32)
+    return xp.where(xp.isnan(a), xp.nan, out).astype(a.dtype)
+
+
+# ---- weights in HF layout --------------------------------------------------------------------------------------
+
+class HFView:
+    """HF-layout float weights of a `Weights` (numpy or cupy, bf16 bits or floats), converted once per dtype."""
+
+    def __init__(self, w: Weights, dtype=np.float64):
+        self.cfg, self.w, self.xp, self.dtype = w.cfg, w, w.xp, np.dtype(dtype)
+        self._cache: dict = {}
+
+    def _get(self, name: str):
+        if name not in self._cache:
+            self._cache[name] = to_f32(self.w.tensors[name], self.xp).astype(self.dtype)
+        return self._cache[name]
+
+    def layer(self, name: str, layer: int):
+        return self._get(layer_names(layer)[name])
+
+    def model(self, name: str):
+        hf = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
+              "lm_head": self.w.lm_head_name()}[name]
+        return self._get(hf)
+
+
+class PreparedView:
+    """The kernel's prepared weights seen in HF layout (rope pairs put back, gate and up apart, gains 1 since they
+    are folded), in `dtype`. Layer tensors are made on first use and only one layer is kept, so an fp64 view of an
+    8B model costs one layer's memory."""
+
+    def __init__(self, p: Prepared, dtype=np.float64):
+        self.cfg, self.p, self.xp, self.dtype = p.cfg, p, p.xp, np.dtype(dtype)
+        self._layer, self._tensors = None, {}
+        self._model: dict = {}
+        self._inv = self.xp.asarray(np.argsort(qkv_row_order(self.cfg)))
+
+    def _f(self, a):
+        return to_f32(a, self.xp).astype(self.dtype)
+
+    def layer(self, name: str, layer: int):
+        if layer != self._layer:
+            c, xp = self.cfg, self.xp
+            qkv = self._f(self.p.wqkv[layer])[self._inv]
+            gu = self._f(self.p.wgu[layer]).reshape(c.intermediate, 2, c.hidden)
+            ones = xp.ones(c.hidden, dtype=self.dtype)
+            self._tensors = {"wq": qkv[:c.q_dim], "wk": qkv[c.q_dim:c.q_dim + c.kv_dim], "wv": qkv[c.q_dim + c.kv_dim:],
+                             "wo": self._f(self.p.wo[layer]), "wg": gu[:, 0], "wu": gu[:, 1],
+                             "wd": self._f(self.p.wd[layer]), "attn_norm": ones, "mlp_norm": ones}
+            self._layer = layer
+        return self._tensors[name]
+
+    def model(self, name: str):
+        if name not in self._model:
+            if name == "final_norm":
+                self._model[name] = self.xp.ones(self.cfg.hidden, dtype=self.dtype)
+            else:
+                self._model[name] = self._f({"embed": self.p.embed, "lm_head": self.p.lm_head}[name])
+        return self._model[name]
+
+
+def view(source, dtype=np.float64):
+    """A weight view of Weights or Prepared (or a view, returned as it is)."""
+    if isinstance(source, (HFView, PreparedView)):
+        return source
+    if isinstance(source, Prepared):
+        return PreparedView(source, dtype)
+    if isinstance(source, Weights):
+        return HFView(source, dtype)
+    raise TypeError(f"expected Weights, Prepared or a weight view, got {type(source).__name__}")
+
+
+@functools.lru_cache(maxsize=8)
+def _rope_np(cfg: ModelConfig):
+    return rope_tables(cfg)
+
+
+# ---- the interpreter ---------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
 class KVCache:
     """Keys and values of every layer [L, Hkv, max_seq, hd]; position p holds the token fed at p."""
-    k: np.ndarray
-    v: np.ndarray
+    k: object
+    v: object
 
     @classmethod
-    def empty(cls, cfg: ModelConfig, dtype=np.float32) -> "KVCache":
+    def empty(cls, cfg: ModelConfig, dtype=np.float32, xp=np) -> "KVCache":
         shape = (cfg.n_layers, cfg.n_kv_heads, cfg.max_seq, cfg.head_dim)
-        return cls(np.zeros(shape, dtype=dtype), np.zeros(shape, dtype=dtype))
+        return cls(xp.zeros(shape, dtype=dtype), xp.zeros(shape, dtype=dtype))
 
 
-def decode_step(w: Weights, cache: KVCache, token: int, pos: int, *, taps: dict | None = None,
-                kv_bf16: bool = True, dtype=np.float32) -> np.ndarray:
-    """Feed `token` at position `pos` (the cache must hold positions 0..pos-1); returns the logits [V].
+class _IO(S.StageIO):
+    def __init__(self, w, cfg, state, cache, positions, tokens, layer, xp, dtype):
+        self.w, self.cfg, self.state, self._cache = w, cfg, state, cache
+        self.positions, self.token, self.layer, self.xp, self.dtype = positions, tokens, layer, xp, dtype
+        self.eps = cfg.rms_eps
 
-    kv_bf16 rounds k and v to bf16 before they enter the cache, as the kernel does; False keeps them in `dtype`
-    (to compare against an fp32 framework). If `taps` is a dict, copies of the intermediates land in it under
-    (stage, layer) keys, see TAP_STAGES."""
-    cfg = w.cfg
-    _check_step(cfg, cache, token, pos, kv_bf16, dtype)
-    f = _floats(w, dtype)
-    tap = _tapper(taps)
-    cos, sin = (t[pos].astype(dtype) for t in _rope(cfg))
-    eps = cfg.rms_eps
+    def act(self, buffer):
+        return self.state[buffer]
 
-    x = embedding.reference(f("model.embed_tokens.weight"), token)
-    for l in range(cfg.n_layers):
-        n = layer_names(l)
-        tap("x_in", l, x)
-        q, k, v = qkv_rope_append.reference(x, f(n["wq"]), f(n["wk"]), f(n["wv"]), f(n["attn_norm"]), cos, sin, eps)
-        if kv_bf16:
-            k, v = round_bf16(k).astype(dtype), round_bf16(v).astype(dtype)
-        cache.k[l, :, pos] = k.reshape(cfg.n_kv_heads, cfg.head_dim)
-        cache.v[l, :, pos] = v.reshape(cfg.n_kv_heads, cfg.head_dim)
-        tap("q", l, q)
-        tap("k", l, k)
-        tap("v", l, v)
+    def weight(self, name):
+        return self.w.layer(name, self.layer) if self.layer >= 0 else self.w.model(name)
 
-        keys = np.asarray(cache.k[l, :, :pos + 1], dtype=dtype)
-        values = np.asarray(cache.v[l, :, :pos + 1], dtype=dtype)
-        o = attention_decode.reference(q, keys, values)
-        tap("attn", l, o)
-        x = o_proj_residual.reference(x, f(n["wo"]), o)
-        tap("x_attn", l, x)
+    def cache(self, which):
+        c = self._cache.k if which == "k" else self._cache.v
+        return c[self.layer, :, :int(self.positions.max()) + 1]
 
-        h = gate_up_silu.reference(x, f(n["wg"]), f(n["wu"]), f(n["mlp_norm"]), eps)
-        tap("h_mlp", l, h)
-        x = down_residual.reference(x, f(n["wd"]), h)
-        tap("x_out", l, x)
-
-    logits = lm_head.reference(x, f(w.lm_head_name()), f("model.norm.weight"), eps)
-    tap("logits", -1, logits)
-    return logits
+    def rope(self):
+        cos, sin = _rope_np(self.cfg)
+        p = self.positions.get() if hasattr(self.positions, "get") else np.asarray(self.positions)
+        return (self.xp.asarray(cos[p]).astype(self.dtype), self.xp.asarray(sin[p]).astype(self.dtype))
 
 
-def generate_reference(w: Weights, tokens: list[int], pos0: int = 0, *, cache: KVCache | None = None,
-                       kv_bf16: bool = True, dtype=np.float32, progress: bool = False) -> np.ndarray:
-    """Teacher-forced run: feeds tokens[i] at position pos0 + i and returns every step's logits [n, V].
-
-    With pos0 > 0 the cache must already hold positions 0..pos0-1 (pass it); a fresh one would make the first steps
-    attend to zero keys, a result no model computes."""
-    cfg = w.cfg
-    tokens = [int(t) for t in tokens]
-    if not tokens:
+def forward(source, tokens, positions=None, *, cache: KVCache | None = None, kv_bf16: bool = True,
+            dtype=np.float64, taps: dict | None = None, logit_rows=None, hook=None):
+    """Logits [n, V] (or [len(logit_rows), V]) of feeding tokens[i] at positions[i] (default 0..n-1), every row at
+    once: teacher-forced. `cache` must hold every earlier position a row attends to (a fresh one is made for a
+    sequence from 0); the rows' keys and values are written into it at their positions (rounded to bf16 when
+    kv_bf16, as the kernel's cache is). If `taps` is a dict, every stage output lands in it as
+    taps[(stage, buffer, layer)] = [n, size] (for the cache: the row written). `logit_rows`: only these rows
+    through the LM head (a long sequence's logits are n·V). `hook(stage, layer, outputs) → outputs` may change a
+    stage's outputs before the stages after it read them (tests make a deliberately wrong stage so)."""
+    w = view(source, dtype)
+    cfg, xp, dtype = w.cfg, w.xp, w.dtype
+    tokens = _integers(xp, tokens, "tokens")
+    n = int(tokens.size)
+    if n == 0:
         raise ValueError("no tokens to feed")
-    if pos0 < 0 or pos0 + len(tokens) > cfg.max_seq:
-        raise ValueError(f"positions {pos0}..{pos0 + len(tokens) - 1} do not fit max_seq={cfg.max_seq}")
+    positions = xp.arange(n) if positions is None else _integers(xp, positions, "positions")
+    if positions.size != n:
+        raise ValueError(f"{n} tokens but {positions.size} positions")
+    if int(xp.unique(positions).size) != n:
+        raise ValueError("two rows at the same position: each position holds one token's keys and values")
+    lo, hi = int(positions.min()), int(positions.max())
+    if lo < 0 or hi >= cfg.max_seq:
+        raise ValueError(f"positions {lo}..{hi} do not fit max_seq={cfg.max_seq}")
+    if int(tokens.min()) < 0 or int(tokens.max()) >= cfg.vocab:
+        raise ValueError(f"token ids span [{int(tokens.min())}, {int(tokens.max())}], outside the vocabulary "
+                         f"[0, {cfg.vocab})")
     if cache is None:
-        if pos0 > 0:
-            raise ValueError(f"pos0={pos0} needs the cache that holds positions 0..{pos0 - 1}")
-        cache = KVCache.empty(cfg, dtype)
-    steps = range(len(tokens))
-    if progress:
-        from tqdm.auto import tqdm
-        steps = tqdm(steps, desc="reference", leave=False)
-    logits = np.empty((len(tokens), cfg.vocab), dtype=dtype)
-    for i in steps:
-        logits[i] = decode_step(w, cache, tokens[i], pos0 + i, kv_bf16=kv_bf16, dtype=dtype)
-    return logits
+        if lo > 0:
+            raise ValueError(f"positions from {lo} need the cache that holds positions 0..{lo - 1}")
+        cache = KVCache.empty(cfg, dtype, xp)
+    check_cache(cfg, cache, kv_bf16, dtype)
+    state: dict = {}
+    out = None
+    for stage_name, layer in plan.execution(cfg):
+        st = plan.stage(stage_name)
+        if st.reference is None:
+            continue
+        if stage_name == "lm_head" and logit_rows is not None:
+            sel = xp.asarray(list(logit_rows), dtype=xp.int64)
+            sub = {"x": state["x"][sel]}
+            io = _IO(w, cfg, sub, cache, positions[sel], tokens[sel], layer, xp, dtype)
+        else:
+            io = _IO(w, cfg, state, cache, positions, tokens, layer, xp, dtype)
+        res = st.reference(io)
+        if hook is not None:
+            res = hook(stage_name, layer, res)
+        for buf, val in res.items():
+            b = plan.BUFFERS[buf]
+            if b.kind == "cache":
+                val = round_bf16(val) if kv_bf16 else val
+                c = (cache.k if buf == "k_cache" else cache.v)[layer]          # [Hkv, max_seq, hd], a view
+                c[:, positions] = val.reshape(val.shape[0], cfg.n_kv_heads, cfg.head_dim).transpose(1, 0, 2)
+            state[buf] = val
+            if taps is not None:
+                taps[stage_name, buf, layer] = val
+        if stage_name == "lm_head":
+            out = res["logits"]
+    return out
 
 
-# -- plumbing ---------------------------------------------------------------------------------------------------
+def _integers(xp, a, what: str):
+    """A 1-D int64 array of `a`, which must hold integers (a float 1.5 would otherwise be fed as 1)."""
+    arr = xp.asarray(a).reshape(-1)
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"{what} must be integers, got {arr.dtype} values")
+    return arr.astype(xp.int64)
 
-def _check_step(cfg: ModelConfig, cache: KVCache, token, pos, kv_bf16: bool, dtype):
+
+def check_cache(cfg: ModelConfig, cache: KVCache, kv_bf16: bool, dtype):
+    """The cache must have the model's shape, and hold what is stored in it without rounding it: bf16 values fit
+    float32 and float64 exactly; unrounded ones need a cache as precise as the math."""
+    want = (cfg.n_layers, cfg.n_kv_heads, cfg.max_seq, cfg.head_dim)
+    if tuple(cache.k.shape) != want or tuple(cache.v.shape) != want:
+        raise ValueError(f"KV cache has shapes {tuple(cache.k.shape)}, {tuple(cache.v.shape)}; the config needs {want}")
+    kd = np.dtype(cache.k.dtype)
+    if kd not in (np.float32, np.float64) or (not kv_bf16 and not np.can_cast(dtype, kd)):
+        raise ValueError(f"a {kd} KV cache would round the {np.dtype(dtype)} keys and values; "
+                         f"use KVCache.empty(cfg, dtype)")
+
+
+def decode_step(source, cache: KVCache, token: int, pos: int, *, taps: dict | None = None, kv_bf16: bool = True,
+                dtype=np.float32):
+    """Feed one token at `pos` (the cache must hold positions 0..pos-1); returns the logits [V]."""
     if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
         raise TypeError(f"token must be an integer, got {token!r}")
+    cfg = source.cfg
     if not 0 <= token < cfg.vocab:
         raise ValueError(f"token {token} is outside the vocabulary [0, {cfg.vocab})")
     if not isinstance(pos, (int, np.integer)) or not 0 <= pos < cfg.max_seq:
         raise ValueError(f"position {pos!r} is outside [0, max_seq={cfg.max_seq})")
-    want = (cfg.n_layers, cfg.n_kv_heads, cfg.max_seq, cfg.head_dim)
-    if cache.k.shape != want or cache.v.shape != want:
-        raise ValueError(f"KV cache has shapes {cache.k.shape}, {cache.v.shape}; the config needs {want}")
-    # bf16 values fit any float32/float64 cache exactly; unrounded ones need a cache as precise as the math
-    if cache.k.dtype not in (np.float32, np.float64) or (not kv_bf16 and not np.can_cast(dtype, cache.k.dtype)):
-        raise ValueError(f"a {cache.k.dtype} KV cache would round the {np.dtype(dtype)} keys and values; "
-                         f"use KVCache.empty(cfg, dtype)")
+    check_cache(cfg, cache, kv_bf16, dtype)
+    t = {} if taps is not None else None
+    logits = forward(source, [token], [pos], cache=cache, kv_bf16=kv_bf16, dtype=dtype, taps=t)
+    if taps is not None:
+        taps.update({k: v[0] for k, v in t.items()})
+    return logits[0]
 
 
-# Float copies of the weights, kept per Weights object (weakly, so they go when it goes) and per dtype: converting
-# bf16 bits to floats every step would dominate a multi-token run. Weights are treated as immutable.
-_float_cache: dict[int, tuple[weakref.ref, dict]] = {}
-
-
-def _floats(w: Weights, dtype):
-    entry = _float_cache.get(id(w))
-    if entry is None or entry[0]() is not w:
-        key = id(w)
-        entry = (weakref.ref(w, lambda _, key=key: _float_cache.pop(key, None)), {})
-        _float_cache[key] = entry
-    arrays = entry[1]
-    dtype = np.dtype(dtype)
-
-    def f(name: str) -> np.ndarray:
-        if (name, dtype) not in arrays:
-            a = w.f32(name)
-            a = a if isinstance(a, np.ndarray) else a.get()     # cupy → host
-            arrays[name, dtype] = a.astype(dtype)
-        return arrays[name, dtype]
-    return f
-
-
-@functools.lru_cache(maxsize=8)
-def _rope(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
-    return rope_tables(cfg)
-
-
-def _tapper(taps: dict | None):
-    if taps is None:
-        return lambda stage, layer, value: None
-
-    def tap(stage: str, layer: int, value: np.ndarray):
-        taps[stage, layer] = np.array(value, copy=True)
-    return tap
+def generate_reference(source, tokens: list[int], pos0: int = 0, *, cache: KVCache | None = None,
+                       kv_bf16: bool = True, dtype=np.float32):
+    """Teacher-forced run: feeds tokens[i] at position pos0 + i and returns every step's logits [n, V]."""
+    tokens = [int(t) for t in tokens]
+    if not tokens:
+        raise ValueError("no tokens to feed")
+    cfg = source.cfg
+    if pos0 < 0 or pos0 + len(tokens) > cfg.max_seq:
+        raise ValueError(f"positions {pos0}..{pos0 + len(tokens) - 1} do not fit max_seq={cfg.max_seq}")
+    if cache is None and pos0 > 0:
+        raise ValueError(f"pos0={pos0} needs the cache that holds positions 0..{pos0 - 1}")
+    xp = view(source, dtype).xp
+    return forward(source, tokens, xp.arange(pos0, pos0 + len(tokens)), cache=cache, kv_bf16=kv_bf16, dtype=dtype)

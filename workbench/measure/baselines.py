@@ -52,6 +52,29 @@ def stream_read_tbps(nbytes: int, repeats: int = 20) -> dict:
     return {"tbps": nbytes / t / 1e12, "spread": (nbytes / max(times) / 1e12, nbytes / min(times) / 1e12)}
 
 
+def tensors_from_weights(w, device="cpu", dtype=None) -> dict:
+    """Weights (numpy or cupy; bf16 bits or floats) → torch tensors by HF name on `device` (the PyTorch baselines
+    and the HF comparisons run on these)."""
+    import torch
+
+    from ..model.weights import expected_shapes
+    dtype = dtype or torch.float32
+    names = dict.fromkeys([*expected_shapes(w.cfg), *(k for k in ("lm_head.weight",) if k in w.tensors)])
+    return {name: _to_torch(w.tensors[name]).to(device=device, dtype=dtype) for name in names}
+
+
+def _to_torch(a):
+    import torch
+    bf16 = a.dtype == np.uint16                                 # bf16 bits: reinterpret, then widen
+    if isinstance(a, np.ndarray):
+        if bf16:
+            a = a.view(np.int16)                                # torch views int16 as bf16; same bits
+        t = torch.from_numpy(a if a.flags.writeable else np.array(a))   # torch wants writable memory; memmaps aren't
+    else:                                                       # cupy (or anything with DLPack) stays on its device
+        t = torch.from_dlpack(a.view("int16") if bf16 else a)
+    return t.view(torch.bfloat16) if bf16 else t
+
+
 def gpt_fast_model(cfg, tensors: dict, device, max_seq: int):
     """A gpt-fast-style Llama (static KV cache) on HF-named bf16 tensors."""
     import torch

@@ -90,7 +90,7 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
         import torch
 
         from .baselines import gpt_fast_model, gpt_fast_tok_per_s
-        from ..check.reference_torch import tensors_from_weights
+        from .baselines import tensors_from_weights
         t = tensors_from_weights(w, torch.device("cuda"), torch.bfloat16)
         gf = gpt_fast_model(cfg, t, torch.device("cuda"), max_pos)
         for pos in positions:

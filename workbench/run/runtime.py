@@ -1,7 +1,7 @@
 """Running the monokernel: one cooperative launch per generation, tokens streamed back through mapped memory,
 a host watchdog, and errors that name the stage and block that stopped.
 
-Needs CuPy with a CUDA GPU. Everything the kernel touches is allocated once per `Monokernel` (the KV cache persists
+Needs CuPy with a CUDA GPU. Every buffer of the plan is allocated once per `Monokernel` (the KV cache persists
 across calls, so a later call may continue at `pos0 > 0`); each call resets the control words, so a run that ended
 in an error or a hang leaves nothing behind that disturbs the next.
 """
@@ -14,14 +14,17 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ..build.assemble import (STAGES, TAPS, Assembled, BuildOptions, Params, assemble, smem_bytes, tap_offsets,
-                       tap_sizes, timing_slots)
+from .. import plan
+from ..build.assemble import Assembled, BuildOptions, Params, assemble
 from ..build.compile import NVRTC_OPTIONS, CompileError, parse_log
-from ..model.config import ModelConfig
 from ..model.weights import Prepared
 
-ST_CODE, ST_STAGE, ST_LAYER, ST_STEP, ST_BLOCK, ST_EPOCH, ST_MISSING_BLOCK, ST_MISSING_WHERE, ST_N_MISSING = range(9)
-ERR_HANG, ERR_ABORTED, ERR_BAD_TOKEN = 1, 2, 3
+STATUS = {name: i for i, name in enumerate(plan.STATUS_WORDS)}
+ERROR = {name: i for i, name in enumerate(plan.ERRORS)}
+M_STATUS, M_ABORT, M_N_OUT, M_PROGRESS, M_TOKENS = (plan.mapped_offset(n) for n in
+                                                     ("status", "host_abort", "n_out", "progress", "tokens_out"))
+_NP_DTYPES = {"f32": np.float32, "bf16": np.uint16, "i32": np.int32, "u32": np.uint32, "u64": np.uint64}
+BF16_NAN = 0x7FC0
 
 
 class KernelError(RuntimeError):
@@ -40,12 +43,7 @@ class NonFiniteLogits(KernelError):
     pass
 
 
-def decode_where(w: int) -> str:
-    if w < 0:
-        return "unknown"
-    stage, layer, step = w & 31, ((w >> 5) & 127) - 1, w >> 12
-    name = STAGES[stage] if stage < len(STAGES) else f"stage {stage}"
-    return f"{name}" + (f" of layer {layer}" if layer >= 0 else "") + f" at step {step}"
+decode_where = plan.describe_where
 
 
 @dataclasses.dataclass
@@ -76,13 +74,26 @@ class Result:
     kernel_ms: float                # launch to completion, CUDA events
     logits: np.ndarray | None       # recorded logits [n_recorded, V] (fp32), in recorded-step order
     recorded_steps: list[int]
-    draws: np.ndarray | None = None
+    draws: np.ndarray | None = None    # [n_recorded, n_draws]: the sampler's draws at the recorded steps
     timing: np.ndarray | None = None   # [steps, slots, blocks, 2] globaltimer ns, when built with timing
-    taps: dict | None = None           # {(tap, layer, step): fp32 array}, when built with taps
+    taps: object = None                # [n_tapped, plan.tap_step_floats] fp32 on the device, when built with taps
+    tap_steps: list[int] = dataclasses.field(default_factory=list)
+    pos0: int = 0
+    fed: list[int] = dataclasses.field(default_factory=list)   # the token fed at each step (as streamed)
+    prompt: list[int] = dataclasses.field(default_factory=list)
+    max_new: int = 0
+    eos: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def tok_per_s(self) -> float:
         return self.steps / (self.kernel_ms / 1e3) if self.kernel_ms > 0 else float("nan")
+
+    def tap(self, stage: str, buffer: str, layer: int, step: int, cfg, launch=None):
+        """One tap (a cupy view) of a tapped step: `buffer` as `stage` left it at `layer` (-1: token stage)."""
+        t = plan.tap(cfg, stage, buffer, launch or plan.Launch())
+        i = self.tap_steps.index(step)
+        off = t.at(max(layer, 0))
+        return self.taps[i, off:off + t.size]
 
 
 class _Mapped:
@@ -117,31 +128,34 @@ class Monokernel:
         self.cp = cupy
         if prepared.xp is not cupy:
             raise TypeError("prepare the weights on the GPU: prepare(weights, xp=cupy)")
-        self.p, self.cfg, self.opt = prepared, prepared.cfg, options
-        cfg = self.cfg
+        self.p, self.cfg = prepared, prepared.cfg
         dev = cupy.cuda.Device()
         self.n_sm = dev.attributes["MultiProcessorCount"]
+        # one block per SM: all resident, so grid barriers cannot deadlock; the build is specialised to that grid
+        self.grid = self.n_sm
+        self.opt = dataclasses.replace(options, grid=self.grid)
+        self.launch = self.opt.launch
+        self.attn_max_splits = self.launch.max_splits(self.cfg)
         self.module = self.fn = None
-        self._install(options, overrides)
-        self.grid = self.n_sm            # one block per SM: all resident, so grid barriers cannot deadlock
-        self.attn_max_splits = max(1, self.grid // cfg.n_kv_heads)
-        self.max_steps = max_steps or cfg.max_seq
+        self._install(self.opt, overrides)
+        self.max_steps = max_steps or self.cfg.max_seq
         self.max_record = max_record
         self._alloc()
 
     # -- build ---------------------------------------------------------------------------------------------------
     def _install(self, options: BuildOptions, overrides: dict[str, str] | None):
         """Assemble and compile; only when that succeeds does the new module replace the loaded one."""
+        options = dataclasses.replace(options, grid=self.grid)
         asm = assemble(self.cfg, options, overrides)
         t0 = time.perf_counter()
         module, fn = self._compile(asm)
         compile_s = time.perf_counter() - t0
-        smem = smem_bytes(self.cfg, options.threads)
+        smem = plan.smem_bytes(self.cfg, options.launch)
         fn.max_dynamic_shared_size_bytes = smem
         occ = self.cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, options.threads, smem)
         if occ < 1:
             raise KernelError(f"kernel cannot be resident: {options.threads} threads, {smem} B shared memory")
-        if getattr(self, "grid", None) and options.threads != self.opt.threads:
+        if getattr(self, "fn", None) is not None and options.threads != self.opt.threads:
             raise ValueError("threads per block cannot change on reload; build a new Monokernel")
         old = self.module
         self.asm, self.module, self.fn, self.compile_s, self.smem = asm, module, fn, compile_s, smem
@@ -175,22 +189,21 @@ class Monokernel:
                     dynamic_shared=self.smem, threads=self.opt.threads, blocks=self.grid)
 
     def _alloc(self):
+        """Every activation, cache and scratch buffer of the plan, at the plan's shapes; then the control words."""
         cp, cfg = self.cp, self.cfg
-        f32, i32, u32 = cp.float32, cp.int32, cp.uint32
-        L, Hkv, hd = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
-        self.x = cp.empty(cfg.hidden, f32)
-        self.q = cp.empty(cfg.q_dim, f32)
-        self.o = cp.empty(cfg.q_dim, f32)
-        self.hmlp = cp.empty(cfg.intermediate, f32)
-        self.k_cache = cp.zeros((L, Hkv, cfg.max_seq, hd), cp.uint16)
-        self.v_cache = cp.zeros((L, Hkv, cfg.max_seq, hd), cp.uint16)
-        self.logits = cp.empty(cfg.vocab, f32)
-        self.logits_hist = cp.empty((self.max_record, cfg.vocab), f32)
-        self.rec_slot = cp.full(self.max_steps, -1, i32)
-        self.attn_part = cp.empty(cfg.n_heads * self.attn_max_splits * (hd + 2), f32)
-        self.attn_count = cp.zeros(Hkv, u32)
-        self.blk_max = cp.empty(self.grid, f32)
-        self.blk_arg = cp.empty(self.grid, i32)
+        self.buffers = {}
+        for b in plan.BUFFERS.values():
+            if b.kind in ("activation", "cache", "scratch"):
+                shape = b.shape(cfg, self.launch)
+                make = cp.zeros if b.kind in ("cache", "scratch") else cp.empty
+                self.buffers[b.name] = make(shape, _NP_DTYPES[b.dtype])
+        for name, arr in self.buffers.items():
+            setattr(self, name, arr)
+        i32, u32 = cp.int32, cp.uint32
+        self.logits_hist = cp.empty((self.max_record, cfg.vocab), cp.float32)
+        # indexed by step; one more than the steps, since the step after the last opens with an embedding
+        self.rec_slot = cp.full(self.max_steps + 1, -1, i32)
+        self.tap_slot = cp.full(self.max_steps + 1, -1, i32)
         self.bar_count = cp.zeros(1, u32)
         self.arrive = cp.zeros(self.grid, u32)
         self.where = cp.zeros(self.grid, u32)
@@ -199,24 +212,37 @@ class Monokernel:
         self.eos = cp.zeros(max(1, len(cfg.eos_token_ids)) + 8, i32)
         self.draws = cp.zeros(1, i32)
         self.timing = cp.zeros(1, cp.uint64)
-        self.taps = cp.zeros(1, f32)
-        self.tap_slot = cp.full(self.max_steps, -1, i32)
-        # mapped: status[16] | host_abort | n_out | progress | pad | tokens_out[max_steps]
-        self.mapped = _Mapped(16 + 4 + self.max_steps + 1)
+        self.taps = cp.zeros(1, cp.float32)
+        self.mapped = _Mapped(M_TOKENS + self.max_steps + 1)
         self.params_dev = cp.empty(ctypes.sizeof(Params), cp.uint8)
         self.stream = cp.cuda.Stream(non_blocking=True)
+
+    def fill_cache(self, upto: int, seed: int = 0):
+        """Random bf16 keys and values at positions [0, upto) of every layer (std 1, as real k and v roughly are):
+        a context for checking attention at long positions without decoding that many tokens first. Stage-local
+        verification compares attention with the reference on whatever the cache holds."""
+        cp = self.cp
+        if not 0 <= upto <= self.cfg.max_seq:
+            raise ValueError(f"cannot fill {upto} positions of a {self.cfg.max_seq}-position cache")
+        rng = cp.random.default_rng(seed)
+        from ..model.weights import to_bf16
+        for cache in (self.k_cache, self.v_cache):
+            for layer in range(self.cfg.n_layers):
+                cache[layer, :, :upto] = to_bf16(rng.standard_normal(cache[layer, :, :upto].shape, dtype=cp.float32), cp)
 
     # -- run -----------------------------------------------------------------------------------------------------
     def _params(self, n_in, n_steps, max_new, pos0, sampling: Sampling, eos, n_draws, timing_steps, timeout_s):
         p, m = self.p, self.mapped
         P = Params()
-        for name in ("embed", "wqkv", "wo", "wgu", "wd", "lm_head", "rope_cos", "rope_sin"):
-            setattr(P, name, getattr(p, name).data.ptr)
-        for name in ("x", "q", "o", "hmlp", "k_cache", "v_cache", "logits", "logits_hist", "rec_slot", "attn_part",
-                     "attn_count", "blk_max", "blk_arg", "bar_count", "arrive", "where", "dev_flags", "tokens_in",
-                     "eos", "draws", "timing", "taps", "tap_slot"):
-            setattr(P, name, getattr(self, name).data.ptr)
-        P.status, P.host_abort, P.n_out, P.progress, P.tokens_out = m.ptr(0), m.ptr(16), m.ptr(17), m.ptr(18), m.ptr(20)
+        for name, _ in plan.params_fields():
+            b = plan.BUFFERS.get(name)
+            if b is not None and b.kind in ("weight", "table"):
+                setattr(P, name, getattr(p, name).data.ptr)
+            elif b is not None or name in ("logits_hist", "rec_slot", "bar_count", "arrive", "where", "dev_flags",
+                                           "tokens_in", "eos", "draws", "timing", "taps", "tap_slot"):
+                setattr(P, name, getattr(self, name).data.ptr)
+        P.status, P.host_abort, P.n_out, P.progress, P.tokens_out = (m.ptr(M_STATUS), m.ptr(M_ABORT), m.ptr(M_N_OUT),
+                                                                     m.ptr(M_PROGRESS), m.ptr(M_TOKENS))
         P.seed, P.timeout_ns = sampling.seed & (2**64 - 1), int(timeout_s * 1e9)
         P.n_in, P.n_steps, P.max_new, P.pos0, P.n_eos = n_in, n_steps, max_new, pos0, len(eos)
         P.top_k, P.n_draws, P.attn_max_splits, P.timing_steps = sampling.top_k, n_draws, self.attn_max_splits, timing_steps
@@ -226,12 +252,15 @@ class Monokernel:
     def stream_tokens(self, prompt: list[int], max_new: int, sampling: Sampling = Sampling(), *, pos0: int = 0,
                       eos: list[int] | None = None, record: list[int] | None = None, n_draws: int = 0,
                       timing_steps: int = 0, tap_steps: list[int] | None = None, timeout_s: float = 5.0,
-                      host_timeout_s: float = 20.0, on_token: Callable[[int], None] | None = None,
+                      host_timeout_s: float = 20.0, poison_kv: bool = False,
+                      on_token: Callable[[int], None] | None = None,
                       on_poll: Callable[["Monokernel", int], None] | None = None,
                       poll_interval_s: float = 0.05) -> Iterator[int]:
         """Launch once; yield each generated token as the kernel publishes it; the generator's return value (also
         in `self.last`) is the Result. `record`: decode steps whose logits are kept (step i feeds prompt[i], or
-        the (i − len(prompt) + 1)-th generated token, at position pos0 + i)."""
+        the (i − len(prompt) + 1)-th generated token, at position pos0 + i), and at which `n_draws` draws of the
+        sampler are kept. `poison_kv`: the cache rows this run appends are set to NaN first, so a row a stage fails
+        to write cannot pass for one it wrote."""
         cp, cfg = self.cp, self.cfg
         prompt = [int(t) for t in prompt]
         if not prompt:
@@ -258,10 +287,13 @@ class Monokernel:
         eos = list(cfg.eos_token_ids if eos is None else eos)
         if len(eos) > self.eos.size:
             raise ValueError("too many EOS ids")
-        if n_draws > self.draws.size:
-            self.draws = cp.zeros(n_draws, cp.int32)
+        if n_draws < 0:
+            raise ValueError("n_draws must be ≥ 0")
+        if n_draws and self.draws.size < n_draws * max(1, len(record)):
+            self.draws = cp.zeros(n_draws * max(1, len(record)), cp.int32)
+        n_slots = plan.n_slots(cfg)
         if self.opt.timing and timing_steps:
-            need = timing_steps * timing_slots(cfg) * self.grid * 2
+            need = timing_steps * n_slots * self.grid * 2
             if self.timing.size < need:
                 self.timing = cp.zeros(need, cp.uint64)
         elif not self.opt.timing:
@@ -271,7 +303,7 @@ class Monokernel:
             raise ValueError("tap_steps needs a build with BuildOptions(taps=True)")
         if tap_steps and not (0 <= tap_steps[0] and tap_steps[-1] < n_steps):
             raise ValueError(f"tap steps must be in [0, {n_steps})")
-        tap_floats = tap_offsets(cfg)[1] * cfg.n_layers
+        tap_floats = plan.tap_step_floats(cfg, self.launch)
         if tap_steps and self.taps.size < len(tap_steps) * tap_floats:
             self.taps = cp.zeros(len(tap_steps) * tap_floats, cp.float32)
         self.timing_steps = timing_steps
@@ -292,11 +324,18 @@ class Monokernel:
             if record:
                 self.rec_slot[cp.asarray(record)] = cp.arange(len(record), dtype=cp.int32)
                 self.logits_hist[:len(record)].fill(cp.nan)          # poison: an unwritten logit cannot pass
+            if n_draws:
+                self.draws[:n_draws * max(1, len(record))].fill(-1)
             for buf in (self.bar_count, self.arrive, self.where, self.dev_flags, self.attn_count):
                 buf.fill(0)
-            self.x.fill(cp.nan)
+            for name, b in plan.BUFFERS.items():                      # poison: what a step must write, as NaN
+                if b.kind == "activation":
+                    self.buffers[name].fill(cp.nan)
+            if poison_kv:
+                for cache in (self.k_cache, self.v_cache):
+                    cache[:, :, pos0:pos0 + n_steps].fill(BF16_NAN)
             if timing_steps:
-                self.timing[:timing_steps * timing_slots(cfg) * self.grid * 2].fill(0)
+                self.timing[:timing_steps * n_slots * self.grid * 2].fill(0)
             P = self._params(len(prompt), n_steps, max_new, pos0, sampling, eos, n_draws, timing_steps, timeout_s)
             self.params_dev.set(np.frombuffer(bytes(P), np.uint8), stream=self.stream)
             self.stream.synchronize()
@@ -313,16 +352,16 @@ class Monokernel:
         next_poll = time.monotonic() + poll_interval_s
         while True:
             done = self.stream.done
-            n = int(w[17])
+            n = int(w[M_N_OUT])
             while seen < n:
-                tok = int(w[20 + seen])
+                tok = int(w[M_TOKENS + seen])
                 seen += 1
                 if on_token:
                     on_token(tok)
                 yield tok
             if done:
                 break
-            prog = int(w[18])
+            prog = int(w[M_PROGRESS])
             now = time.monotonic()
             if on_poll is not None and now >= next_poll:
                 on_poll(self, prog)                         # e.g. a dashboard reading timing_snapshot()
@@ -330,7 +369,7 @@ class Monokernel:
             if prog != last_progress:
                 last_progress, last_change = prog, now
             elif now - last_change > host_timeout_s and not aborted_by_host:
-                w[16] = 1                                   # ask the kernel to stop at its next bounded wait
+                w[M_ABORT] = 1                              # ask the kernel to stop at its next bounded wait
                 aborted_by_host, last_change = True, now
             elif aborted_by_host and now - last_change > host_timeout_s:
                 raise KernelError("the kernel ignores the abort flag: a wait that is not bounded (a spin that never "
@@ -339,22 +378,18 @@ class Monokernel:
         self.stream.synchronize()                           # raises on CUDA errors (illegal address, ...)
         kernel_ms = cp.cuda.get_elapsed_time(start, end)
         self._raise_on_status(aborted_by_host, host_timeout_s)
-        steps = int(w[18])
-        toks = [int(t) for t in w[20:20 + int(w[17])]]
+        steps = int(w[M_PROGRESS])
+        toks = [int(t) for t in w[M_TOKENS:M_TOKENS + int(w[M_N_OUT])]]
         logits = self.logits_hist[:len(record)].get() if record else None
-        draws = self.draws[:n_draws].get() if n_draws else None
+        draws = self.draws[:n_draws * len(record)].get().reshape(len(record), n_draws) if n_draws and record else None
         timing = None
         if timing_steps:
             ts = min(timing_steps, steps)
-            timing = self.timing[:ts * timing_slots(self.cfg) * self.grid * 2].get().reshape(
-                ts, -1, self.grid, 2)
-        taps = None
-        if tap_steps:
-            host = self.taps[:len(tap_steps) * tap_floats].get().reshape(len(tap_steps), cfg.n_layers, -1)
-            off, sizes = tap_offsets(cfg)[0], tap_sizes(cfg)
-            taps = {(name, layer, step): host[i, layer, off[name]:off[name] + sizes[name]].copy()
-                    for i, step in enumerate(tap_steps) for layer in range(cfg.n_layers) for name, _ in TAPS}
-        self.last = Result(toks, steps, kernel_ms, logits, record, draws, timing, taps)
+            timing = self.timing[:ts * n_slots * self.grid * 2].get().reshape(ts, n_slots, self.grid, 2)
+        taps = self.taps[:len(tap_steps) * tap_floats].reshape(len(tap_steps), tap_floats) if tap_steps else None
+        fed = (prompt + toks)[:steps]
+        self.last = Result(toks, steps, kernel_ms, logits, record, draws, timing, taps, tap_steps, pos0, fed, prompt,
+                           max_new, eos)
         return self.last
 
     def timing_snapshot(self) -> np.ndarray | None:
@@ -362,7 +397,7 @@ class Monokernel:
         written read 0). [timing_steps, slots, blocks, 2]."""
         if not self.opt.timing or not getattr(self, "timing_steps", 0):
             return None
-        n = self.timing_steps * timing_slots(self.cfg) * self.grid * 2
+        n = self.timing_steps * plan.n_slots(self.cfg) * self.grid * 2
         side = getattr(self, "_side", None) or self.cp.cuda.Stream(non_blocking=True)
         self._side = side
         out = np.empty(n, np.uint64)
@@ -378,19 +413,21 @@ class Monokernel:
 
     def _raise_on_status(self, aborted_by_host: bool, host_timeout_s: float):
         w = self.mapped.words
-        code = int(w[ST_CODE]) or int(self.dev_flags[0].get())     # an abort leaves its reason on the device only
-        if code == 0:
+        st = w[M_STATUS:M_STATUS + plan.STATUS_LEN]
+        code = int(st[STATUS["code"]]) or int(self.dev_flags[0].get())   # an abort leaves its reason on the device
+        if code == ERROR["ok"]:
             return
-        if code == ERR_HANG:
-            stage = STAGES[w[ST_STAGE]] if 0 <= w[ST_STAGE] < len(STAGES) else "?"
-            layer = f" of layer {w[ST_LAYER]}" if w[ST_LAYER] >= 0 else ""
+        if code == ERROR["hang"]:
+            s = int(st[STATUS["stage"]])
+            stage = plan.STAGE_NAMES[s] if 0 <= s < len(plan.STAGE_NAMES) else "?"
+            layer = f" of layer {st[STATUS['layer']]}" if st[STATUS["layer"]] >= 0 else ""
             raise KernelHang(
-                f"grid barrier timed out after the {stage} stage{layer} at step {w[ST_STEP]}: block {w[ST_BLOCK]} "
-                f"waited, {w[ST_N_MISSING]} block(s) never arrived, the first being block {w[ST_MISSING_BLOCK]}, "
-                f"last seen in {decode_where(int(w[ST_MISSING_WHERE]))}")
-        if code == ERR_ABORTED:
+                f"grid barrier timed out after the {stage} stage{layer} at step {st[STATUS['step']]}: block "
+                f"{st[STATUS['block']]} waited, {st[STATUS['n_missing']]} block(s) never arrived, the first being "
+                f"block {st[STATUS['missing_block']]}, last seen in {decode_where(int(st[STATUS['missing_where']]))}")
+        if code == ERROR["aborted"]:
             why = f"no progress for {host_timeout_s:.0f} s (host watchdog)" if aborted_by_host else "abort requested"
-            raise KernelAborted(f"kernel aborted: {why}; it stopped at step {int(w[18])}")
-        if code == ERR_BAD_TOKEN:
-            raise NonFiniteLogits(f"no valid token at step {int(w[ST_STEP])}: the logits are NaN or infinite")
+            raise KernelAborted(f"kernel aborted: {why}; it stopped at step {int(w[M_PROGRESS])}")
+        if code == ERROR["bad_token"]:
+            raise NonFiniteLogits(f"no valid token at step {int(st[STATUS['step']])}: the logits are NaN or infinite")
         raise KernelError(f"kernel reported error code {code}")

@@ -1,0 +1,149 @@
+"""A CPU stand-in for a taps build of the monokernel, to test the verifier without a GPU.
+
+The reference interpreter in fp32 plays the kernel: it runs the plan's stages on the prepared weights, keeps a bf16
+KV cache, and its stage outputs are packed into the plan's tap layout exactly where the kernel's debug build puts
+them. The LM head's per-block partials are dealt the kernel's way, the sampler draws the kernel's way (fixed-point
+masses, inverse CDF in index order, radix-style thresholds), publish feeds and streams tokens. A `hook(stage, layer,
+step, outputs)` makes one stage deliberately wrong, as a mutant of the kernel would be, and `sampler_bug` /
+`publish_bug` break the two stages that have no fp reference.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from workbench import plan
+from workbench.build.assemble import BuildOptions
+from workbench.check import stages as S
+from workbench.check.reference import KVCache, PreparedView, forward
+from workbench.model.weights import to_bf16, to_f32
+from workbench.run.runtime import Result, Sampling
+
+
+def kernel_draw(logits: np.ndarray, s: Sampling, step: int, d: int, *, top_k_extra: int = 0) -> int:
+    """The kernel's draw (sections/sampling.cuh) in numpy: keys = logits/T in fp32, masses in 2^-40 fixed point,
+    top-k and top-p thresholds on the keys, the first kept token in index order whose cumulative mass exceeds u·Z."""
+    keys = (logits.astype(np.float32) / np.float32(s.temperature)).astype(np.float32)
+    mkey = keys.max()
+    mass = np.floor(np.exp((keys - mkey).astype(np.float32)).astype(np.float64) * 2.0 ** 40).astype(np.int64)
+    keep = np.ones(keys.size, bool)
+    k = s.top_k + top_k_extra
+    if 0 < s.top_k < keys.size:
+        kth = np.sort(keys)[::-1][min(k, keys.size) - 1]
+        keep &= keys >= kth
+    if s.top_p < 1:
+        zk = int(mass[keep].sum())
+        target = max(int(s.top_p * zk), 1)
+        order = np.argsort(-keys[keep], kind="stable")
+        cum = np.cumsum(mass[keep][order])
+        cut = keys[keep][order][int(np.searchsorted(cum, target))]
+        keep &= keys >= cut
+    z = int(mass[keep].sum())
+    u = int(S.draw_uniform(s.seed, step, d) * z)
+    cum = np.cumsum(np.where(keep, mass, 0))
+    return int(np.searchsorted(cum, u, side="right"))
+
+
+@dataclasses.dataclass
+class SimKernel:
+    p: object                                  # Prepared (numpy)
+    grid: int = 132
+    hook: object = None                        # (stage, layer, step, outputs) -> outputs
+    sampler_bug: bool = False                  # top-k keeps one token too many
+    publish_bug: bool = False                  # feeds the sampled token even while the prompt lasts
+
+    def __post_init__(self):
+        self.cfg = self.p.cfg
+        self.opt = BuildOptions(taps=True, grid=self.grid, sampler="full")
+        self.launch = self.opt.launch
+        self.max_steps = 256
+        c = self.cfg
+        self.cache = KVCache.empty(c, np.float32)
+        self.view = PreparedView(self.p, np.float32)
+
+    @property
+    def k_cache(self):
+        return to_bf16(self.cache.k)
+
+    @property
+    def v_cache(self):
+        return to_bf16(self.cache.v)
+
+    def fill_cache(self, upto: int, seed: int = 0):
+        rng = np.random.default_rng(seed)
+        for c in (self.cache.k, self.cache.v):
+            c[:, :, :upto] = to_f32(to_bf16(rng.standard_normal(c[:, :, :upto].shape).astype(np.float32)))
+
+    def _partials(self, logits):
+        """Rows dealt to warps round-robin, warps numbered block by block (matvec.cuh's grid_warp)."""
+        nwarps = self.opt.threads // 32
+        nw = self.grid * nwarps
+        rows = np.arange(logits.size)
+        block = (rows % nw) // nwarps
+        bmax = np.full(self.grid, -np.inf, np.float32)
+        barg = np.full(self.grid, 0x7FFFFFFF, np.int64)
+        for b in range(self.grid):
+            r = rows[block == b]
+            v = logits[r]
+            ok = ~np.isnan(v)                           # the kernel's comparisons skip NaN
+            if ok.any():
+                bmax[b] = v[ok].max()
+                barg[b] = r[np.flatnonzero(v == bmax[b])[0]]
+        return bmax, barg
+
+    def generate(self, prompt, max_new, sampling=Sampling(), *, pos0=0, eos=None, record=(), tap_steps=(),
+                 n_draws=0, poison_kv=False, **_):
+        cfg, launch = self.cfg, self.launch
+        eos = list(eos or [])
+        n_steps = len(prompt) + max_new - 1
+        record, tap_steps = sorted(record), sorted(tap_steps)
+        floats = plan.tap_step_floats(cfg, launch)
+        taps = np.full((len(tap_steps), floats), np.nan, np.float32)
+        logits_hist, draws = [], []
+        fed, out = [int(prompt[0])], []
+        for step in range(n_steps):
+            pos = pos0 + step
+            t: dict = {}
+            hook = None if self.hook is None else (lambda st, l, res, step=step: self.hook(st, l, step, res))
+            lg = forward(self.view, [fed[step]], [pos], cache=self.cache, dtype=np.float32, taps=t, hook=hook)[0]
+            bmax, barg = self._partials(lg)
+            greedy = int(np.argmax(lg))
+            row_draws = []
+            if sampling.greedy:
+                sampled = greedy
+            else:
+                bug = 1 if self.sampler_bug else 0
+                sampled = kernel_draw(lg, sampling, step, 0, top_k_extra=bug)
+                if step in record and n_draws:
+                    row_draws = [kernel_draw(lg, sampling, step, d, top_k_extra=bug) for d in range(n_draws)]
+            if step in record:
+                logits_hist.append(lg.copy())
+                if n_draws:
+                    draws.append(row_draws or [sampled] * n_draws)
+            forced = step + 1 < len(prompt)
+            nxt = int(prompt[step + 1]) if forced and not self.publish_bug else sampled
+            if not forced:
+                out.append(sampled)
+            fed.append(nxt)
+            if step in tap_steps:
+                row = taps[tap_steps.index(step)]
+                for tp in plan.taps(cfg, launch):
+                    layers = range(cfg.n_layers) if tp.layers > 1 else [-1]
+                    for layer in layers:
+                        if tp.buffer == "blk_max":
+                            v = bmax
+                        elif tp.buffer == "blk_arg":
+                            v = barg.astype(np.float32)
+                        elif tp.buffer == "sampled":
+                            v = np.float32([sampled])
+                        else:
+                            v = t[tp.stage, tp.buffer, layer][0]
+                        off = tp.at(max(layer, 0))
+                        row[off:off + tp.size] = v.reshape(-1)
+        steps = n_steps
+        # what the host knows it fed: the prompt, then what was streamed (the runtime's Result.fed)
+        host_fed = (list(prompt) + out)[:steps]
+        return Result(out, steps, 1.0, np.stack(logits_hist) if logits_hist else None, record,
+                      np.asarray(draws) if n_draws and record else None, None, taps if tap_steps else None,
+                      tap_steps, pos0, host_fed, list(prompt), max_new, eos)

@@ -1,0 +1,193 @@
+"""The plan: one declaration of the decode step, and what derives from it."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from workbench import plan
+from workbench.model.config import PRESETS, get_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_decode_order_and_scopes():
+    names = plan.STAGE_NAMES
+    assert names[0] == "embedding" and names[-2:] == ("sampling", "publish")
+    assert plan.LAYER_STAGES == tuple(s.name for s in plan.STAGES if s.scope == "layer")
+    cfg = get_config("tiny")
+    ex = plan.execution(cfg)
+    assert ex[0] == ("embedding", -1) and ex[-1] == ("publish", -1)
+    assert len(ex) == len(plan.TOKEN_STAGES) + cfg.n_layers * len(plan.LAYER_STAGES)
+
+
+def test_barriers_follow_from_the_reads_and_writes():
+    cfg = get_config("tiny")
+    slots = plan.slots(cfg)
+    # a barrier after every layer stage and the LM head; none between sampling, publish and the next embedding
+    # (one block runs those three, in order)
+    assert [s.stages[-1] for s in slots][:2] == [("embedding", -1), ("qkv_rope_append", 0)]
+    assert slots[0].stages == (("sampling", -1), ("publish", -1), ("embedding", -1))
+    assert slots[0].label == "sampling+publish+embedding"
+    assert slots[-1].stages == (("lm_head", -1),)
+    assert all(len(s.stages) == 1 for s in slots[1:])
+    assert plan.barrier_slot(cfg, "sampling", -1) is None and plan.barrier_slot(cfg, "lm_head", -1) == len(slots) - 1
+    for name, p in PRESETS.items():
+        assert plan.n_slots(p) == 5 * p.n_layers + 2, name
+
+
+def test_a_new_stage_gets_its_barrier(monkeypatch):
+    """Declaring a stage that reads what the one before wrote puts a barrier between them; one that touches
+    nothing the neighbours touch does not."""
+    extra = plan.Stage("scale_x", "layer", "x *= 1", reads=(plan.Use("x"),), writes=(plan.Use("x"),),
+                       units=lambda c, l: c.hidden, unit="a row")
+    noop = plan.Stage("noop", "layer", "nothing", reads=(), writes=(), units=lambda c, l: 1, unit="-")
+    stages = list(plan.STAGES)
+    i = plan.STAGE_NAMES.index("down_residual") + 1
+    monkeypatch.setattr(plan, "STAGES", tuple(stages[:i] + [extra, noop] + stages[i:]))
+    monkeypatch.setattr(plan, "_BY_NAME", {s.name: s for s in plan.STAGES})
+    plan._slots.cache_clear()
+    plan._execution.cache_clear()
+    try:
+        cfg = get_config("tiny")
+        assert plan.barrier_slot(cfg, "down_residual", 0) is not None       # scale_x reads its x
+        assert plan.barrier_slot(cfg, "scale_x", 0) is None                 # noop needs nothing
+        assert plan.n_slots(cfg) == 6 * cfg.n_layers + 2
+    finally:
+        plan._slots.cache_clear()
+        plan._execution.cache_clear()
+
+
+def test_producers():
+    cfg = get_config("tiny")
+    assert plan.producer(cfg, "x", "qkv_rope_append", 0) == ("embedding", -1)
+    assert plan.producer(cfg, "x", "qkv_rope_append", 1) == ("down_residual", 0)
+    assert plan.producer(cfg, "x", "o_proj_residual", 1) == ("down_residual", 0)
+    assert plan.producer(cfg, "x", "gate_up_silu", 1) == ("o_proj_residual", 1)
+    assert plan.producer(cfg, "q", "attention_decode", 1) == ("qkv_rope_append", 1)
+    assert plan.producer(cfg, "x", "lm_head", -1) == ("down_residual", cfg.n_layers - 1)
+    assert plan.producer(cfg, "sampled", "publish", -1) == ("sampling", -1)
+    assert plan.producer(cfg, "token", "embedding", -1) is None        # the previous step's publish
+
+
+def test_dependencies_at_the_finest_grain():
+    """What per-unit dependency counters would count: each consumer unit waits for exactly the producer units
+    whose rows it reads."""
+    cfg = get_config("tiny")
+    d = plan.dependencies(cfg)
+    half = cfg.head_dim // 2
+    assert d["attention_decode", "q"] == ("qkv_rope_append", [cfg.group * half] * cfg.n_kv_heads)
+    assert d["attention_decode", "k_cache"] == ("qkv_rope_append", [half] * cfg.n_kv_heads)
+    assert d["attention_decode", "v_cache"] == ("qkv_rope_append", [half] * cfg.n_kv_heads)
+    assert d["o_proj_residual", "o"] == ("attention_decode", [cfg.n_kv_heads] * cfg.hidden)
+    assert d["o_proj_residual", "x"] == ("down_residual", [1] * cfg.hidden)     # its own row of the residual
+    assert d["gate_up_silu", "x"] == ("o_proj_residual", [cfg.hidden] * cfg.intermediate)
+    assert d["down_residual", "hmlp"] == ("gate_up_silu", [cfg.intermediate] * cfg.hidden)
+
+
+def test_a_unit_reads_only_the_rows_it_writes_of_a_buffer_it_updates():
+    """o_proj and down add into x row by row: a unit may read only the x rows it writes, else it races with the
+    unit that writes them."""
+    cfg = get_config("tiny")
+    for st in plan.STAGES:
+        both = {u.buffer for u in st.reads} & {u.buffer for u in st.writes}
+        for buf in both:
+            r = next(u for u in st.reads if u.buffer == buf)
+            w = next(u for u in st.writes if u.buffer == buf)
+            assert r.rows is not None and w.rows is not None, (st.name, buf)
+            for unit in range(st.units(cfg, plan.Launch())):
+                assert r.rows(cfg, unit) == w.rows(cfg, unit), (st.name, buf, unit)
+
+
+def test_bytes_per_token():
+    for name, cfg in PRESETS.items():
+        assert plan.weight_bytes_per_token(cfg) == cfg.weight_bytes_per_token(), name
+        a0, a1 = (plan.stage_bytes(cfg, "attention_decode", p) for p in (0, 1000))
+        assert a1 - a0 == 2 * 2 * cfg.kv_dim * 1000
+
+
+def test_taps_tile_the_step_record():
+    cfg = get_config("llama-3.2-1b")
+    off = 0
+    for t in plan.taps(cfg):
+        assert t.offset == off
+        off += t.size * t.layers
+    assert off == plan.tap_step_floats(cfg)
+    assert plan.tap(cfg, "qkv_rope_append", "k_cache").size == cfg.kv_dim
+
+
+def test_shared_memory_is_the_largest_stage():
+    cfg = get_config("llama-3.2-1b")
+    regions = plan.smem_regions(cfg)
+    assert plan.smem_floats(cfg) == max(sum(n for _, n in r.values()) for r in regions.values())
+    for r in regions.values():
+        for off, n in r.values():
+            assert off % 4 == 0 and n % 4 == 0
+
+
+def test_where_words_round_trip():
+    for stage_i, name in enumerate(plan.STAGE_NAMES):
+        for layer in (-1, 0, 31):
+            w = plan.where(stage_i, layer, 4097)
+            assert plan.decode_where(w) == (name, layer, 4097)
+    assert plan.describe_where(plan.where(2, 3, 7)) == "attention_decode of layer 3 at step 7"
+    assert plan.describe_where(-1) == "unknown"
+
+
+def test_the_mapped_block_layout():
+    assert plan.mapped_offset("status") == 0
+    assert plan.mapped_offset("host_abort") == plan.STATUS_LEN
+    assert plan.mapped_offset("tokens_out") == plan.STATUS_LEN + 4
+    assert len(plan.STATUS_WORDS) <= plan.STATUS_LEN
+
+
+def test_describe():
+    text = plan.describe(get_config("llama-3.2-1b"))
+    assert "82 grid barriers per token" in text
+    for st in plan.STAGES:
+        assert st.name in text and st.math in text
+
+
+# ---- the plan is the only place that writes down the decode step ---------------------------------------------------
+
+def _string_constants(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+
+
+def test_no_other_module_lists_the_stages():
+    """No Python module but the plan holds the stage names as data (a list, a dict of them...): everything else
+    asks the plan. A module may name one or two stages it special-cases (e.g. attention's cache); a run of them is a
+    copy of the decode step."""
+    names = set(plan.STAGE_NAMES)
+    offenders = {}
+    for path in sorted((ROOT / "workbench").rglob("*.py")):
+        # the mutation suite names the section files it edits and the stage each edit must be pinned on: data
+        # about files, not a statement of the decode step (test_mutants checks they are the plan's)
+        if path.name in ("plan.py", "mutants.py"):
+            continue
+        found = {s for s in _string_constants(path) if s in names}
+        if len(found) >= 3:
+            offenders[str(path.relative_to(ROOT))] = sorted(found)
+    assert not offenders, offenders
+
+
+def test_no_kernel_file_restates_the_step():
+    """The kernel files use the generated constants: no stage enum, no slot count, no 'five per layer'."""
+    for path in sorted((ROOT / "kernels").rglob("*.cuh")):
+        text = path.read_text()
+        assert not re.search(r"enum\s+Stage\b", text), path
+        assert not re.search(r"\bST_[A-Z_]+\s*=", text), path
+        assert not re.search(r"layer\s*\*\s*5\b|5\s*\*\s*layer", text), path
+        assert "WB_SLOTS" not in text or "lib/instrument.cuh" in str(path), path
+
+
+def test_the_stage_files_are_the_plan():
+    """kernels/sections/ holds exactly one file per stage of the plan (plus variants NAME@VARIANT.cuh)."""
+    files = {p.stem for p in (ROOT / "kernels" / "sections").glob("*.cuh") if "@" not in p.stem}
+    assert files == set(plan.STAGE_NAMES)
+    lib = {p.stem for p in (ROOT / "kernels" / "lib").glob("*.cuh") if "@" not in p.stem}
+    assert lib == set(plan.LIBRARY)

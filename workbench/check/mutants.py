@@ -1,0 +1,176 @@
+"""The mutation suite: deliberately wrong edits of the kernel's sections, each of which the loop must reject and
+pin on the right stage. A verifier is proven by the mutants it catches.
+
+Each `Mutant` replaces one piece of text of one section file (its `find`, which must occur exactly `count` times)
+and names the stage whose verdict must fail first (`expect`: for an edit of a library file, the first stage in
+decode order that runs the edited code). `sampling` marks a mutant that only a sampler run with a temperature
+exposes, which the loop does when the sampling section is the one edited. `run_suite` (GPU) applies them one by
+one through the real edit path (Workbench.edit + reload), records what the loop named and how long the verdict
+took, and undoes each; `scripts/mutation_suite.py` runs it and prints the table. Without a GPU,
+`tests/test_mutants.py` checks that every mutant applies and compiles.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    section: str               # the file edited (plan.FILES)
+    breaks: str                # what it breaks, in words
+    find: str
+    replace: str
+    expect: str                # the stage the verdict must name
+    count: int = 1             # occurrences of `find` replaced (all of them)
+
+    def apply(self, text: str) -> str:
+        n = text.count(self.find)
+        if n != self.count:
+            raise ValueError(f"mutant {self.name}: {self.find!r} occurs {n} times in {self.section}, "
+                             f"expected {self.count}")
+        return text.replace(self.find, self.replace)
+
+
+M = Mutant
+MUTANTS: tuple[Mutant, ...] = (
+    # embedding
+    M("embed-wrong-row", "embedding", "reads the next token's row", "(long long)token * WB_D",
+      "(long long)(token + 1) * WB_D", "embedding"),
+    M("embed-last-dim", "embedding", "leaves the last dimension unwritten", "i < WB_D; i += wb_ntid()) x[i]",
+      "i < WB_D - 1; i += wb_ntid()) x[i]", "embedding"),
+    # qkv_rope_append
+    M("rope-sign", "qkv_rope_append", "rotates by −angle (sin term's sign)",
+      "const float lo = r[0] * c - r[1] * s, hi = r[1] * c + r[0] * s;",
+      "const float lo = r[0] * c + r[1] * s, hi = r[1] * c - r[0] * s;", "qkv_rope_append"),
+    M("rope-pair", "qkv_rope_append", "rotates pair p by the angle of pair p^1", "const float c = cs[p], s = sn[p];",
+      "const float c = cs[p ^ 1], s = sn[p ^ 1];", "qkv_rope_append"),
+    M("rope-long-position", "qkv_rope_append", "rope angle of position − 1 from 4,096 on (off by one, long only)",
+      "rope_cos + (long long)pos * HALF", "rope_cos + (long long)(pos < 4096 ? pos : pos - 1) * HALF",
+      "qkv_rope_append"),
+    M("kv-wrong-slot", "qkv_rope_append", "appends k and v at pos + 1", "const long long kv_base = (long long)pos * WB_HEAD_DIM;",
+      "const long long kv_base = (long long)(pos + 1) * WB_HEAD_DIM;", "qkv_rope_append"),
+    M("k-truncated", "qkv_rope_append", "k to bf16 by truncation instead of rounding", "k[p] = f32_to_bf16(lo);",
+      "k[p] = (bf16)(wb_float_as_u32(lo) >> 16);", "qkv_rope_append"),
+    M("q-scale-1e-4", "qkv_rope_append", "q's first halves 1e-4 too large", "q[head * WB_HEAD_DIM + p] = lo;",
+      "q[head * WB_HEAD_DIM + p] = lo * 1.0001f;", "qkv_rope_append"),
+    M("v-dims-swapped", "qkv_rope_append", "v's two dims of a pair swapped",
+      "v[rr % WB_HEAD_DIM] = f32_to_bf16(r[0]);\n            v[rr % WB_HEAD_DIM + 1] = f32_to_bf16(r[1]);",
+      "v[rr % WB_HEAD_DIM] = f32_to_bf16(r[1]);\n            v[rr % WB_HEAD_DIM + 1] = f32_to_bf16(r[0]);",
+      "qkv_rope_append"),
+    M("eps-x10", "matvec", "RMSNorm's eps ten times too large (library: every normalising stage)",
+      "/ (float)n + WB_RMS_EPS);", "/ (float)n + 10.f * WB_RMS_EPS);", "qkv_rope_append"),
+    # attention_decode
+    M("merge-drops-last-split", "attention_decode", "the split merge leaves out the last split (only S ≥ 2)",
+      "for (int s = 0; s < S; ++s)", "for (int s = 0; s < S - 1; ++s)", "attention_decode", count=2),
+    M("gqa-wrong-head", "attention_decode", "a kv head reads the next group's queries",
+      "wb_ld_cg(q + kvh * ATT_GQ * HD + i)", "wb_ld_cg(q + ((kvh + 1) % WB_KV_HEADS) * ATT_GQ * HD + i)",
+      "attention_decode"),
+    M("attn-scale-1e-4", "attention_decode", "scores scaled 1e-4 too much", "const float scale = wb_rsqrt((float)HD);",
+      "const float scale = wb_rsqrt((float)HD) * 1.0001f;", "attention_decode"),
+    M("attn-long-context-short", "attention_decode", "from 4,096 on, the newest position is left out",
+      "const int n = pos + 1, S", "const int n = pos + (pos >= 4096 ? 0 : 1), S", "attention_decode"),
+    M("softmax-no-rescale", "attention_decode", "the running sum is not rescaled when the max grows",
+      "l[g] = l[g] * c + p;", "l[g] = l[g] + p;", "attention_decode"),
+    M("merge-warps-drops-last", "attention_decode", "the warp merge leaves out the last warp's sum",
+      "    for (int w = 0; w < wb_nwarps(); ++w) {\n        const float* st",
+      "    for (int w = 0; w < wb_nwarps() - 1; ++w) {\n        const float* st", "attention_decode"),
+    # o_proj_residual
+    M("o-residual-one-layer", "o_proj_residual", "layer 1 loses its attention residual",
+      "if (wb_lane() == 0) x[r] = wb_ld_cg(x + r) + y[0];", "if (wb_lane() == 0) x[r] = (layer == 1 ? 0.f : wb_ld_cg(x + r)) + y[0];",
+      "o_proj_residual"),
+    M("o-last-row", "o_proj_residual", "the last output row is never written", "(wo, WB_D, act,",
+      "(wo, WB_D - 1, act,", "o_proj_residual"),
+    # gate_up_silu
+    M("silu-1e-4", "gate_up_silu", "the gate's sigmoid argument 1e-4 off",
+      "gu[0] / (1.f + wb_exp(-gu[0])) * gu[1]", "gu[0] / (1.f + wb_exp(-gu[0] * 1.0001f)) * gu[1]", "gate_up_silu"),
+    M("gate-up-swapped", "gate_up_silu", "silu on the up projection instead of the gate",
+      "gu[0] / (1.f + wb_exp(-gu[0])) * gu[1]", "gu[1] / (1.f + wb_exp(-gu[1])) * gu[0]", "gate_up_silu"),
+    M("hmlp-last-row", "gate_up_silu", "the last MLP row is never written", "(wgu, WB_FF, act,",
+      "(wgu, WB_FF - 1, act,", "gate_up_silu"),
+    # down_residual
+    M("down-scale-1e-4", "down_residual", "x + 1.0001·y instead of x + y",
+      "x[r] = wb_ld_cg(x + r) + y[0];", "x[r] = wb_ld_cg(x + r) + y[0] * 1.0001f;", "down_residual"),
+    M("down-residual-one-layer", "down_residual", "the last layer loses its MLP residual",
+      "x[r] = wb_ld_cg(x + r) + y[0];", "x[r] = (layer == WB_LAYERS - 1 ? 0.f : wb_ld_cg(x + r)) + y[0];",
+      "down_residual"),
+    M("down-last-row", "down_residual", "the last output row is never written", "(wd, WB_D, act,",
+      "(wd, WB_D - 1, act,", "down_residual"),
+    # lm_head
+    M("logits-last-row", "lm_head", "the last vocabulary row is never written", "(lm_head, WB_VOCAB, act,",
+      "(lm_head, WB_VOCAB - 1, act,", "lm_head"),
+    M("partial-wrong-index", "lm_head", "each block's argmax partial is off by one", "blk_arg[wb_bid()] = arg;",
+      "blk_arg[wb_bid()] = arg + 1;", "lm_head"),
+    M("logits-scale-1e-4", "lm_head", "logits 1e-4 too large", "if (wb_lane() == 0) logits[v] = y[0];",
+      "if (wb_lane() == 0) logits[v] = y[0] * 1.0001f;", "lm_head"),
+    # sampling
+    M("greedy-off-by-one", "sampling", "the greedy token is the argmax + 1",
+      "best_i = bv > -WB_INF ? bi : -1;", "best_i = bv > -WB_INF ? bi + 1 : -1;", "sampling"),
+    M("top-k-one-more", "sampling", "top-k keeps k + 1 tokens", "(u64)P->top_k, false, sc);",
+      "(u64)P->top_k + 1, false, sc);", "sampling"),
+    M("top-p-drops-boundary", "sampling", "top-p drops the token that reaches p",
+      "floor_ord = p_ord > floor_ord ? p_ord : floor_ord;", "floor_ord = p_ord + 1 > floor_ord ? p_ord + 1 : floor_ord;",
+      "sampling"),
+    M("draw-wrong-step", "sampling", "the draws use the next step's random numbers",
+      "samp_uniform(P->seed, step, d)", "samp_uniform(P->seed, step + 1, d)", "sampling"),
+    # publish
+    M("forced-one-short", "publish", "the prompt's last token is replaced by a sampled one",
+      "const bool forced = step + 1 < P->n_in;", "const bool forced = step + 2 < P->n_in;", "publish"),
+    M("stops-one-early", "publish", "generation stops one token before max_new",
+      "done |= g + 1 >= P->max_new;", "done |= g + 2 >= P->max_new;", "publish"),
+    M("streams-wrong-token", "publish", "streams token + 1 (feeds the right one)",
+      "P->tokens_out[g] = next;", "P->tokens_out[g] = next + 1;", "publish"),
+)
+
+
+def by_name(name: str) -> Mutant:
+    for m in MUTANTS:
+        if m.name == name:
+            return m
+    raise KeyError(f"no mutant {name!r}")
+
+
+@dataclasses.dataclass
+class Outcome:
+    mutant: Mutant
+    status: str                # the record's status
+    named: str | None          # the stage the loop named (None: it passed, or did not run)
+    caught: bool               # rejected and named the expected stage
+    seconds: float             # edit → verdict
+    compile_s: float
+    verify_s: float
+    first_failure: str | None
+
+
+def run_suite(wb, mutants=MUTANTS, log=print) -> list[Outcome]:
+    """Apply each mutant through `wb` (a GPU Workbench, on a copy of the kernels it may edit), reload, read the
+    verdict, undo. The workbench must pass before and after."""
+    from ..loop.sections import section_file
+    out = []
+    for m in mutants:
+        path = section_file(m.section)
+        original = path.read_text()
+        t0 = time.perf_counter()
+        wb.edit(m.section, m.apply(original))
+        rec = wb.reload(trigger="edit", section=m.section)
+        dt = time.perf_counter() - t0
+        named = rec.failure.stage if rec.failure is not None else None
+        caught = rec.passed is False and named == m.expect
+        out.append(Outcome(m, rec.status, named, caught, dt, rec.compile_s, rec.verify_s, rec.first_failure))
+        log(f"{'caught' if caught else 'MISSED'} {m.name:26s} {m.section:18s} named {named or '-':18s} "
+            f"{dt:5.2f} s  {rec.first_failure or rec.status}")
+        wb.undo(m.section, reload=False)
+        if path.read_text() != original:
+            raise RuntimeError(f"undo did not restore {path}")
+    return out
+
+
+def table(outcomes: list[Outcome]) -> str:
+    lines = [f"{'mutant':26s} {'section':18s} {'breaks':58s} {'named':18s} {'edit→verdict':>12s}"]
+    for o in outcomes:
+        lines.append(f"{o.mutant.name:26s} {o.mutant.section:18s} {o.mutant.breaks[:58]:58s} "
+                     f"{(o.named or '—') + ('' if o.caught else ' ✗'):18s} {o.seconds:10.2f} s")
+    caught = sum(o.caught for o in outcomes)
+    lines.append(f"score: {caught}/{len(outcomes)} caught and named ({100 * caught / max(len(outcomes), 1):.0f}%)")
+    return "\n".join(lines)
