@@ -71,7 +71,7 @@ def gpu_present(monkeypatch):
     (["generate", "--prompt", "a", "--prompt-ids", "1"], "argument --prompt-ids: not allowed with argument --prompt"),
     (["build", "--target", "rocm"], "argument --target: invalid choice: 'rocm' (choose from 'cuda', 'hip')"),
     (["frobnicate"],
-     "argument command: invalid choice: 'frobnicate' (choose from 'generate', 'verify', 'build', 'bench')"),
+     "argument command: invalid choice: 'frobnicate' (choose from 'generate', 'verify', 'build', 'plan', 'bench')"),
     ([], "the following arguments are required: command (see python -m workbench --help)"),
     (["generate", "--bogus"], "unrecognized arguments: --bogus (see python -m workbench --help)"),
 ])

@@ -43,6 +43,46 @@ def test_positions_past_4096(tiny):
     assert rep.passed, rep.summary()
 
 
+@pytest.fixture(scope="module")
+def tiny_taps(tiny):
+    from workbench.run.runtime import Monokernel
+    return Monokernel(tiny.p, BuildOptions(taps=True), max_steps=256)
+
+
+def test_every_stage_on_its_own_inputs_on_every_code_path(tiny_taps):
+    """Stage-local verification over every attention split threshold (thorough), a long position and every layer."""
+    from workbench.check.verify import verify_stages
+    table, results = verify_stages(tiny_taps, thorough=True, seed=fresh_seed())
+    print(table)
+    assert table.passed, table.summary()
+    assert max(table.positions) >= 4096
+    S = tiny_taps.attn_max_splits
+    assert {32 * m for m in range(1, S + 1)} <= {p + 1 for p in table.positions}
+
+
+def test_every_sampler_mode_draw_by_draw(tiny_taps):
+    from workbench.check.verify import verify_stages
+    table, results = verify_stages(tiny_taps, sampling=True, seed=fresh_seed())
+    assert table.passed, table.summary()
+    assert sum(c.buffer.startswith("draws") and c.passed for c in table.extra) >= 4
+
+
+def test_a_deliberate_error_is_named_by_its_stage(tiny_taps):
+    """A 1e-4 scale error in one layer's MLP output, as an edit of the section."""
+    from workbench.build.assemble import section_path
+    from workbench.check.verify import verify_stages
+    text = section_path("down_residual").read_text()
+    bad = text.replace("x[r] = wb_ld_cg(x + r) + y[0];", "x[r] = wb_ld_cg(x + r) + y[0] * 1.0001f;")
+    assert bad != text
+    tiny_taps.reload(overrides={"down_residual": bad})
+    try:
+        table, _ = verify_stages(tiny_taps, seed=fresh_seed())
+        f = table.first_failure
+        assert f is not None and f.stage == "down_residual" and f.layer == 0, table.summary()
+    finally:
+        tiny_taps.reload(overrides={})
+
+
 @pytest.mark.parametrize("T,k,p", [(0.9, 0, 1.0), (1.0, 40, 1.0), (0.8, 0, 0.85), (1.4, 120, 0.9)])
 def test_sampling_distribution(tiny, T, k, p):
     from workbench.run.runtime import Sampling
@@ -50,6 +90,7 @@ def test_sampling_distribution(tiny, T, k, p):
     rep = verify_sampling(tiny, Sampling(T, k, p, fresh_seed()), draws=20000, seed=fresh_seed())
     print(rep.summary())
     assert rep.passed, rep.summary()
+    assert rep.exact_bad == 0
 
 
 def test_sampling_reproducible_per_seed(tiny):
@@ -89,8 +130,8 @@ def test_hang_is_reported_and_next_run_works():
 def test_compile_error_names_section_line(tiny):
     from workbench.build.assemble import section_path
     from workbench.run.runtime import Monokernel
-    text = section_path("down_residual").read_text().replace("P->x[r] = wb_ld_cg(P->x + r) + y[0];",
-                                                               "P->x[r] = wb_ld_cg(P->x + r) + y[0] + nonsense;")
+    text = section_path("down_residual").read_text().replace("x[r] = wb_ld_cg(x + r) + y[0];",
+                                                               "x[r] = wb_ld_cg(x + r) + y[0] + nonsense;")
     line = text.splitlines().index(next(l for l in text.splitlines() if "nonsense" in l)) + 1
     with pytest.raises(CompileError) as e:
         Monokernel(tiny.p, BuildOptions(), overrides={"down_residual": text})
@@ -134,3 +175,49 @@ def test_nan_weights_are_reported_not_sampled(tiny):
         tiny.p.lm_head[:] = saved
     assert len(tiny.generate([1, 2], 3, eos=[]).tokens) == 3
     del cp
+
+
+# ---- every head_dim the config accepts, on checkpoints Hugging Face made ------------------------------------------
+
+def _hf_checkpoint(tmp_path, head_dim, n_heads, n_kv, hidden=None):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(head_dim * 100 + n_heads)
+    hidden = hidden or n_heads * head_dim
+    cfg = LlamaConfig(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=n_heads,
+                      num_key_value_heads=n_kv, head_dim=head_dim, intermediate_size=3 * hidden + 8, vocab_size=1001,
+                      max_position_embeddings=4608, rope_theta=10000.0, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "embed_tokens" in name or "lm_head" in name:
+                p.normal_(0.0, 0.1)
+            elif p.ndim == 1:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, p.shape[1] ** -0.5)
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 112, 128])
+@pytest.mark.parametrize("kind", ["mha", "gqa2"])
+def test_head_dims_verify(tmp_path, head_dim, kind):
+    """head_dim 96 once generated garbage (lanes per position 12, xor shuffles that assume a power of two)."""
+    import cupy as cp
+
+    from workbench.check.verify import verify, verify_stages
+    from workbench.model.config import get_config as cfg_of
+    from workbench.model.weights import load_hf, prepare
+    from workbench.run.runtime import Monokernel
+    n_heads, n_kv = (4, 4) if kind == "mha" else (4, 2)
+    folder = _hf_checkpoint(tmp_path, head_dim, n_heads, n_kv)
+    cfg = cfg_of(str(folder), max_seq=4352)
+    p = prepare(load_hf(folder, cfg, progress=False), xp=cp, progress=False)
+    taps = Monokernel(p, BuildOptions(taps=True), max_steps=256)
+    table, _ = verify_stages(taps, seed=fresh_seed())
+    print(table.summary())
+    assert table.passed, table.summary()
+    rep = verify(Monokernel(p, BuildOptions(), max_steps=64), prompt_len=8, max_new=16, seed=fresh_seed())
+    print(rep.summary())
+    assert rep.passed, rep.summary()

@@ -12,7 +12,7 @@ from conftest import fresh_seed
 
 from workbench import paths
 from workbench.build import assemble
-from workbench.loop import session
+from workbench.loop import benchmark, session
 
 pytestmark = pytest.mark.gpu
 
@@ -43,7 +43,8 @@ def test_initial_reload_verifies_and_times(wb):
     print(rec.timing_text)
     assert wb.device == "gpu" and rec.trigger == "initial"
     assert rec.status == session.OK and rec.passed, rec.report() + "\n" + str(rec.stages)
-    assert rec.stages.passed and rec.tokens_ok is not False
+    assert rec.stages.passed and rec.tokens_ok is not False and rec.end_to_end
+    assert max(rec.stages.positions) >= 4096                     # the loop covers the long-position path too
     assert rec.tok_per_s > 0 and rec.timing and {r.stage for r in rec.timing} >= {"lm_head", "gate_up_silu"}
     for t in (rec.compile_s, rec.verify_s, rec.time_s, rec.total_s):
         assert math.isfinite(t) and t > 0
@@ -63,25 +64,27 @@ def test_edit_reload_undo(wb):
 
 def test_wrong_rope_variant_is_named_q_at_layer_0(wb):
     base = session.section_file("qkv_rope_append").read_text()
-    wb.edit("qkv_rope_append", session.wrong_rope(base), variant="wrong_sin")
+    wb.edit("qkv_rope_append", benchmark.wrong_rope(base), variant="wrong_sin")
     try:
         rec = wb.use_variant("qkv_rope_append", "wrong_sin")
         print(rec.report())
         print(rec.stages)
         assert rec.status == session.VERIFY_FAILED and rec.passed is False
-        assert rec.failure.where == ("q", 0) and rec.failure.stage == "qkv_rope_append"
-        assert rec.first_failure.startswith("q at layer 0 (qkv_rope_append)")
-        assert not rec.stages.cell("k", 0).passed and rec.stages.cell("x_in", 0).passed
+        assert rec.failure.where == ("qkv_rope_append", 0) and rec.failure.buffer == "q"
+        assert rec.first_failure.startswith("qkv_rope_append: q at layer 0")
+        # stage-local: only the wrong stage fails; attention is checked on the wrong q and passes
+        assert not rec.stages.cells["qkv_rope_append", "k_cache", 0].passed
+        assert rec.stages.cells["attention_decode", "o", 0].passed
     finally:
         rec = wb.use_variant("qkv_rope_append", None)
     assert rec.status == session.OK and rec.passed
 
 
 def test_wrong_rope_override_in_memory(wb):
-    wb.overrides["qkv_rope_append"] = session.wrong_rope(session.section_file("qkv_rope_append").read_text())
+    wb.overrides["qkv_rope_append"] = benchmark.wrong_rope(session.section_file("qkv_rope_append").read_text())
     try:
         rec = wb.reload()
-        assert rec.failure is not None and rec.failure.where == ("q", 0), rec.report()
+        assert rec.failure is not None and rec.failure.where == ("qkv_rope_append", 0), rec.report()
     finally:
         wb.overrides.clear()
     assert wb.reload().passed
@@ -98,10 +101,10 @@ def test_compile_error_keeps_the_last_good_kernel(wb):
         assert rec.status == session.COMPILE_ERROR and f"kernels/sections/down_residual.cuh:{line}:" in rec.error
         assert "nonsense" in rec.error
         assert wb.debug.asm.key == good_key                        # the last good kernels stay loaded ...
-        table, tokens_ok, _ = wb.verify()                          # ... and runnable
-        assert table.passed and tokens_ok is not False
-        res, rows = wb.time_run(steps=8)
-        assert len(res.tokens) == 8 and rows
+        v = wb.verify()                                            # ... and runnable
+        assert v.passed, v.first_failure
+        tm = wb.time_run(steps=8)
+        assert len(tm.tokens) == 8 and tm.rows
     finally:
         wb.overrides.clear()
     assert wb.reload().status == session.OK
@@ -109,10 +112,10 @@ def test_compile_error_keeps_the_last_good_kernel(wb):
 
 def test_compare_variants(wb):
     base = session.section_file("qkv_rope_append").read_text()
-    wb.edit("qkv_rope_append", session.wrong_rope(base), variant="wrong_ab")
+    wb.edit("qkv_rope_append", benchmark.wrong_rope(base), variant="wrong_ab")
     ab = wb.compare({}, {"qkv_rope_append": "wrong_ab"}, tokens=32, repeats=2)
     print(ab.report())
-    assert ab.a_passed is True and ab.b_passed is False and ab.b_failure.startswith("q at layer 0")
+    assert ab.a_passed is True and ab.b_passed is False and ab.b_failure.startswith("qkv_rope_append: q at layer 0")
     assert ab.a_tok_s > 0 and ab.b_tok_s > 0 and len(ab.a_runs) == 2 and ab.stage_deltas()
     ab.to_dict()
     assert wb.reload().passed                                       # the workbench's own builds are untouched
@@ -132,7 +135,7 @@ def test_records_reach_subscribers(wb):
 
 def test_loop_benchmark_restores_files(kernels):
     before = {p: p.read_bytes() for p in kernels.rglob("*.cuh")}
-    out = session.loop_benchmark("tiny", edits=2, overhead_tokens=64, overhead_repeats=2, seed=fresh_seed())
+    out = benchmark.loop_benchmark("tiny", edits=2, overhead_tokens=64, overhead_repeats=2, seed=fresh_seed())
     print({k: v for k, v in out.items() if k not in ("stages_text", "timing_text", "edit_runs")})
     assert out["files_restored"]
     assert {p: p.read_bytes() for p in kernels.rglob("*.cuh")} == before

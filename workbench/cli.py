@@ -283,11 +283,20 @@ def cmd_generate(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .run.runtime import Sampling
-    from .check.verify import verify, verify_sampling
+    """Stage by stage on every code path (a taps build of the same sections: every stage of every layer on its own
+    inputs, at both sides of every attention split threshold, a long position, every sampler mode with
+    --sampling), then end to end on the kernel itself (teacher-forced logits and greedy tokens)."""
+    from .build.assemble import BuildOptions
+    from .check.verify import verify, verify_sampling, verify_stages
+    from .run.runtime import Monokernel, Sampling
     p = _load(args)
-    mk = _kernel(args, p, max_steps=max(args.prompt_len + args.tokens, 64))
     ok = True
+    taps = Monokernel(p, BuildOptions(threads=args.threads, taps=True), max_steps=256)
+    table, _ = verify_stages(taps, thorough=True, sampling=args.sampling, seed=args.seeds[0])
+    print(table.text() if args.table or not table.passed else table.summary())
+    ok &= table.passed
+    del taps
+    mk = _kernel(args, p, max_steps=max(args.prompt_len + args.tokens, 64))
     for seed in args.seeds:
         rep = verify(mk, prompt_len=args.prompt_len, max_new=args.tokens, seed=seed, rtol=args.rtol)
         print(rep.summary())
@@ -339,7 +348,7 @@ def cmd_build(args) -> int:
         dt = time.perf_counter() - t0
         if log.strip():
             print(log.strip(), file=sys.stderr)
-        dyn = smem_bytes(cfg, args.threads)
+        dyn = smem_bytes(cfg, opt)
         bad = False
         for r in res:
             if target == "cuda":
@@ -385,7 +394,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--prompt-len", type=positive_int, default=8)
     v.add_argument("--tokens", type=positive_int, default=24)
     v.add_argument("--rtol", type=positive_float, default=None)
-    v.add_argument("--sampling", action="store_true", help="also the chi-square checks of the sampler")
+    v.add_argument("--sampling", action="store_true",
+                   help="also every sampler mode, draw by draw, and the chi-square checks of its distribution")
+    v.add_argument("--table", action="store_true", help="print the stage × layer table even when it passes")
     v.add_argument("--draws", type=positive_int, default=20000)
     b = sub.add_parser("build", help="compile only (no GPU): registers, spills, shared memory")
     b.add_argument("--model", default=DEFAULT_MODEL)
@@ -402,6 +413,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="print the machine code instead (PTX, SASS: cuda; AMDGCN: hip), headed by source lines")
     b.add_argument("--section", help="with --dump: only the code of this section (e.g. qkv_rope_append, "
                                      "matvec, monokernel, portability), what is inlined into it included")
+    pl = sub.add_parser("plan", help="the decode step as the plan declares it (no GPU)")
+    pl.add_argument("--model", default=DEFAULT_MODEL)
+    pl.add_argument("--max-seq", type=positive_int)
+    pl.add_argument("--decode-step", action="store_true", help="also the C++ decode loop generated from it")
     be = sub.add_parser("bench", help="monokernel vs torch.compile, HF generate() and the bandwidth roofline (GPU)")
     be.add_argument("--model", default=DEFAULT_MODEL)
     be.add_argument("--tokens", type=positive_int, default=128, help="decode steps per timed run")
@@ -412,8 +427,24 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _check_plan(args):
+    _config(args.model, args.max_seq)
+
+
+def cmd_plan(args) -> int:
+    from . import plan
+    from .build.header import decode_step
+    cfg = get_config(args.model, max_seq=args.max_seq)
+    print(plan.describe(cfg))
+    if args.decode_step:
+        print()
+        print(decode_step(cfg, plan.Launch()), end="")
+    return 0
+
+
 COMMANDS = {"generate": (cmd_generate, _check_generate, True), "verify": (cmd_verify, _check_verify, True),
-            "build": (cmd_build, _check_build, False), "bench": (cmd_bench, _check_bench, True)}
+            "build": (cmd_build, _check_build, False), "bench": (cmd_bench, _check_bench, True),
+            "plan": (cmd_plan, _check_plan, False)}
 BUG = "this is a bug in the workbench: please report it, with the traceback above and the command line"
 
 
@@ -432,6 +463,9 @@ def main(argv=None) -> int:
     except UserError as e:
         print("error: " + " ".join(str(e).split()), file=sys.stderr)        # one line, whatever the message held
         return 2
+    except BrokenPipeError:                             # the reader left (`... | head`): not an error of ours
+        sys.stdout = None
+        return 0
     except Exception as e:
         from .build.compile import CompileError
         if isinstance(e, CompileError):                 # the kernel sources' fault, reported as `build` reports it

@@ -36,10 +36,10 @@ def _parser(prog: str) -> _Parser:
 def _target(prog: str, line: str):
     """The magic's arguments and the section file they name; _Usage on bad input (unbalanced quotes, unknown
     section)."""
-    from . import session
+    from . import sections, session
     try:
         args = _parser(prog).parse_args(shlex.split(line))
-        return args, session.section_file(args.name, args.variant)
+        return args, sections.section_file(args.name, args.variant)
     except ValueError as e:                      # shlex: unbalanced quotes; section_file: no such section
         raise _Usage(str(e)) from None
 
@@ -58,18 +58,18 @@ class WorkbenchMagics(Magics):
     @cell_magic
     def section(self, line: str, cell: str):
         """%%section NAME [--variant V] [--no-reload]: the cell becomes the section file; then reload."""
-        from . import session
+        from . import sections, session
         target = _target_or_report("%%section", line, "nothing was written")
         if target is None:
             return
         args, path = target
         wb = session.active()
-        shown = session.display_path(path)
+        shown = sections.display_path(path)
         try:
             if wb is not None:
                 entry = wb.edit(args.name, cell, args.variant)
             else:
-                entry = session.write_section(args.name, cell, args.variant)
+                entry = sections.write_section(args.name, cell, args.variant)
         except Exception as e:                   # noqa: BLE001 - reported, never raised into the notebook
             print(f"✗ could not write {shown}: {type(e).__name__}: {e}\n"
                   f"  the file on disk is unchanged; your text is still in this cell")
@@ -96,7 +96,7 @@ class WorkbenchMagics(Magics):
     @line_magic
     def wb_undo(self, line: str):
         """%wb_undo NAME [--variant V] [--no-reload]: restore the section's previous version; then reload."""
-        from . import session
+        from . import sections, session
         target = _target_or_report("%wb_undo", line)
         if target is None:
             return
@@ -106,14 +106,14 @@ class WorkbenchMagics(Magics):
             if wb is not None:
                 wb.undo(args.name, args.variant, reload=False)
             else:
-                session.undo_section(args.name, args.variant)
+                sections.undo_section(args.name, args.variant)
         except LookupError as e:
             print(f"✗ {e}")
             return
         except Exception as e:                   # noqa: BLE001
-            print(f"✗ could not restore {session.display_path(path)}: {type(e).__name__}: {e}")
+            print(f"✗ could not restore {sections.display_path(path)}: {type(e).__name__}: {e}")
             return
-        print(f"restored the previous version of {session.display_path(path)}")
+        print(f"restored the previous version of {sections.display_path(path)}")
         if wb is None:
             print(f"no active Workbench to reload it: {session.HOW_TO_CREATE}")
         elif not args.no_reload:

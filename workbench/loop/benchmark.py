@@ -1,0 +1,147 @@
+"""Measuring the loop on a GPU (the device suite calls loop_benchmark), and the helpers it shares with the loop."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .. import plan
+from .records import ReloadRecord
+from .sections import _atomic_write, display_path, section_file
+
+
+def texts_of(asm) -> dict:
+    """{section: text} of an assembled source: enough overrides to rebuild exactly it (portability.cuh aside)."""
+    out = {}
+    for _, path, text in asm.pieces:
+        if path.startswith("<"):
+            continue
+        stem = Path(path).stem.split("@")[0]
+        if stem in plan.FILES:
+            out[stem] = text
+    return out
+
+
+def wrong_rope(text: str) -> str:
+    """qkv_rope_append.cuh with the sign of the sin term flipped (a rotation by −angle): a deliberate bug that the
+    taps must name as q at layer 0."""
+    out = text.replace("r[0] * c - r[1] * s", "r[0] * c + r[1] * s").replace("r[1] * c + r[0] * s",
+                                                                             "r[1] * c - r[0] * s")
+    if out == text:
+        raise ValueError("could not find the rope rotation (r[0] * c - r[1] * s) in qkv_rope_append.cuh")
+    return out
+
+
+def loop_benchmark(model: str = "llama-3.2-1b", *, section: str = "lm_head", edits: int = 3,
+                   overhead_tokens: int = 256, overhead_repeats: int = 5, **workbench_kw) -> dict:
+    """Measure the editing loop on a GPU: a harmless edit (a comment appended to `section`, `edits` times with
+    different text, so every compile is a real one) → reload (compile, verify, time); a deliberately wrong edit
+    (wrong_rope, as a variant) → the first failing stage; and the tok/s of the plain build against the timing build
+    and the taps build (instrumentation overhead). Restores every file it touched; its edit history goes to a
+    temporary folder. Returns a dict (JSON-ready)."""
+    from ..run.runtime import Monokernel
+    from .session import Workbench
+    out: dict = {"model": model}
+    hist = Path(tempfile.mkdtemp(prefix="wb-loop-history-"))
+    path = section_file(section)
+    original = path.read_bytes()
+    rope_path = section_file("qkv_rope_append")
+    rope_original = rope_path.read_bytes()
+    variant = "loop_benchmark_wrong_rope"
+    wrong_path = section_file("qkv_rope_append", variant)
+    if wrong_path.exists():
+        raise FileExistsError(f"{display_path(wrong_path)} exists already; remove it first")
+    wb = None
+    try:
+        t0 = time.perf_counter()
+        wb = Workbench(model, history_dir=hist, activate=False, watch=False, **workbench_kw)
+        out["setup_s"] = time.perf_counter() - t0
+        out["initial"] = _brief(wb.last)
+        out["parallel_compile"] = wb.parallel_compile
+        runs = []
+        for i in range(edits):
+            text = original.decode() + f"\n// loop_benchmark: harmless edit {i} at {time.time_ns()}\n"
+            t1 = time.perf_counter()
+            wb.edit(section, text)
+            rec = wb.reload(trigger="edit", section=section)
+            b = _brief(rec)
+            b["edit_to_record_s"] = time.perf_counter() - t1
+            runs.append(b)
+        out["edit_runs"] = runs
+        out["edit"] = {k: float(np.median([r[k] for r in runs if r[k] is not None] or [math.nan]))
+                       for k in ("compile_s", "verify_s", "time_s", "total_s", "edit_to_record_s")}
+        out["edit"]["all_passed"] = all(r["passed"] for r in runs)
+        if runs:
+            out["stages_text"] = wb.last.stages.text() if wb.last.stages is not None else None
+            out["timing_text"] = wb.last.timing_text
+        # the same, compiling the two builds the other way (in parallel threads, or one after the other)
+        wb.parallel_compile = not wb.parallel_compile
+        wb.edit(section, original.decode() + f"\n// loop_benchmark: harmless edit at {time.time_ns()}\n")
+        out["edit_other_compile_mode"] = {**_brief(wb.reload(trigger="edit", section=section)),
+                                          "parallel_compile": wb.parallel_compile}
+        wb.parallel_compile = not wb.parallel_compile
+        # the same reload without compiling anything new (CuPy's cache): what the rest of the loop costs
+        rec = wb.reload(trigger="manual")
+        out["reload_cached"] = _brief(rec)
+        # undo puts the file back; the deliberately wrong variant must be caught as q at layer 0
+        while wb.section_history(section):
+            wb.undo(section, reload=False)
+        out["undo_restored"] = path.read_bytes() == original
+        wb.edit("qkv_rope_append", wrong_rope(rope_original.decode()), variant=variant)
+        rec = wb.use_variant("qkv_rope_append", variant)
+        out["wrong_edit"] = {**_brief(rec), "where": list(rec.failure.where) if rec.failure else None,
+                             "caught_as_q_layer0": bool(rec.failure and rec.failure.where == ("qkv_rope_append", 0)
+                                                        and rec.failure.buffer == "q")}
+        wb.use_variant("qkv_rope_append", None, reload=False)
+        # instrumentation overhead: plain vs timing build vs taps build (no taps requested), interleaved
+        with wb.backend._ctx():
+            n = overhead_tokens
+            plain = dataclasses.replace(wb.options("timed"), timing=False)
+            # every build fully optimised (the loop's own verification build is not: see verify_fast_compile)
+            builds = {"plain": plain, "timing": wb.options("timed"), "taps": dataclasses.replace(plain, taps=True),
+                      "taps+timing": dataclasses.replace(plain, taps=True, timing=True)}
+            kernels = {k: Monokernel(wb.p, o, max_steps=n + 8) for k, o in builds.items()}
+            tok = wb.cfg.bos_token_id or 1
+            tps = {k: [] for k in kernels}
+            for mk in kernels.values():
+                mk.generate([tok], 4, eos=[])
+            tps["timing, no stamps stored"] = []
+            for _ in range(overhead_repeats):              # interleaved, so drifting clocks hit all alike
+                for k, mk in kernels.items():
+                    tps[k].append(mk.generate([tok], n, eos=[], timing_steps=n if "timing" in k else 0).tok_per_s)
+                # the timing build asked for no stamps: what the compiled-in instrumentation costs by itself
+                tps["timing, no stamps stored"].append(kernels["timing"].generate([tok], n, eos=[]).tok_per_s)
+            kernels.clear()
+        med = {k: float(np.median(v)) for k, v in tps.items()}
+        out["overhead"] = {"tokens": n, "repeats": overhead_repeats, "runs": tps,
+                           **{f"{k}_tok_s": v for k, v in med.items()},
+                           **{f"{k}_overhead_pct": 100 * (med["plain"] / v - 1)
+                              for k, v in med.items() if k != "plain"}}
+    finally:
+        if wb is not None:
+            wb.close()
+        if path.read_bytes() != original:
+            _atomic_write(path, original.decode())
+        if rope_path.read_bytes() != rope_original:
+            _atomic_write(rope_path, rope_original.decode())
+        wrong_path.unlink(missing_ok=True)
+        shutil.rmtree(hist, ignore_errors=True)
+        out["files_restored"] = (path.read_bytes() == original and rope_path.read_bytes() == rope_original
+                                 and not wrong_path.exists())
+    return out
+
+
+def _brief(rec: ReloadRecord | None) -> dict | None:
+    if rec is None:
+        return None
+    def num(v):
+        return None if v is None or (isinstance(v, float) and not math.isfinite(v)) else v
+    return {"status": rec.status, "passed": rec.passed, "first_failure": rec.first_failure,
+            "compile_s": num(rec.compile_s), "verify_s": num(rec.verify_s), "time_s": num(rec.time_s),
+            "total_s": num(rec.total_s), "tok_per_s": num(rec.tok_per_s), "error": rec.error,
+            "stages_summary": rec.stages.summary() if rec.stages is not None else None}
