@@ -87,11 +87,12 @@ roof = stream_read_tbps(cfg.weight_bytes_per_token())["tbps"]
 for pos in (0, 3700):
     mk.generate([1], 4, eos=[], pos0=pos)
     r = mk.generate([1], 17, eos=[], pos0=pos, timing_steps=17)
-    meta = T.recording_meta(cfg, position=pos, tok_s=r.tok_per_s, roofline_tbps=roof)
+    meta = T.recording_meta(cfg, position=pos, tok_s=r.tok_per_s, roofline_tbps=roof, commit=sys.argv[2])
     path = Path(sys.argv[1]) / T.RECORDED[pos]
     T.save_trace(path, r.timing, meta)
     print(path.name, f"{r.tok_per_s:.0f} tok/s")
-    print(T.load_trace(path).stage_table and "\n".join(map(str, T.load_trace(path).stage_table())))
+    from workbench.measure.timing import format_table
+    print(format_table(T.load_trace(path).stage_table(), roof))
 """
 
 
@@ -103,6 +104,7 @@ def main():
     ap.add_argument("--bench-models", nargs="*", default=["llama-3.2-1b"])
     ap.add_argument("--base", help="another checkout to bench against, interleaved (A/B in one run)")
     ap.add_argument("--pytest-args", nargs="*", default=[])
+    ap.add_argument("--commit", default="unknown", help="the commit the recorded traces are labelled with")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -110,8 +112,10 @@ def main():
     if "smoke" in a.only:
         R["smoke"] = run("smoke", [PY, "-c", SMOKE], out, 240)
     if "pytest" in a.only:
+        # the files with gpu tests only: the others import the notebook stack, which the device does not have
         R["pytest"] = run("pytest", [PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-rs",
-                                     *a.pytest_args, "tests"], out, 540)
+                                     *a.pytest_args, "tests/test_gpu.py", "tests/test_gpu_session.py",
+                                     "tests/test_reference.py"], out, 540)
     if "mutants" in a.only:
         R["mutants"] = run("mutants", [PY, "scripts/mutation_suite.py", "--model", "llama-3.2-1b", "--json",
                                        str(out / "mutants.json")], out, 420)
@@ -135,7 +139,7 @@ def main():
             R[f"bench-{m}-torch"] = run(f"bench-{m}-torch", [PY, "-m", "workbench", "bench", "--model", m, "--no-hf",
                                                             "--json", str(out / f"bench_{m}.json")], out, 420)
     if "record" in a.only:
-        R["record"] = run("record", [PY, "-c", RECORD, str(out)], out, 240)
+        R["record"] = run("record", [PY, "-c", RECORD, str(out), a.commit], out, 240)
     (out / "suite.json").write_text(json.dumps(R, indent=1, default=str))
     print("\n=== summary")
     for k, v in R.items():

@@ -386,7 +386,8 @@ class Monokernel:
         if timing_steps:
             ts = min(timing_steps, steps)
             timing = self.timing[:ts * n_slots * self.grid * 2].get().reshape(ts, n_slots, self.grid, 2)
-        taps = self.taps[:len(tap_steps) * tap_floats].reshape(len(tap_steps), tap_floats) if tap_steps else None
+        # a copy: the next run reuses the buffer, and a verification checks many runs together
+        taps = self.taps[:len(tap_steps) * tap_floats].reshape(len(tap_steps), tap_floats).copy() if tap_steps else None
         fed = (prompt + toks)[:steps]
         self.last = Result(toks, steps, kernel_ms, logits, record, draws, timing, taps, tap_steps, pos0, fed, prompt,
                            max_new, eos)
