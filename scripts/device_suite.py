@@ -23,7 +23,16 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
 
+T0 = time.perf_counter()
+BUDGET = [1e9]                 # seconds for the whole suite (--budget): parts that would pass it are skipped
+
+
 def run(name: str, cmd: list[str], out: Path, timeout: int, cwd: Path = ROOT, env=None) -> dict:
+    left = BUDGET[0] - (time.perf_counter() - T0)
+    if left < 30:
+        print(f"\n=== {name}: skipped, {left:.0f} s of the budget left", flush=True)
+        return {"rc": "skipped", "s": 0, "tail": []}
+    timeout = int(min(timeout, left))
     t0 = time.perf_counter()
     log = out / f"{name}.log"
     with open(log, "w") as f:
@@ -105,7 +114,9 @@ def main():
     ap.add_argument("--base", help="another checkout to bench against, interleaved (A/B in one run)")
     ap.add_argument("--pytest-args", nargs="*", default=[])
     ap.add_argument("--commit", default="unknown", help="the commit the recorded traces are labelled with")
+    ap.add_argument("--budget", type=float, default=1e9, help="seconds for the whole suite")
     a = ap.parse_args()
+    BUDGET[0] = a.budget
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     R = {}
