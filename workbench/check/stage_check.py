@@ -106,6 +106,7 @@ class StageTable:
     cells: dict                    # (stage, buffer, layer) → Cell, in execution order
     positions: list                # positions checked
     extra: list = dataclasses.field(default_factory=list)   # Checks of the contracts beyond the taps
+    seconds: dict = dataclasses.field(default_factory=dict)  # where the verification's time went
 
     @property
     def passed(self) -> bool:
@@ -257,6 +258,8 @@ def check_stages(mk, runs: list, prepared=None, *, draws: dict | None = None) ->
     order they ran; their cache rows must not overlap, so that the cache after the last still holds what each
     read) stage by stage. `draws`: {run index: Sampling} for runs made with a temperature, whose recorded draws are
     checked exactly."""
+    import time
+    t0 = time.perf_counter()
     prepared = prepared or mk.p
     cfg: ModelConfig = prepared.cfg
     b = _Batch(mk, runs, prepared)
@@ -275,6 +278,7 @@ def check_stages(mk, runs: list, prepared=None, *, draws: dict | None = None) ->
             metrics.append(xp.stack(S.compare(kern, res[buf].astype(xp.float64), tol)))
             keys.append((stage_name, buf, layer, tol))
     host = xp.stack(metrics).get() if hasattr(xp, "cuda") else np.stack(metrics)     # [checks, 3, rows]
+    t1 = time.perf_counter()
     checks, cells = [], {}
     for (stage_name, buf, layer, tol), m in zip(keys, host):
         per = []
@@ -290,7 +294,9 @@ def check_stages(mk, runs: list, prepared=None, *, draws: dict | None = None) ->
                                              max(c.worst for c in per), not fails, len(fails), len(per),
                                              fails[0].note if fails else "")
     extra = _contracts(b, draws or {})
-    return StageTable(cfg.name, cfg.n_layers, checks, cells, sorted(int(p) for p in b.positions.tolist()), extra)
+    t2 = time.perf_counter()
+    return StageTable(cfg.name, cfg.n_layers, checks, cells, sorted(int(p) for p in b.positions.tolist()), extra,
+                      {"references": t1 - t0, "contracts": t2 - t1})
 
 
 class _ContractIO:

@@ -93,9 +93,12 @@ def verify_stages(mk: Monokernel, *, thorough: bool = False, sampling: bool = Fa
         raise ValueError("stage-local verification needs a taps build: BuildOptions(taps=True)")
     cfg = mk.cfg
     runs = runs or coverage(cfg, mk.launch, thorough=thorough, sampling=sampling and mk.opt.sampler == "full")
+    import time
+    t0 = time.perf_counter()
     rng = np.random.default_rng(seed)
     top = max(p for r in runs for p in r.positions) + 1
     mk.fill_cache(top, seed=seed)                       # the context of the runs that start past position 0
+    t1 = time.perf_counter()
     results, draws = [], {}
     for i, r in enumerate(runs):
         prompt = rng.integers(0, cfg.vocab, r.n_prompt).tolist()
@@ -105,7 +108,10 @@ def verify_stages(mk: Monokernel, *, thorough: bool = False, sampling: bool = Fa
         results.append(res)
         if r.sampling is not None:
             draws[i] = r.sampling
-    return check_stages(mk, results, draws=draws), results
+    t2 = time.perf_counter()
+    table = check_stages(mk, results, draws=draws)
+    table.seconds = {"fill cache": t1 - t0, "runs": t2 - t1, **table.seconds}
+    return table, results
 
 
 # ---- end to end ---------------------------------------------------------------------------------------------------
