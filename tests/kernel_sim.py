@@ -18,7 +18,7 @@ from workbench.build.assemble import BuildOptions
 from workbench.check import stages as S
 from workbench.check.reference import KVCache, PreparedView, forward
 from workbench.model.weights import to_bf16, to_f32
-from workbench.run.runtime import Result, Sampling
+from workbench.run.runtime import NonFiniteLogits, Result, Sampling
 
 
 def kernel_draw(logits: np.ndarray, s: Sampling, step: int, d: int, *, top_k_extra: int = 0) -> int:
@@ -108,7 +108,7 @@ class SimKernel:
             hook = None if self.hook is None else (lambda st, l, res, step=step: self.hook(st, l, step, res))
             lg = forward(self.view, [fed[step]], [pos], cache=self.cache, dtype=np.float32, taps=t, hook=hook)[0]
             bmax, barg = self._partials(lg)
-            greedy = int(np.argmax(lg))
+            greedy = int(np.argmax(lg)) if np.isfinite(lg).all() else -1    # NaN logits leave no valid choice
             row_draws = []
             if sampling.greedy:
                 sampled = greedy
@@ -123,6 +123,7 @@ class SimKernel:
                     draws.append(row_draws or [sampled] * n_draws)
             forced = step + 1 < len(prompt)
             nxt = int(prompt[step + 1]) if forced and not self.publish_bug else sampled
+            stop = nxt < 0                              # publish refuses it and stops the kernel
             if not forced:
                 out.append(sampled)
             fed.append(nxt)
@@ -141,6 +142,12 @@ class SimKernel:
                             v = t[tp.stage, tp.buffer, layer][0]
                         off = tp.at(max(layer, 0))
                         row[off:off + tp.size] = v.reshape(-1)
+            if stop:
+                res = Result(out, step + 1, 1.0, None, record, None, None, taps if tap_steps else None, tap_steps,
+                             pos0, (list(prompt) + out)[:step + 1], list(prompt), max_new, eos)
+                e = NonFiniteLogits(f"no valid token at step {step}: the logits are NaN or infinite")
+                e.result = res
+                raise e
         steps = n_steps
         # what the host knows it fed: the prompt, then what was streamed (the runtime's Result.fed)
         host_fed = (list(prompt) + out)[:steps]

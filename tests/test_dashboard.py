@@ -283,37 +283,34 @@ def test_perfetto_steps_out_of_range_is_an_error(tmp_path, capsys):
 
 def test_recorded_fixtures_are_small_and_labelled():
     total = 0
-    for pos, tok_s in ((0, 1169), (3700, 1050)):
+    for pos, tok_s in ((0, 1206.2), (3700, 1061.1)):
         path = T.recorded_path(pos)
         total += path.stat().st_size
         tr = T.load_trace(path)
         m = tr.meta
-        assert m["recorded"] is True and m["device"] == "NVIDIA H200" and m["date"] == "2026-11-30"
-        assert m["commit"] == "9967ec4" and m["model"] == "llama-3.2-1b" and m["position"] == pos
-        assert m["tok_s"] == tok_s and m["roofline_tbps"] == pytest.approx(4.59, abs=0.005)
-        assert m["format"] == T.FORMAT and m["converted_from"] == T.FORMAT_V1
-        assert "converted from the older slot layout" in m["note"]
+        assert m["recorded"] is True and m["device"] == "NVIDIA H200" and m["date"] == "2026-12-01"
+        assert m["commit"] == "c7b96fe" and m["model"] == "llama-3.2-1b" and m["position"] == pos
+        assert m["tok_s"] == pytest.approx(tok_s, abs=0.1) and m["roofline_tbps"] == pytest.approx(4.48, abs=0.005)
+        assert m["format"] == T.FORMAT
         assert tr.stamps.shape == (17, 82, 132, 2) and tr.complete_steps == 17
         assert tr.slot_names == slot_names(tr.cfg)
         assert tr.cfg == PRESETS["llama-3.2-1b"]
-        assert tr.title == "recorded on NVIDIA H200, 2026-11-30, commit 9967ec4"
+        assert tr.title == "recorded on NVIDIA H200, 2026-12-01, commit c7b96fe"
     assert total < 3e6
 
 
 def test_recorded_stage_table_matches_the_notes():
-    """NOTES.md's round-4 per-stage table ("Where the time goes now", rounded there): the fixture's 16 steps after
-    step 0. The fixture was recorded in the older slot layout and converted: the layer stages and lm_head are the
-    same barriers and spans; NOTES' "sampling" is now slot 0, "sampling+publish+embedding" (the barrier after
-    sampling, counted in the next step: the steps 0–15's, not 1–16's)."""
-    notes = {SLOT0: 5.2, "qkv_rope_append": 108.3, "attention_decode": 65.4, "o_proj_residual": 77.1,
-             "gate_up_silu": 282.9, "down_residual": 174.0, "lm_head": 121.3}
+    """NOTES.md's round-5 per-stage table ("Where the time goes after the restructuring"): the recorded fixtures'
+    16 steps after step 0, from the kernel generated from the plan."""
+    notes = {SLOT0: 6.6, "qkv_rope_append": 98.4, "attention_decode": 62.7, "o_proj_residual": 76.4,
+             "gate_up_silu": 285.9, "down_residual": 174.6, "lm_head": 122.6}
     rows = {r.stage: r for r in T.load_recorded(0).stage_table()}
     assert list(rows) == list(notes)
     for stage, us in notes.items():
         assert rows[stage].us_per_token == pytest.approx(us, rel=0.02), stage
-    assert rows["lm_head"].tbps / 4.5866 == pytest.approx(0.944, abs=0.01)
+    assert rows["lm_head"].tbps / 4.4816 == pytest.approx(0.956, abs=0.01)
     far = {r.stage: r for r in T.load_recorded(3700).stage_table()}
-    assert far["attention_decode"].us_per_token == pytest.approx(181.5, rel=0.02)
+    assert far["attention_decode"].us_per_token == pytest.approx(174.7, rel=0.02)
     assert far["attention_decode"].bytes == pytest.approx(122e6, rel=0.01)
 
 
@@ -639,14 +636,14 @@ def test_step_slider_stays_where_the_user_put_it():
 
 def test_dashboard_from_the_recorded_trace():
     d = D.Dashboard.from_trace(T.recorded_path(0))
-    title = "recorded on NVIDIA H200, 2026-11-30, commit 9967ec4"
+    title = "recorded on NVIDIA H200, 2026-12-01, commit c7b96fe"
     assert d.title == title and title in d.header.value
     for name, fig in d.figures.items():
         assert title in fig.layout.title.text, name
     rows = T.load_recorded(0).stage_table()
     assert list(d.figures["stages"].data[0].y) == pytest.approx([r.us_per_token for r in rows])
-    assert d.figures["bandwidth"].layout.shapes[0].y0 == pytest.approx(4.5866)
-    assert "1,169 tok/s" in d.header.value and "4.59 TB/s" in d.header.value
+    assert d.figures["bandwidth"].layout.shapes[0].y0 == pytest.approx(4.4816, abs=1e-4)
+    assert "1,206 tok/s" in d.header.value and "4.48 TB/s" in d.header.value
     g = d.figures["gantt"]
     assert sum(len(tr.y) for tr in g.data if tr.name == D.WAIT_TRACE) == 82 * 132
     assert len(g.data[0].y) == 82
@@ -779,7 +776,7 @@ def test_ab_of_the_recorded_traces():
     assert rows["attention_decode"]["delta_us"] == pytest.approx(116, abs=5)
     assert abs(rows["gate_up_silu"]["delta_pct"]) < 3
     assert view.labels == ("llama-3.2-1b pos 0", "llama-3.2-1b pos 3,700")
-    assert "recorded on NVIDIA H200, 2026-11-30, commit 9967ec4" in view.fig.layout.title.text
+    assert "recorded on NVIDIA H200, 2026-12-01, commit c7b96fe" in view.fig.layout.title.text
     with pytest.raises(TypeError):
         D.ABView([1, 2], [3, 4])
     assert math.isfinite(rows["total"]["b_tok_s"])

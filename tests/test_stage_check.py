@@ -168,3 +168,18 @@ def test_round_bf16_rounds_to_nearest_even():
     x = np.float32([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -1.0 - 2 ** -9, np.nan])
     r = round_bf16(x)
     assert r[0] == 1.0 and r[1] == 1.0 + 2 ** -6 and r[2] == -1.0 and np.isnan(r[3])
+
+
+def test_an_unwritten_element_that_stops_the_kernel_is_still_named(tiny_p):
+    """A row a stage never writes stays NaN (the runtime poisons it), the NaN reaches the logits and the kernel stops
+    at its first sampled token: the check still names the stage, from the steps that ran."""
+    def hook(st, l, step, res):
+        if st == "gate_up_silu" and l == 0:
+            h = res["hmlp"].copy()
+            h[..., -1] = np.nan
+            return {"hmlp": h}
+        return res
+    table, results = run(tiny_p, hook=hook)
+    f = table.first_failure
+    assert (f.stage, f.buffer, f.layer, f.step) == ("gate_up_silu", "hmlp", 0, 0), table.summary()
+    assert any(c.buffer == "run stopped" and "NaN" in c.note for c in table.extra)

@@ -253,30 +253,42 @@ def _embedded_token(b: _Batch, x: np.ndarray) -> int | None:
     return int(hit[0]) if hit.size else None
 
 
-def check_stages(mk, runs: list, prepared=None, *, draws: dict | None = None) -> StageTable:
+def check_stages(mk, runs: list, prepared=None, *, draws: dict | None = None, stopped: dict | None = None) -> StageTable:
     """Check every tapped step of `runs` (Results of taps builds of the Monokernel `mk`, all on its weights, in the
     order they ran; their cache rows must not overlap, so that the cache after the last still holds what each
     read) stage by stage. `draws`: {run index: Sampling} for runs made with a temperature, whose recorded draws are
-    checked exactly."""
+    checked exactly. `stopped`: {run index: (steps it ran, why)} for runs the kernel stopped itself (NaN logits);
+    the stop is a failure of its own, after whatever stage went wrong first."""
     import time
     t0 = time.perf_counter()
     prepared = prepared or mk.p
     cfg: ModelConfig = prepared.cfg
     b = _Batch(mk, runs, prepared)
     xp = b.xp
-    metrics, keys = [], []
+    pending: dict = {}                                   # (stage, buffer) → [(layer, kernel, exact)]
     for stage_name, layer in plan.execution(cfg):
         st = plan.stage(stage_name)
         if st.reference is None or not st.taps:
             continue
         res = st.reference(_KernelIO(b, stage_name, layer))
         for buf in st.taps:
-            tol = st.tolerances.get(buf)
-            if tol is None:
-                continue                                        # a contract checked below (partials, the choice)
-            kern = b.tap(stage_name, buf, layer)
-            metrics.append(xp.stack(S.compare(kern, res[buf].astype(xp.float64), tol)))
+            if buf in st.tolerances:                     # else a contract, checked below (partials, the choice)
+                pending.setdefault((stage_name, buf), []).append((layer, b.tap(stage_name, buf, layer), res[buf]))
+    # one comparison per stage output over all its layers (a few kernels each, not a few per layer)
+    metrics, keys = [], []
+    n = len(b.rows)
+    for (stage_name, buf), items in pending.items():
+        tol = plan.stage(stage_name).tolerances[buf]
+        kern = xp.concatenate([k for _, k, _ in items])
+        exact = xp.concatenate([e.astype(xp.float64) for _, _, e in items])
+        m = xp.stack(S.compare(kern, exact, tol))        # [3, layers · rows]
+        for i, (layer, _, _) in enumerate(items):
+            metrics.append(m[:, i * n:(i + 1) * n])
             keys.append((stage_name, buf, layer, tol))
+    order = {k: i for i, k in enumerate(plan.execution(cfg))}
+    idx = sorted(range(len(keys)), key=lambda i: order[keys[i][0], keys[i][2]])
+    keys = [keys[i] for i in idx]
+    metrics = [metrics[i] for i in idx]
     host = xp.stack(metrics).get() if hasattr(xp, "cuda") else np.stack(metrics)     # [checks, 3, rows]
     t1 = time.perf_counter()
     checks, cells = [], {}
@@ -294,6 +306,10 @@ def check_stages(mk, runs: list, prepared=None, *, draws: dict | None = None) ->
                                              max(c.worst for c in per), not fails, len(fails), len(per),
                                              fails[0].note if fails else "")
     extra = _contracts(b, draws or {})
+    for ri, (ran, why) in (stopped or {}).items():
+        last = plan.STAGE_NAMES[-1]
+        extra.append(Check(last, "run stopped", -1, max(ran - 1, 0), runs[ri].pos0 + max(ran - 1, 0), ri, math.inf,
+                           0.0, False, why))
     t2 = time.perf_counter()
     return StageTable(cfg.name, cfg.n_layers, checks, cells, sorted(int(p) for p in b.positions.tolist()), extra,
                       {"references": t1 - t0, "contracts": t2 - t1})

@@ -27,7 +27,7 @@ import numpy as np
 from .. import plan
 from ..model.config import ModelConfig
 from ..model.weights import Prepared
-from ..run.runtime import Monokernel, Result, Sampling
+from ..run.runtime import KernelError, Monokernel, Result, Sampling
 
 DEFAULT_RTOL = 5e-3
 # the sampler modes verified when sampling is what is being checked: temperature alone, with top-k, with top-p,
@@ -99,19 +99,39 @@ def verify_stages(mk: Monokernel, *, thorough: bool = False, sampling: bool = Fa
     top = max(p for r in runs for p in r.positions) + 1
     mk.fill_cache(top, seed=seed)                       # the context of the runs that start past position 0
     t1 = time.perf_counter()
-    results, draws = [], {}
+    results, draws, stopped = [], {}, {}
     for i, r in enumerate(runs):
         prompt = rng.integers(0, cfg.vocab, r.n_prompt).tolist()
         steps = list(range(r.steps))
-        res = mk.generate(prompt, r.new, r.sampling or Sampling(), pos0=r.pos0, eos=[], record=steps,
-                          tap_steps=steps, n_draws=DRAWS_PER_STEP if r.sampling else 0, poison_kv=True)
+        try:
+            res = mk.generate(prompt, r.new, r.sampling or Sampling(), pos0=r.pos0, eos=[], record=steps,
+                              tap_steps=steps, n_draws=DRAWS_PER_STEP if r.sampling else 0, poison_kv=True)
+        except KernelError as e:
+            # the kernel stopped itself (NaN logits, a hang it watched for): check what it ran before the stop,
+            # and stop here (later runs would start from its state)
+            res = getattr(e, "result", None)
+            if res is None or not res.steps:
+                raise
+            res = _ran(res)
+            stopped[len(results)] = (res.steps, str(e))
+            results.append(res)
+            if r.sampling is not None:
+                draws[i] = r.sampling
+            break
         results.append(res)
         if r.sampling is not None:
             draws[i] = r.sampling
     t2 = time.perf_counter()
-    table = check_stages(mk, results, draws=draws)
+    table = check_stages(mk, results, draws=draws, stopped=stopped)
     table.seconds = {"fill cache": t1 - t0, "runs": t2 - t1, **table.seconds}
     return table, results
+
+
+def _ran(res: Result) -> Result:
+    """A stopped run's Result cut to the steps that ran (the others' taps are the poison they started with)."""
+    keep = [i for i, s in enumerate(res.tap_steps) if s < res.steps]
+    return dataclasses.replace(res, tap_steps=[res.tap_steps[i] for i in keep],
+                               taps=res.taps[keep] if res.taps is not None and keep else None)
 
 
 # ---- end to end ---------------------------------------------------------------------------------------------------

@@ -377,7 +377,6 @@ class Monokernel:
             time.sleep(0.0002 if seen else 0.001)
         self.stream.synchronize()                           # raises on CUDA errors (illegal address, ...)
         kernel_ms = cp.cuda.get_elapsed_time(start, end)
-        self._raise_on_status(aborted_by_host, host_timeout_s)
         steps = int(w[M_PROGRESS])
         toks = [int(t) for t in w[M_TOKENS:M_TOKENS + int(w[M_N_OUT])]]
         logits = self.logits_hist[:len(record)].get() if record else None
@@ -391,6 +390,11 @@ class Monokernel:
         fed = (prompt + toks)[:steps]
         self.last = Result(toks, steps, kernel_ms, logits, record, draws, timing, taps, tap_steps, pos0, fed, prompt,
                            max_new, eos)
+        try:
+            self._raise_on_status(aborted_by_host, host_timeout_s)
+        except KernelError as e:
+            e.result = self.last        # what ran before the stop (its taps say which stage went wrong first)
+            raise
         return self.last
 
     def timing_snapshot(self) -> np.ndarray | None:
