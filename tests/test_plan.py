@@ -6,6 +6,7 @@ import dataclasses
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from workbench import plan
@@ -131,16 +132,22 @@ def test_shared_memory_is_the_largest_stage():
 def test_where_words_round_trip():
     for stage_i, name in enumerate(plan.STAGE_NAMES):
         for layer in (-1, 0, 31):
-            w = plan.where(stage_i, layer, 4097)
-            assert plan.decode_where(w) == (name, layer, 4097)
+            for waiting in (False, True):
+                w = plan.where(stage_i, layer, 4097, waiting)
+                assert plan.decode_where(w) == (name, layer, 4097, waiting)
+                signed = int(np.array([w], np.uint32).view(np.int32)[0])     # as the host's int32 view reads it
+                assert plan.decode_where(signed) == (name, layer, 4097, waiting)
     assert plan.describe_where(plan.where(2, 3, 7)) == "attention_decode of layer 3 at step 7"
+    assert plan.describe_where(plan.where(2, 3, 7, True)) == "waiting after attention_decode of layer 3 at step 7"
     assert plan.describe_where(-1) == "unknown"
 
 
 def test_the_mapped_block_layout():
     assert plan.mapped_offset("status") == 0
     assert plan.mapped_offset("host_abort") == plan.STATUS_LEN
-    assert plan.mapped_offset("tokens_out") == plan.STATUS_LEN + 4
+    assert plan.mapped_offset("where") == plan.STATUS_LEN + 4
+    assert plan.mapped_offset("tokens_out") == plan.STATUS_LEN + 4 + plan.MAX_BLOCKS
+    assert plan.mapped_words(10) == plan.mapped_offset("tokens_out") + 10
     assert len(plan.STATUS_WORDS) <= plan.STATUS_LEN
 
 
@@ -165,9 +172,10 @@ def test_no_other_module_lists_the_stages():
     names = set(plan.STAGE_NAMES)
     offenders = {}
     for path in sorted((ROOT / "workbench").rglob("*.py")):
-        # the mutation suite names the section files it edits and the stage each edit must be pinned on: data
-        # about files, not a statement of the decode step (test_mutants checks they are the plan's)
-        if path.name in ("plan.py", "mutants.py"):
+        # the mutation suite and the failure injections name the section files they edit (and the mutants the
+        # stage each edit must be pinned on): data about files, not a statement of the decode step (test_mutants
+        # and test_failure_suite check they are the plan's)
+        if path.name in ("plan.py", "mutants.py", "failures.py"):
             continue
         found = {s for s in _string_constants(path) if s in names}
         if len(found) >= 3:

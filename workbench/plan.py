@@ -575,49 +575,61 @@ STATUS_WORDS = ("code", "stage", "layer", "step", "block", "epoch", "missing_blo
                 "arrived")
 STATUS_LEN = 16
 ERRORS = ("ok", "hang", "aborted", "bad_token")
-# Where each block is: written at every stage entry, read when diagnosing a hang. (field, bits), low bits first;
-# the layer is stored + 1 so that -1 (a token stage) is 0.
-WHERE_FIELDS = (("stage", 5), ("layer", 7), ("step", 20))
-# The mapped host block: status words, then the host's abort flag, the count of published tokens, the heartbeat
-# (steps done), one spare word, then the tokens.
-MAPPED = ("status", "host_abort", "n_out", "progress", "spare", "tokens_out")
+# Where each block is: written at every stage entry (waiting 0) and on arriving at the barrier after it (waiting 1),
+# read when diagnosing a hang: by the kernel's own barrier report, and by the host, which keeps the words in mapped
+# memory that outlives the process running the kernel. (field, bits), low bits first; the layer is stored + 1 so
+# that -1 (a token stage) is 0.
+WHERE_FIELDS = (("stage", 5), ("layer", 7), ("step", 19), ("waiting", 1))
+MAX_BLOCKS = 1024                   # where-words the mapped block holds (one per block of the grid)
+# The mapped host block, in 32-bit words: status, the host's abort flag, the count of published tokens, the heartbeat
+# (steps done), a spare word, each block's where-word, then the tokens.
+MAPPED = (("status", STATUS_LEN), ("host_abort", 1), ("n_out", 1), ("progress", 1), ("spare", 1),
+          ("where", MAX_BLOCKS), ("tokens_out", None))
 
 
 def mapped_offset(name: str) -> int:
     off = 0
-    for n in MAPPED:
+    for n, size in MAPPED:
         if n == name:
             return off
-        off += STATUS_LEN if n == "status" else 1
+        off += size
     raise KeyError(name)
 
 
-def where(stage_index: int, layer: int, step: int) -> int:
+def mapped_words(max_tokens: int) -> int:
+    """Words of a mapped block that can stream `max_tokens` tokens."""
+    return mapped_offset("tokens_out") + max_tokens
+
+
+def where(stage_index: int, layer: int, step: int, waiting: bool = False) -> int:
     v, shift = 0, 0
-    for (name, bits), val in zip(WHERE_FIELDS, (stage_index, layer + 1, step)):
+    for (name, bits), val in zip(WHERE_FIELDS, (stage_index, layer + 1, step, int(waiting))):
         v |= (val & ((1 << bits) - 1)) << shift
         shift += bits
     return v
 
 
-def decode_where(w: int) -> tuple[str, int, int] | None:
-    """(stage, layer, step) of a where word, None for "unknown" (negative)."""
-    if w < 0:
+def decode_where(w: int) -> tuple[str, int, int, bool] | None:
+    """(stage, layer, step, waiting at the barrier after it) of a where word (read as signed or unsigned 32 bits),
+    None for "unknown" (-1)."""
+    if w == -1:
         return None
+    w &= 0xFFFFFFFF
     vals, shift = [], 0
     for _, bits in WHERE_FIELDS:
         vals.append((w >> shift) & ((1 << bits) - 1))
         shift += bits
-    st, layer, step = vals
-    return (STAGE_NAMES[st] if st < len(STAGE_NAMES) else f"stage {st}"), layer - 1, step
+    st, layer, step, waiting = vals
+    return (STAGE_NAMES[st] if st < len(STAGE_NAMES) else f"stage {st}"), layer - 1, step, bool(waiting)
 
 
 def describe_where(w: int) -> str:
-    d = decode_where(w)
+    d = decode_where(int(w))
     if d is None:
         return "unknown"
-    st, layer, step = d
-    return st + (f" of layer {layer}" if layer >= 0 else "") + f" at step {step}"
+    st, layer, step, waiting = d
+    return (("waiting after " if waiting else "") + st + (f" of layer {layer}" if layer >= 0 else "")
+            + f" at step {step}")
 
 
 # Kernel parameters that are not buffers of the step: the synchronisation words, the host's mapped memory, the

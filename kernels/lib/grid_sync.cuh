@@ -29,9 +29,18 @@ __device__ __forceinline__ bool wb_should_stop(const Params* __restrict__ P) {
     return false;
 }
 
-// Where a block is: written at every stage entry, read only when diagnosing a hang
+// Where a block is: written at every stage entry and again, marked waiting, when it arrives at the barrier after the
+// stage; read by the host while the kernel runs (a hang's per-block picture) and by a barrier that times out. The
+// barrier takes the word from shared memory: recomputing it there kept stage, layer and step live across the
+// stage, one register too many at the 128-register cap (8 B of spills).
+__shared__ u32 wb_where_entered;
+
 __device__ __forceinline__ void wb_enter(const Params* __restrict__ P, int stage, int layer, int step) {
-    if (wb_tid() == 0) ((volatile u32*)P->where)[wb_bid()] = wb_where(stage, layer, step);
+    if (wb_tid() == 0) {
+        const u32 w = wb_where(stage, layer, step);
+        wb_where_entered = w;
+        ((volatile u32*)P->where)[wb_bid()] = w;
+    }
 }
 
 // Out of line: it runs only when a barrier times out, and inlined into every barrier it made the kernel 1,300 PTX
@@ -62,7 +71,7 @@ __device__ __noinline__ void wb_report(const Params* __restrict__ P, int code, i
 __shared__ u32 wb_epoch;
 
 __device__ __forceinline__ void wb_grid_sync_init() {
-    if (wb_tid() == 0) wb_epoch = 0;
+    if (wb_tid() == 0) { wb_epoch = 0; wb_where_entered = 0; }
     wb_syncthreads();
 }
 
@@ -92,6 +101,7 @@ __device__ __forceinline__ bool grid_sync(const Params* __restrict__ P, int stag
         if (WB_BAR_FENCES) wb_fence_gpu();
         wb_red_release_add(P->bar_count, 1u);
         ((volatile u32*)P->arrive)[wb_bid()] = epoch;
+        ((volatile u32*)P->where)[wb_bid()] = wb_where_entered | WB_WHERE_WAITING;   // for the host: arrived, waiting
         u64 t0 = 0;
         u32 seen;
         for (u32 spin = 0; ((seen = wb_load_acquire(P->bar_count)) & ~WB_BAR_STOP) < target && !(seen & WB_BAR_STOP); ++spin) {

@@ -53,8 +53,11 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch, defines: dict[str, str]) 
         s += bits
     enc = " | ".join(f"((u32)({'layer + 1' if n == 'layer' else n}) & {(1 << b) - 1}u) << {sh}"
                      for n, sh, b in shift)
-    out.append("// where a block is (its stage, layer + 1, step), written at every stage entry")
-    out.append(f"__device__ __forceinline__ u32 wb_where(int stage, int layer, int step) {{ return {enc}; }}")
+    out.append("// where a block is (its stage, layer + 1, step, waiting at the barrier after it): written at every stage")
+    out.append("// entry and barrier arrival, into mapped host memory (P->where), which outlives the process")
+    out.append(f"__device__ __forceinline__ u32 wb_where(int stage, int layer, int step, int waiting = 0) "
+               f"{{ return {enc}; }}")
+    out.append(f"constexpr u32 WB_WHERE_WAITING = 1u << {dict((n, sh) for n, sh, _ in shift)['waiting']};")
     out.append(f"constexpr int WB_SLOTS = {plan.n_slots(cfg)};           // grid barriers per step")
     # taps
     out.append(f"constexpr int WB_TAP_STEP_FLOATS = {plan.tap_step_floats(cfg, launch)};   // one step's tap record")

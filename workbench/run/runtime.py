@@ -21,10 +21,21 @@ from ..model.weights import Prepared
 
 STATUS = {name: i for i, name in enumerate(plan.STATUS_WORDS)}
 ERROR = {name: i for i, name in enumerate(plan.ERRORS)}
-M_STATUS, M_ABORT, M_N_OUT, M_PROGRESS, M_TOKENS = (plan.mapped_offset(n) for n in
-                                                     ("status", "host_abort", "n_out", "progress", "tokens_out"))
+M_STATUS, M_ABORT, M_N_OUT, M_PROGRESS, M_WHERE, M_TOKENS = (
+    plan.mapped_offset(n) for n in ("status", "host_abort", "n_out", "progress", "where", "tokens_out"))
 _NP_DTYPES = {"f32": np.float32, "bf16": np.uint16, "i32": np.int32, "u32": np.uint32, "u64": np.uint64}
 BF16_NAN = 0x7FC0
+# Inside a worker process (workbench.run.worker): the shared block every kernel writes and the phase word it sets,
+# so that the parent watches whatever kernel runs here (set once by the worker's service)
+WORKER_CONTEXT: dict = {}
+
+
+def _worker_mapped():
+    """The worker's shared block, registered on first use (a service may give a function that registers it)."""
+    m = WORKER_CONTEXT.get("mapped")
+    if callable(m):
+        m = WORKER_CONTEXT["mapped"] = m()
+    return m
 
 
 class KernelError(RuntimeError):
@@ -119,16 +130,55 @@ class _Mapped:
             pass
 
 
+class RegisteredMapped:
+    """Host memory someone else owns (a shared-memory segment the parent process reads), registered as mapped memory
+    for the kernel: its status, heartbeat, where-words and tokens survive this process. The whole buffer is
+    registered (it starts on a page); the kernel's block starts `offset_words` into it."""
+
+    def __init__(self, buf, n_words: int, offset_words: int = 0):
+        import cupy
+        rt = cupy.cuda.runtime
+        self._buf = buf
+        whole = np.frombuffer(buf, dtype=np.int32, count=offset_words + n_words)
+        self.words = whole[offset_words:]
+        self.host = whole.ctypes.data
+        self.nbytes = whole.nbytes
+        from cuda.bindings import runtime as cudart        # CuPy wraps neither the flags nor the device pointer
+        rt.hostRegister(self.host, self.nbytes, int(cudart.cudaHostRegisterMapped) | int(cudart.cudaHostRegisterPortable))
+        self._rt = rt
+        err, dev = cudart.cudaHostGetDevicePointer(self.host, 0)
+        if err != cudart.cudaError_t.cudaSuccess:
+            self.close()
+            raise RuntimeError(f"cudaHostGetDevicePointer of the worker's shared block failed: {err.name}")
+        self.dev = int(dev) + 4 * offset_words
+
+    def ptr(self, offset_words: int = 0) -> int:
+        return self.dev + 4 * offset_words
+
+    def close(self):
+        if self.host:
+            try:
+                self._rt.hostUnregister(self.host)
+            except Exception:
+                pass
+            self.host = 0
+        self.words = self._buf = None
+
+
 class Monokernel:
     """A compiled monokernel bound to prepared weights on the GPU."""
 
     def __init__(self, prepared: Prepared, options: BuildOptions = BuildOptions(), *,
-                 overrides: dict[str, str] | None = None, max_record: int = 64, max_steps: int | None = None):
+                 overrides: dict[str, str] | None = None, max_record: int = 64, max_steps: int | None = None,
+                 mapped=None, where_in_device: bool = False, on_phase=None):
         import cupy
         self.cp = cupy
         if prepared.xp is not cupy:
             raise TypeError("prepare the weights on the GPU: prepare(weights, xp=cupy)")
         self.p, self.cfg = prepared, prepared.cfg
+        mapped = mapped if mapped is not None else _worker_mapped()
+        on_phase = on_phase or WORKER_CONTEXT.get("on_phase")
+        self.on_phase = on_phase or (lambda phase, timeout_s=None: None)   # tells a watching parent what runs
         dev = cupy.cuda.Device()
         self.n_sm = dev.attributes["MultiProcessorCount"]
         # one block per SM: all resident, so grid barriers cannot deadlock; the build is specialised to that grid
@@ -140,6 +190,15 @@ class Monokernel:
         self._install(self.opt, overrides)
         self.max_steps = max_steps or self.cfg.max_seq
         self.max_record = max_record
+        # the where-words go to mapped host memory (readable after this process is gone); where_in_device keeps
+        # them on the device (to measure what the mapped writes cost)
+        self.where_in_device = where_in_device
+        if mapped is not None and mapped.words.size < plan.mapped_words(self.max_steps + 1):
+            raise ValueError(f"the mapped block has {mapped.words.size} words, {plan.mapped_words(self.max_steps + 1)} "
+                             f"needed for {self.max_steps} steps")
+        self._external_mapped = mapped
+        if self.grid > plan.MAX_BLOCKS:
+            raise ValueError(f"{self.grid} blocks: the mapped block holds where-words for {plan.MAX_BLOCKS}")
         self._alloc()
 
     # -- build ---------------------------------------------------------------------------------------------------
@@ -148,7 +207,11 @@ class Monokernel:
         options = dataclasses.replace(options, grid=self.grid)
         asm = assemble(self.cfg, options, overrides)
         t0 = time.perf_counter()
-        module, fn = self._compile(asm)
+        self.on_phase("compiling")
+        try:
+            module, fn = self._compile(asm)
+        finally:
+            self.on_phase("checking")
         compile_s = time.perf_counter() - t0
         smem = plan.smem_bytes(self.cfg, options.launch)
         fn.max_dynamic_shared_size_bytes = smem
@@ -206,14 +269,14 @@ class Monokernel:
         self.tap_slot = cp.full(self.max_steps + 1, -1, i32)
         self.bar_count = cp.zeros(1, u32)
         self.arrive = cp.zeros(self.grid, u32)
-        self.where = cp.zeros(self.grid, u32)
+        self.where_dev = cp.zeros(self.grid, u32)
         self.dev_flags = cp.zeros(4, i32)
         self.tokens_in = cp.zeros(self.max_steps + 1, i32)
         self.eos = cp.zeros(max(1, len(cfg.eos_token_ids)) + 8, i32)
         self.draws = cp.zeros(1, i32)
         self.timing = cp.zeros(1, cp.uint64)
         self.taps = cp.zeros(1, cp.float32)
-        self.mapped = _Mapped(M_TOKENS + self.max_steps + 1)
+        self.mapped = self._external_mapped or _Mapped(plan.mapped_words(self.max_steps + 1))
         self.params_dev = cp.empty(ctypes.sizeof(Params), cp.uint8)
         self.stream = cp.cuda.Stream(non_blocking=True)
 
@@ -238,11 +301,12 @@ class Monokernel:
             b = plan.BUFFERS.get(name)
             if b is not None and b.kind in ("weight", "table"):
                 setattr(P, name, getattr(p, name).data.ptr)
-            elif b is not None or name in ("logits_hist", "rec_slot", "bar_count", "arrive", "where", "dev_flags",
+            elif b is not None or name in ("logits_hist", "rec_slot", "bar_count", "arrive", "dev_flags",
                                            "tokens_in", "eos", "draws", "timing", "taps", "tap_slot"):
                 setattr(P, name, getattr(self, name).data.ptr)
         P.status, P.host_abort, P.n_out, P.progress, P.tokens_out = (m.ptr(M_STATUS), m.ptr(M_ABORT), m.ptr(M_N_OUT),
                                                                      m.ptr(M_PROGRESS), m.ptr(M_TOKENS))
+        P.where = self.where_dev.data.ptr if self.where_in_device else m.ptr(M_WHERE)
         P.seed, P.timeout_ns = sampling.seed & (2**64 - 1), int(timeout_s * 1e9)
         P.n_in, P.n_steps, P.max_new, P.pos0, P.n_eos = n_in, n_steps, max_new, pos0, len(eos)
         P.top_k, P.n_draws, P.attn_max_splits, P.timing_steps = sampling.top_k, n_draws, self.attn_max_splits, timing_steps
@@ -326,7 +390,7 @@ class Monokernel:
                 self.logits_hist[:len(record)].fill(cp.nan)          # poison: an unwritten logit cannot pass
             if n_draws:
                 self.draws[:n_draws * max(1, len(record))].fill(-1)
-            for buf in (self.bar_count, self.arrive, self.where, self.dev_flags, self.attn_count):
+            for buf in (self.bar_count, self.arrive, self.where_dev, self.dev_flags, self.attn_count):
                 buf.fill(0)
             for name, b in plan.BUFFERS.items():                      # poison: what a step must write, as NaN
                 if b.kind == "activation":
@@ -342,6 +406,7 @@ class Monokernel:
         w = self.mapped.words
         w[:] = 0
         start, end = cp.cuda.Event(), cp.cuda.Event()
+        self.on_phase("running", max(timeout_s, 0.0))
         start.record(self.stream)
         # cooperative launch: the driver refuses (rather than deadlocks) a grid that cannot be resident at once
         self.fn.kernel((self.grid,), (self.opt.threads,), (self.params_dev,), shared_mem=self.smem,
@@ -376,6 +441,7 @@ class Monokernel:
                                   "checks the flag); the GPU context cannot be recovered in this process")
             time.sleep(0.0002 if seen else 0.001)
         self.stream.synchronize()                           # raises on CUDA errors (illegal address, ...)
+        self.on_phase("checking")
         kernel_ms = cp.cuda.get_elapsed_time(start, end)
         steps = int(w[M_PROGRESS])
         toks = [int(t) for t in w[M_TOKENS:M_TOKENS + int(w[M_N_OUT])]]
