@@ -71,7 +71,7 @@ def gpu_present(monkeypatch):
     (["generate", "--prompt", "a", "--prompt-ids", "1"], "argument --prompt-ids: not allowed with argument --prompt"),
     (["build", "--target", "rocm"], "argument --target: invalid choice: 'rocm' (choose from 'cuda', 'hip')"),
     (["frobnicate"],
-     "argument command: invalid choice: 'frobnicate' (choose from 'generate', 'verify', 'build', 'plan', 'bench')"),
+     "argument command: invalid choice: 'frobnicate' (choose from 'generate', 'verify', 'build', 'sanitize', 'plan', 'bench')"),
     ([], "the following arguments are required: command (see python -m workbench --help)"),
     (["generate", "--bogus"], "unrecognized arguments: --bogus (see python -m workbench --help)"),
 ])
@@ -587,7 +587,7 @@ def test_generate_streams_text(capsys, monkeypatch, tmp_path, tiny_hf_checkpoint
     seen = {}
 
     class Kernel:
-        def stream_tokens(self, prompt, max_new, sampling, eos=None):
+        def stream_tokens(self, prompt, max_new, sampling, eos=None, **limits):
             seen["prompt"], seen["max_new"] = prompt, max_new
             yield from out_ids
             self.last = types.SimpleNamespace(tokens=out_ids, steps=len(prompt) + len(out_ids) - 1, kernel_ms=1.0,
@@ -596,7 +596,9 @@ def test_generate_streams_text(capsys, monkeypatch, tmp_path, tiny_hf_checkpoint
     cfg = cli.get_config(str(folder))
     monkeypatch.setattr(cli, "_load", lambda args: types.SimpleNamespace(cfg=cfg))
     monkeypatch.setattr(cli, "_kernel", lambda args, p, **kw: Kernel())
-    assert main(["generate", "--model", str(folder), "--prompt", "café", "--tokens", str(len(out_ids))]) == 0
+    # in this process: the stand-ins are this process's (a worker would load the real ones)
+    assert main(["generate", "--in-process", "--model", str(folder), "--prompt", "café",
+                 "--tokens", str(len(out_ids))]) == 0
     out = capsys.readouterr().out
     assert seen == {"prompt": byte_bpe.encode("café").ids, "max_new": len(out_ids)}
     assert out.splitlines()[0] == " naïve 😀 日本語"

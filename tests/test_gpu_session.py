@@ -91,7 +91,7 @@ def test_wrong_rope_override_in_memory(wb):
 
 
 def test_compile_error_keeps_the_last_good_kernel(wb):
-    good_key = wb.debug.asm.key
+    good_key = wb.backend.key("debug")
     text = session.section_file("down_residual").read_text().rstrip("\n") + "\n"
     line = len(text.splitlines()) + 1
     wb.overrides["down_residual"] = text + "__device__ void wb_broken() { float y = nonsense; }\n"
@@ -100,7 +100,7 @@ def test_compile_error_keeps_the_last_good_kernel(wb):
         print(rec.report())
         assert rec.status == session.COMPILE_ERROR and f"kernels/sections/down_residual.cuh:{line}:" in rec.error
         assert "nonsense" in rec.error
-        assert wb.debug.asm.key == good_key                        # the last good kernels stay loaded ...
+        assert wb.backend.key("debug") == good_key                 # the last good kernels stay loaded ...
         v = wb.verify()                                            # ... and runnable
         assert v.passed, v.first_failure
         tm = wb.time_run(steps=8)
@@ -131,6 +131,31 @@ def test_records_reach_subscribers(wb):
     assert seen == [rec]
     d = rec.to_dict()
     assert d["stages"]["passed"] and d["timing"] and d["tok_per_s"] > 0
+
+
+@pytest.mark.parametrize("name", ["spin-on-flag", "illegal-address"])
+def test_a_hang_or_a_fault_is_reported_and_the_loop_lives_on(wb, name):
+    """The GPU runs in a worker process: a section that spins forever (outside any barrier, so the kernel's own
+    timeouts never fire) or writes far out of bounds is reported by its kind, with the block that stopped inside
+    its stage named (a hang), the worker replaced with the last good kernels, and the next reload passes."""
+    from workbench.check.failures import by_name
+    inj = by_name(name)
+    path = session.section_file(inj.section)
+    original = path.read_text()
+    wb.edit(inj.section, inj.apply(original))
+    try:
+        rec = wb.reload(trigger="edit", section=inj.section)
+    finally:
+        wb.undo(inj.section, reload=False)
+    print(rec.report())
+    assert path.read_text() == original
+    assert rec.status == inj.expect and not rec.passed, rec.report()
+    assert rec.detect_s is not None and rec.detect_s < 30 and rec.restart_s is not None
+    if inj.expect == "hang":
+        stuck = [b for b in rec.blocks if b.stage is not None and not b.waiting and not b.moved]
+        assert [b.block for b in stuck] == [3] and stuck[0].stage == inj.section, rec.block_table()
+    nxt = wb.reload(trigger="undo", section=inj.section)
+    assert nxt.passed, nxt.report()
 
 
 def test_loop_benchmark_restores_files(kernels):

@@ -264,11 +264,15 @@ def stream_text(tokenizer, ids: Iterable[int], prompt: Iterable[int] = ()) -> It
 def cmd_generate(args) -> int:
     from .run.runtime import Sampling
     tok, ids = args.tokenizer, args.prompt_tokens          # from _check_generate
+    if tok is None and getattr(args, "has_tokenizer", False):
+        tok = _tokenizer(args)                             # in the worker: opened again (it does not travel)
     p = _load(args)
     cfg = p.cfg
     mk = _kernel(args, p, max_steps=len(ids) + args.tokens)
     s = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-    tokens = mk.stream_tokens(ids, args.tokens, s, eos=None if args.stop_on_eos else [])
+    timeout = getattr(args, "timeout", 5.0)
+    tokens = mk.stream_tokens(ids, args.tokens, s, eos=None if args.stop_on_eos else [], timeout_s=timeout,
+                              host_timeout_s=max(20.0, 4 * timeout))
     if tok is not None:
         for piece in stream_text(tok, tokens, prompt=ids):
             print(piece, end="", flush=True)
@@ -374,6 +378,12 @@ def cmd_bench(args) -> int:
     return bench_main(args.model, args.tokens, args.repeats, args.json, args.no_torch, args.no_hf)
 
 
+def _in_process_arg(p):
+    p.add_argument("--in-process", action="store_true",
+                   help="run the kernel in this process (default: in a worker process that owns the GPU, so that a "
+                        "hang or a fault is reported and Ctrl-C stops the kernel)")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="python -m workbench", description="batch-1 decode monokernel workbench")
     sub = ap.add_subparsers(dest="cmd", metavar="command", required=True)
@@ -388,7 +398,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=top_p, default=1.0, help="in (0, 1]; 1 = off")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
     g.add_argument("--stop-on-eos", action="store_true", help="stop at the config's EOS ids")
+    g.add_argument("--timeout", type=positive_float, default=5.0,
+                   help="seconds a grid barrier waits before the kernel reports a hang (raise it under a sanitizer)")
+    _in_process_arg(g)
     v = sub.add_parser("verify", help="kernel vs reference, teacher-forced (GPU); exits 1 on failure")
+    _in_process_arg(v)
     _model_args(v)
     v.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0])
     v.add_argument("--prompt-len", type=positive_int, default=8)
@@ -413,6 +427,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="print the machine code instead (PTX, SASS: cuda; AMDGCN: hip), headed by source lines")
     b.add_argument("--section", help="with --dump: only the code of this section (e.g. qkv_rope_append, "
                                      "matvec, monokernel, portability), what is inlined into it included")
+    sa = sub.add_parser("sanitize", help="generate under compute-sanitizer: memcheck, racecheck, synccheck, initcheck")
+    sa.add_argument("--model", default="tiny")
+    sa.add_argument("--tool", choices=[*SANITIZER_TOOLS, "all"], default="all")
+    sa.add_argument("--tokens", type=positive_int, default=3, help="tokens to generate (racecheck is ~1000x slower)")
+    sa.add_argument("--threads", type=threads, default=512)
+    sa.add_argument("--sanitizer", default="compute-sanitizer", help="the compute-sanitizer executable")
     pl = sub.add_parser("plan", help="the decode step as the plan declares it (no GPU)")
     pl.add_argument("--model", default=DEFAULT_MODEL)
     pl.add_argument("--max-seq", type=positive_int)
@@ -424,6 +444,7 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--json", help="write the table as JSON here")
     be.add_argument("--no-torch", action="store_true", help="skip the PyTorch paths")
     be.add_argument("--no-hf", action="store_true", help="skip HF generate()")
+    _in_process_arg(be)
     return ap
 
 
@@ -442,9 +463,99 @@ def cmd_plan(args) -> int:
     return 0
 
 
+SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+
+
+def _check_sanitize(args):
+    _config(args.model, None)
+    import shutil
+    if shutil.which(args.sanitizer) is None and not Path(args.sanitizer).is_file():
+        raise UsageError(f"{args.sanitizer} is not on the PATH (compute-sanitizer comes with the CUDA toolkit; "
+                         "--sanitizer PATH names it)")
+
+
+def cmd_sanitize(args) -> int:
+    """`generate` under compute-sanitizer, once per tool, in this process (the sanitizer must see the kernel):
+    a line per tool with its error count; exit 1 if any tool found an error."""
+    import re
+    import subprocess
+    tools = SANITIZER_TOOLS if args.tool == "all" else (args.tool,)
+    worst = 0
+    for tool in tools:
+        cmd = [args.sanitizer, "--tool", tool, "--error-exitcode", "9", *(["--racecheck-report", "all"]
+                                                                        if tool == "racecheck" else []),
+               sys.executable, "-m", "workbench", "generate", "--in-process", "--timeout", "600", "--model", args.model,
+               "--tokens", str(args.tokens), "--prompt-ids", "1,2,3", "--threads", str(args.threads)]
+        t0 = time.perf_counter()
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        out = r.stdout + r.stderr
+        m = re.search(r"ERROR SUMMARY: (\d+) error", out)
+        errors = int(m[1]) if m else None
+        dt = time.perf_counter() - t0
+        if errors is None:
+            print(f"{tool:10s} {args.model}: no summary (exit code {r.returncode}) in {dt:.0f} s; its output ends:\n"
+                  + "\n".join(out.strip().splitlines()[-8:]))
+            worst = max(worst, 1)
+            continue
+        print(f"{tool:10s} {args.model}: {errors} errors, exit code {r.returncode}, {dt:.0f} s")
+        if errors:
+            print("\n".join(l for l in out.splitlines() if "=========" in l)[:4000])
+        worst = max(worst, 1 if errors or r.returncode else 0)
+    return worst
+
+
+class CliService:
+    """The GPU side of a command, in a worker process (workbench.run.worker): every kernel it makes writes the
+    shared block the caller watches. Its output goes to the same stdout and stderr."""
+
+    def __init__(self, buf, header, n_words, words):
+        from .run.runtime import WORKER_CONTEXT, RegisteredMapped
+        from .run.worker import phase_setter
+        # registered when the first kernel is made, so a command that fails on its input touches no GPU
+        WORKER_CONTEXT["mapped"] = lambda: RegisteredMapped(buf, n_words, offset_words=header)
+        WORKER_CONTEXT["on_phase"] = phase_setter(words)
+
+    def close(self):
+        """Let go of every view of the shared block, so that the worker can close it when it exits."""
+        from .run.runtime import WORKER_CONTEXT
+        m = WORKER_CONTEXT.pop("mapped", None)
+        WORKER_CONTEXT.pop("on_phase", None)
+        if hasattr(m, "close"):
+            m.close()
+
+    def run(self, cmd: str, fields: dict) -> int:
+        rc = COMMANDS[cmd][0](argparse.Namespace(**fields))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return rc
+
+
+def _in_worker(args) -> int:
+    """Run a GPU command in a worker process that owns the GPU: a hang or a fault is reported in one line (with
+    where every block was) and Ctrl-C stops the kernel cleanly, whatever the kernel does."""
+    from .run.worker import Worker, WorkerFailure
+    fields = dict(vars(args))
+    fields.pop("in_process", None)
+    fields["has_tokenizer"] = fields.get("tokenizer") is not None
+    fields["tokenizer"] = None                              # opened again in the worker
+    max_seq = get_config(args.model, max_seq=getattr(args, "max_seq", None)).max_seq
+    worker = Worker(CliService, hang_s=30.0, compile_s=300.0, max_tokens=max(max_seq, 1 << 14) + 2)
+    try:
+        worker.start()
+        return worker.call("run", args.cmd, fields)
+    except WorkerFailure as f:
+        print(f"error: the GPU worker failed ({f.kind}): " + " ".join(str(f).split()), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted: the kernel was asked to stop", file=sys.stderr)
+        return 130
+    finally:
+        worker.close()
+
+
 COMMANDS = {"generate": (cmd_generate, _check_generate, True), "verify": (cmd_verify, _check_verify, True),
             "build": (cmd_build, _check_build, False), "bench": (cmd_bench, _check_bench, True),
-            "plan": (cmd_plan, _check_plan, False)}
+            "plan": (cmd_plan, _check_plan, False), "sanitize": (cmd_sanitize, _check_sanitize, False)}
 BUG = "this is a bug in the workbench: please report it, with the traceback above and the command line"
 
 
@@ -459,6 +570,8 @@ def main(argv=None) -> int:
         check(args)
         if needs_gpu:
             _require_gpu(args.cmd)
+            if not args.in_process:
+                return _in_worker(args)
         return run(args)
     except UserError as e:
         print("error: " + " ".join(str(e).split()), file=sys.stderr)        # one line, whatever the message held

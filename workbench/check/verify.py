@@ -86,7 +86,7 @@ def coverage(cfg: ModelConfig, launch: plan.Launch, *, thorough: bool = False, s
 
 
 def verify_stages(mk: Monokernel, *, thorough: bool = False, sampling: bool = False, seed: int = 0,
-                  runs: list[Run] | None = None):
+                  runs: list[Run] | None = None, timeout_s: float = 5.0):
     """Run the coverage on a taps build and check every stage → (StageTable, [Result])."""
     from .stage_check import check_stages
     if not mk.opt.taps:
@@ -105,7 +105,8 @@ def verify_stages(mk: Monokernel, *, thorough: bool = False, sampling: bool = Fa
         steps = list(range(r.steps))
         try:
             res = mk.generate(prompt, r.new, r.sampling or Sampling(), pos0=r.pos0, eos=[], record=steps,
-                              tap_steps=steps, n_draws=DRAWS_PER_STEP if r.sampling else 0, poison_kv=True)
+                              tap_steps=steps, n_draws=DRAWS_PER_STEP if r.sampling else 0, poison_kv=True,
+                              timeout_s=timeout_s)
         except KernelError as e:
             # the kernel stopped itself (NaN logits, a hang it watched for): check what it ran before the stop,
             # and stop here (later runs would start from its state)

@@ -45,6 +45,7 @@ class Timing:
     rows: list | None
     tokens: list
     seconds: float
+    stamps: np.ndarray | None = None    # the run's %globaltimer stamps [steps, slots, blocks, 2] (the dashboards')
 
 
 def _map(fn, items, parallel: bool):
@@ -159,21 +160,27 @@ class GpuBackend:
     device = "gpu"
 
     def __init__(self, cfg: ModelConfig, *, loader, parallel: bool | None = None, timeout_s: float = 5.0,
-                 verify_seed: int = 0, first_run: tuple = (4, 4)):
+                 verify_seed: int = 0, first_run: tuple = (4, 4), mapped=None, on_phase=None):
         import cupy
         self.cfg, self.cp = cfg, cupy
         self.dev_id = cupy.cuda.Device().id
         self.parallel = default_parallel() if parallel is None else parallel
         self.timeout_s, self.verify_seed, self.first_run = timeout_s, verify_seed, first_run
+        self.mapped, self.on_phase = mapped, on_phase      # a worker's shared block and phase word, if any
+        if on_phase:
+            on_phase("loading")
         self.p = loader()
         self.kernels: dict = {}                # name → Monokernel
+
+    def monokernel(self, opt, overrides, **kw):
+        from ..run.runtime import Monokernel
+        return Monokernel(self.p, opt, overrides=overrides, mapped=self.mapped, on_phase=self.on_phase, **kw)
 
     def _ctx(self):
         return self.cp.cuda.Device(self.dev_id)
 
     def build(self, builds: dict, overrides: dict) -> float:
         """Compile the builds; all or nothing: if one fails, the others go back to what they were."""
-        from ..run.runtime import Monokernel
         from .benchmark import texts_of
         overrides = dict(overrides)
         before = {n: (mk.opt, texts_of(mk.asm)) for n, mk in self.kernels.items()}
@@ -184,7 +191,7 @@ class GpuBackend:
                 mk = self.kernels.get(name)
                 t0 = time.perf_counter()
                 if mk is None or mk.opt.threads != opt.threads:
-                    mk = Monokernel(self.p, opt, overrides=overrides, max_steps=256, max_record=64)
+                    mk = self.monokernel(opt, overrides, max_steps=256, max_record=64)
                 else:
                     mk.reload(opt, overrides)
                 return name, mk, time.perf_counter() - t0
@@ -222,7 +229,7 @@ class GpuBackend:
         t0 = time.perf_counter()
         with self._ctx():
             runs = coverage(self.cfg, mk.launch, sampling=sampling and mk.opt.sampler == "full", first=self.first_run)
-            table, results = verify_stages(mk, runs=runs, seed=self.verify_seed)
+            table, results = verify_stages(mk, runs=runs, seed=self.verify_seed, timeout_s=self.timeout_s)
             first = results[0]
             e2e = end_to_end(self.p, first, runs[0].n_prompt, DEFAULT_RTOL)
         bad_e2e = [c for c in e2e if not (c.finite and c.rel_err <= DEFAULT_RTOL)]
@@ -262,14 +269,14 @@ class GpuBackend:
             mk.generate(prompt, 2, eos=[], timeout_s=self.timeout_s)          # first launch after a load: warm up
             res = mk.generate(prompt, steps, eos=[], timing_steps=steps + len(prompt) - 1, timeout_s=self.timeout_s)
         rows = stage_table(self.cfg, res.timing, 0) if res.timing is not None and res.timing.shape[0] > 1 else None
-        return Timing(res.tok_per_s, rows, list(res.tokens), time.perf_counter() - t0)
+        return Timing(res.tok_per_s, rows, list(res.tokens), time.perf_counter() - t0, res.timing)
 
     def ab(self, a: dict, b: dict, overrides: dict, *, tokens: int = 128, repeats: int = 5,
            verify: bool = True) -> dict:
         """Build both selections (a and b: {"debug": opt, "timed": opt}), verify each with its debug build, and
         time both timed builds in `repeats` interleaved runs of `tokens` greedy steps."""
-        from ..run.runtime import KernelError, Monokernel
         from ..measure.timing import stage_table
+        from ..run.runtime import KernelError
         from .records import format_compile_error
         out = {"a": {}, "b": {}}
         kernels = {}
@@ -278,10 +285,9 @@ class GpuBackend:
                 o = out[tag]
                 o.update(error=None, failure=None, passed=None, stages=None)
                 try:
-                    kernels[tag] = Monokernel(self.p, builds["timed"], overrides=dict(overrides),
-                                              max_steps=tokens + 8)
+                    kernels[tag] = self.monokernel(builds["timed"], dict(overrides), max_steps=tokens + 8)
                     if verify:
-                        dbg = Monokernel(self.p, builds["debug"], overrides=dict(overrides), max_steps=256)
+                        dbg = self.monokernel(builds["debug"], dict(overrides), max_steps=256)
                         v = self.verify(mk=dbg)
                         del dbg
                         o["stages"], o["passed"], o["failure"] = v.table, v.passed, v.first_failure
@@ -309,5 +315,167 @@ class GpuBackend:
             out[tag]["rows"] = stage_table(self.cfg, timing[tag], 0) if tag in timing else None
         return out
 
+    def overhead(self, builds: dict, overrides: dict, *, tokens: int, repeats: int) -> dict:
+        """tok/s of each build in `builds` ({name: BuildOptions}), `repeats` interleaved runs of `tokens` greedy
+        steps (so drifting clocks hit all alike); a build with timing stores every step's stamps. The build named
+        "timing" is also run storing none: what the compiled-in instrumentation costs by itself."""
+        tps: dict = {k: [] for k in builds}
+        with self._ctx():
+            kernels = {k: self.monokernel(o, dict(overrides), max_steps=tokens + 8) for k, o in builds.items()}
+            tok = self.cfg.bos_token_id if self.cfg.bos_token_id is not None else 1
+            for mk in kernels.values():
+                mk.generate([tok], 4, eos=[], timeout_s=self.timeout_s)
+            if "timing" in kernels:
+                tps["timing, no stamps stored"] = []
+            for _ in range(repeats):
+                for k, mk in kernels.items():
+                    tps[k].append(mk.generate([tok], tokens, eos=[], timeout_s=self.timeout_s,
+                                              timing_steps=tokens if mk.opt.timing else 0).tok_per_s)
+                if "timing" in kernels:
+                    tps["timing, no stamps stored"].append(
+                        kernels["timing"].generate([tok], tokens, eos=[], timeout_s=self.timeout_s).tok_per_s)
+            kernels.clear()
+        return tps
+
     def close(self):
         self.kernels.clear()
+
+
+# ---- the GPU in a worker process ----------------------------------------------------------------------------------
+
+class GpuService:
+    """The GPU backend as it runs inside a worker process (workbench.run.worker): its kernels write the shared
+    block the caller watches, and it says what it is doing (compiling, running a kernel) through the phase word."""
+
+    def __init__(self, buf, header, n_words, words, cfg: ModelConfig, lent=None, spec=None, backend_kw=None):
+        from ..run.runtime import RegisteredMapped
+        from ..run.worker import phase_setter
+        set_phase = phase_setter(words)
+        set_phase("loading")
+        self.mapped = RegisteredMapped(buf, n_words, offset_words=header)
+        if lent is not None:
+            from ..run.holder import open_lent
+            loader = lambda: open_lent(lent)                      # noqa: E731
+        else:
+            import cupy
+
+            from ..model.weights import load, prepare
+            model, weights, seed, max_seq = spec
+            loader = lambda: prepare(load(model, weights, seed=seed, xp=cupy, max_seq=max_seq, progress=False),  # noqa: E731
+                                     xp=cupy, progress=False)
+        self.backend = GpuBackend(cfg, loader=loader, mapped=self.mapped, on_phase=set_phase, **(backend_kw or {}))
+        set_phase("idle")
+
+    def build(self, builds: dict, overrides: dict):
+        from .benchmark import texts_of
+        wall = self.backend.build(builds, overrides)
+        return wall, {n: (mk.asm.key, mk.resources(), texts_of(mk.asm)) for n, mk in self.backend.kernels.items()}
+
+    def verify(self, sampling: bool = False):
+        return self.backend.verify(sampling=sampling)
+
+    def time(self, steps: int, prompt=None):
+        return self.backend.time(steps, prompt)
+
+    def ab(self, a, b, overrides, **kw):
+        return self.backend.ab(a, b, overrides, **kw)
+
+    def overhead(self, builds, overrides, **kw):
+        return self.backend.overhead(builds, overrides, **kw)
+
+    def close(self):
+        self.backend.close()
+        self.mapped.close()
+
+
+class WorkerBackend:
+    """The GPU backend, run in a worker process that owns the GPU (workbench.run.worker): a hang, a fault or a
+    compiler crash in an edited section is reported (a WorkerFailure, with every block's last state) and the worker
+    replaced, the last good kernels rebuilt in it, while this process and everything it holds live on. The weights
+    come from a holder process by CUDA IPC, so a restart does not load them again."""
+    device = "gpu"
+
+    def __init__(self, cfg: ModelConfig, *, model: str, weights=None, seed: int = 0, max_seq=None,
+                 parallel: bool | None = None, timeout_s: float = 1.0, verify_seed: int = 0, hang_s: float = 2.0,
+                 compile_s: float | None = None, holder: bool = True):
+        from ..run.holder import WeightHolder
+        from ..run.worker import Worker
+        self.cfg = cfg
+        self.parallel = default_parallel() if parallel is None else parallel
+        t0 = time.perf_counter()
+        self.holder = WeightHolder(model, weights, seed, max_seq) if holder else None
+        lent = self.holder.lend() if self.holder else None
+        spec = None if holder else (model, weights, seed, max_seq)
+        kw = dict(parallel=self.parallel, timeout_s=timeout_s, verify_seed=verify_seed)
+        self._compile_s = compile_s
+        self.worker = Worker(GpuService, cfg, lent, spec, kw, hang_s=hang_s,
+                             compile_s=compile_s or 30.0, max_tokens=257)
+        self.start_s = self.worker.start()
+        self.setup_s = time.perf_counter() - t0
+        self.info: dict = {}                   # build name → (key, resources, texts)
+        self.good = None                       # (builds, texts) of the last builds that ran without a failure
+        self.restart_s = None
+
+    def _call(self, method, *args, **kw):
+        from ..run.runtime import KernelHang
+        from ..run.worker import WorkerFailure, summarize_blocks
+        try:
+            return self.worker.call(method, *args, grid=132, **kw)
+        except WorkerFailure as f:
+            if f.killed:
+                self.recover(f)
+            raise
+        except KernelHang as e:
+            # the kernel's own barrier timed out and named the straggler: a hang it survived (no new worker needed)
+            blocks = self.worker.blocks(132)
+            f = WorkerFailure("hang", f"{e}. {summarize_blocks(blocks)}", blocks, self.worker.status())
+            f.killed = False
+            raise f from None
+
+    def recover(self, failure=None):
+        """A new worker, with the last good builds loaded (from CuPy's cache: no compile), the weights checked."""
+        t0 = time.perf_counter()
+        if self.holder is not None and failure is not None and failure.kind == "fault":
+            if self.holder.check():                        # a wild write reached the weights: they were prepared again
+                self.worker.args = (self.cfg, self.holder.lend()) + self.worker.args[2:]
+        self.worker.start()
+        if self.good is not None:
+            builds, texts = self.good
+            _, self.info = self.worker.call("build", builds, texts, grid=132)
+        self.restart_s = time.perf_counter() - t0
+
+    def build(self, builds: dict, overrides: dict) -> float:
+        wall, info = self._call("build", builds, overrides)
+        self.info = info
+        self._pending = (builds, info[next(iter(info))][2])
+        if self._compile_s is None:        # a compile far longer than the ones before is a compiler hang
+            self.worker.compile_s = max(10.0, 4 * wall)
+        return wall
+
+    def mark_good(self):
+        """The builds just made ran (verified and timed) without a hang or a fault: they are what a restart loads."""
+        if getattr(self, "_pending", None) is not None:
+            self.good = self._pending
+
+    def key(self, name):
+        return self.info[name][0]
+
+    def resources(self, name):
+        return self.info[name][1]
+
+    def verify(self, sampling: bool = False) -> Verdict:
+        return self._call("verify", sampling=sampling)
+
+    def time(self, steps: int, prompt=None) -> Timing:
+        return self._call("time", steps, prompt)
+
+    def ab(self, a: dict, b: dict, overrides: dict, **kw) -> dict:
+        return self._call("ab", a, b, overrides, **kw)
+
+    def overhead(self, builds: dict, overrides: dict, **kw) -> dict:
+        return self._call("overhead", builds, overrides, **kw)
+
+    def close(self):
+        self.worker.close()
+        if self.holder is not None:
+            self.holder.close()

@@ -44,7 +44,6 @@ def loop_benchmark(model: str = "llama-3.2-1b", *, section: str = "lm_head", edi
     (wrong_rope, as a variant) → the first failing stage; and the tok/s of the plain build against the timing build
     and the taps build (instrumentation overhead). Restores every file it touched; its edit history goes to a
     temporary folder. Returns a dict (JSON-ready)."""
-    from ..run.runtime import Monokernel
     from .session import Workbench
     out: dict = {"model": model}
     hist = Path(tempfile.mkdtemp(prefix="wb-loop-history-"))
@@ -99,24 +98,12 @@ def loop_benchmark(model: str = "llama-3.2-1b", *, section: str = "lm_head", edi
                                                         and rec.failure.buffer == "q")}
         wb.use_variant("qkv_rope_append", None, reload=False)
         # instrumentation overhead: plain vs timing build vs taps build (no taps requested), interleaved
-        with wb.backend._ctx():
-            n = overhead_tokens
-            plain = dataclasses.replace(wb.options("timed"), timing=False)
-            # every build fully optimised (the loop's own verification build is not: see verify_fast_compile)
-            builds = {"plain": plain, "timing": wb.options("timed"), "taps": dataclasses.replace(plain, taps=True),
-                      "taps+timing": dataclasses.replace(plain, taps=True, timing=True)}
-            kernels = {k: Monokernel(wb.p, o, max_steps=n + 8) for k, o in builds.items()}
-            tok = wb.cfg.bos_token_id or 1
-            tps = {k: [] for k in kernels}
-            for mk in kernels.values():
-                mk.generate([tok], 4, eos=[])
-            tps["timing, no stamps stored"] = []
-            for _ in range(overhead_repeats):              # interleaved, so drifting clocks hit all alike
-                for k, mk in kernels.items():
-                    tps[k].append(mk.generate([tok], n, eos=[], timing_steps=n if "timing" in k else 0).tok_per_s)
-                # the timing build asked for no stamps: what the compiled-in instrumentation costs by itself
-                tps["timing, no stamps stored"].append(kernels["timing"].generate([tok], n, eos=[]).tok_per_s)
-            kernels.clear()
+        n = overhead_tokens
+        plain = dataclasses.replace(wb.options("timed"), timing=False)
+        # every build fully optimised (the loop's own verification build is not: see verify_fast_compile)
+        builds = {"plain": plain, "timing": wb.options("timed"), "taps": dataclasses.replace(plain, taps=True),
+                  "taps+timing": dataclasses.replace(plain, taps=True, timing=True)}
+        tps = wb.backend.overhead(builds, wb.overrides, tokens=n, repeats=overhead_repeats)
         med = {k: float(np.median(v)) for k, v in tps.items()}
         out["overhead"] = {"tokens": n, "repeats": overhead_repeats, "runs": tps,
                            **{f"{k}_tok_s": v for k, v in med.items()},

@@ -24,6 +24,9 @@ def format_compile_error(e: CompileError, limit: int = 12) -> str:
 
 OK, VERIFY_FAILED, COMPILE_ERROR, ASSEMBLE_ERROR, RUN_ERROR, NO_GPU = (
     "ok", "verify failed", "compile error", "assemble error", "run error", "compiled; no GPU to run")
+# the GPU worker hung, faulted or died (workbench.run.worker.WorkerFailure.kind): it was replaced
+HANG, FAULT, CRASH, COMPILER = "hang", "fault", "crash", "compiler hang or crash"
+WORKER_FAILURES = {"hang": HANG, "fault": FAULT, "crash": CRASH, "compiler": COMPILER}
 
 
 @dataclasses.dataclass
@@ -53,10 +56,17 @@ class ReloadRecord:
     resources: dict | None = None
     tokens_ok: bool | None = None         # greedy tokens equal the reference's argmax where judgeable
     sampler: str | None = None            # the builds' sampler: "greedy" (argmax only) or "full"
+    blocks: list | None = None            # after a hang or fault: every block's last state (run.worker.BlockState)
+    detect_s: float | None = None         # after a hang or fault: from the call to its report
+    restart_s: float | None = None        # after a hang or fault: the new worker with the last good kernels
 
     @property
     def ok(self) -> bool:
         return self.status in (OK, NO_GPU)
+
+    def block_table(self) -> str:
+        """Every block's last state after a hang or fault: one line per block."""
+        return "\n".join(str(b) for b in self.blocks or [])
 
     def report(self) -> str:
         """A short human-readable account: one line, plus the errors."""
@@ -83,6 +93,10 @@ class ReloadRecord:
             return f"✓ {what}: {line}; every stage within tolerance on its own inputs"
         if self.status == VERIFY_FAILED:
             return f"✗ {what}: VERIFY FAILED: {self.first_failure}\n  {line}; table: wb.last.stages"
+        if self.status in WORKER_FAILURES.values():
+            return (f"✗ {what}: {self.status.upper()}, reported after {self.detect_s:.1f} s: {self.error}\n"
+                    f"  the GPU worker was replaced in {self.restart_s or float('nan'):.1f} s with the last good kernels; "
+                    f"every block: wb.last.block_table()")
         return f"✗ {what}: {self.status}: {self.error}\n  {line}"
 
     def to_dict(self) -> dict:
@@ -95,6 +109,8 @@ class ReloadRecord:
         d["variants"] = [list(v) for v in self.variants]
         d["messages"] = [list(m) for m in self.messages]
         d["resources"] = dict(self.resources) if self.resources else None
+        d["blocks"] = [dataclasses.asdict(b) for b in self.blocks] if self.blocks else None
+        d["detect_s"], d["restart_s"] = self.detect_s, self.restart_s
         d["stages"] = self.stages.to_dict(json_safe=True) if self.stages is not None else None
         d["timing"] = _rows(self.timing)
         d["timing_text"] = self.timing_text

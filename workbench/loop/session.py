@@ -37,8 +37,9 @@ from .. import paths, plan
 from ..build.assemble import BuildOptions, section_path
 from ..build.compile import CompileError
 from ..model.config import get_config
-from .backends import CpuBackend, GpuBackend
-from .records import (ASSEMBLE_ERROR, COMPILE_ERROR, NO_GPU, OK, RUN_ERROR, VERIFY_FAILED, ABRecord,
+from ..run.worker import WorkerFailure
+from .backends import CpuBackend, GpuBackend, WorkerBackend
+from .records import (ASSEMBLE_ERROR, COMPILE_ERROR, NO_GPU, OK, RUN_ERROR, VERIFY_FAILED, WORKER_FAILURES, ABRecord,
                       ReloadRecord, format_compile_error)
 from .sections import (display_path, section_file, section_history, undo_section,  # noqa: F401 (the loop's API)
                        write_section)
@@ -96,7 +97,9 @@ class Workbench:
     {"attn_min_chunk": 64}). verify_fast_compile: NVRTC's fast-compile level (-Ofc) for the verification (taps)
     build: "min" (default) halves its compile and with it the loop's, at no cost to what verification sees (values,
     compared with tolerances); its speed, a quarter lower, is never measured. "0" compiles it like the timed build,
-    which always is."""
+    which always is. isolate: run the GPU side in a worker process (default), so that a hang or a fault is
+    reported and the worker replaced while this process lives on; hang_s: how long a kernel may show no progress
+    before it counts as hung (its own barriers time out after half of that and name the straggler)."""
 
     def __init__(self, model: str = "llama-3.2-1b", *, weights: str | None = None, seed: int = 0,
                  max_seq: int | None = None, device: str = "auto", threads: int = 512, variants=None,
@@ -104,7 +107,7 @@ class Workbench:
                  parallel_compile: bool | None = None, cpu_reference: bool | None = None,
                  history_dir: str | Path | None = None, watch: bool = False, activate: bool = True,
                  build: bool = True, progress: bool = False, build_options: dict | None = None,
-                 verify_fast_compile: str = "min"):
+                 verify_fast_compile: str = "min", isolate: bool = True, hang_s: float = 2.0):
         global _ACTIVE
         if device not in ("auto", "gpu", "cpu"):
             raise ValueError(f"device must be auto, gpu or cpu, got {device!r}")
@@ -126,7 +129,12 @@ class Workbench:
         self._lock = threading.RLock()
         self._reload_section: str | None = None           # the section the current reload is for, if any
         self._watcher = None
-        if device == "gpu":
+        if device == "gpu" and isolate:
+            # the GPU in a worker process: a hang or a fault in an edit cannot take this process down
+            self.backend = WorkerBackend(self.cfg, model=model, weights=weights, seed=seed, max_seq=self.cfg.max_seq,
+                                         parallel=parallel_compile, timeout_s=min(timeout_s, hang_s / 2),
+                                         verify_seed=verify_seed, hang_s=hang_s)
+        elif device == "gpu":
             import cupy
             self.backend = GpuBackend(self.cfg, loader=lambda: self._load(cupy), parallel=parallel_compile,
                                       timeout_s=timeout_s, verify_seed=verify_seed)
@@ -176,6 +184,8 @@ class Workbench:
         """The timing build on the GPU, or None."""
         return getattr(self.backend, "kernels", {}).get("timed")
 
+    stamps = None                       # the last timed run's stamps (Timing.stamps), for the dashboards
+
     @property
     def last(self) -> ReloadRecord | None:
         return self.history[-1] if self.history else None
@@ -218,6 +228,8 @@ class Workbench:
             rec.sampler = builds["timed"].sampler
             try:
                 rec.compile_s = self.backend.build(builds, self.overrides)
+            except WorkerFailure as f:
+                self._failed(rec, f)
             except CompileError as e:
                 rec.status, rec.error, rec.messages = COMPILE_ERROR, format_compile_error(e), list(e.messages)
             except (ValueError, FileNotFoundError, OSError) as e:      # #include refused, missing variant file ...
@@ -230,12 +242,26 @@ class Workbench:
                 rec.key, rec.resources = self.backend.key("debug"), self.backend.resources("timed")
                 if self.device == "cpu":
                     rec.status = NO_GPU
-                v = self._verify_into(rec, section == "sampling") if verify else None
-                if timing and self.device == "gpu":
-                    self._time_into(rec, v)
+                try:
+                    v = self._verify_into(rec, section == "sampling") if verify else None
+                    if timing and self.device == "gpu":
+                        self._time_into(rec, v)
+                except WorkerFailure as f:
+                    self._failed(rec, f)
+                else:
+                    if hasattr(self.backend, "mark_good"):
+                        self.backend.mark_good()
             rec.total_s = time.perf_counter() - t0
             self._record(rec)
             return rec
+
+    def _failed(self, rec: ReloadRecord, f):
+        """The worker hung, faulted or died: the record says so, with every block's state; a new worker already
+        holds the last good kernels (WorkerBackend.recover)."""
+        rec.status, rec.passed, rec.error = WORKER_FAILURES[f.kind], False, str(f)
+        rec.first_failure = str(f).split(". ")[0]
+        rec.blocks, rec.detect_s = f.blocks, f.seconds
+        rec.restart_s = getattr(self.backend, "restart_s", None)
 
     def _record(self, rec: ReloadRecord):
         self.history.append(rec)
@@ -282,6 +308,7 @@ class Workbench:
         try:
             tm = self.backend.time(self.time_steps, v.prompt if v is not None else None)
             rec.tok_per_s, rec.timing = tm.tok_per_s, tm.rows
+            self.stamps = tm.stamps                     # the latest run's only (a record keeps its table)
             rec.timing_text = format_table(tm.rows) if tm.rows else None
             if v is not None and v.tokens and rec.status == OK:
                 # the build that is timed must compute what the verified build computed

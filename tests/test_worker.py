@@ -1,0 +1,105 @@
+"""The worker process on a CPU (a stand-in service, tests/fake_service.py): answers come back, errors come back as
+themselves, and a hang, a spin that ignores the abort flag, a compiler that never returns, a fault and a crash are
+each reported, with every block's last state read from the shared block, while this process lives on and the next
+worker answers. Real processes, real shared memory, real kills."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from fake_service import FakeService
+
+from workbench import plan
+from workbench.run.worker import BlockState, Worker, WorkerFailure, block_states, summarize_blocks
+
+
+@pytest.fixture
+def worker():
+    w = Worker(FakeService, "test", hang_s=0.6, grace_s=0.3, compile_s=1.5, max_tokens=64)
+    w.start()
+    yield w
+    w.close()
+
+
+def test_calls_come_back(worker):
+    assert worker.call("echo", 41) == ("test", 41)
+    assert worker.call("run", 20, grid=4) == 20
+    assert worker.progress() == 20 and worker.alive
+
+
+def test_errors_come_back_as_themselves(worker):
+    with pytest.raises(ValueError, match="a plain error"):
+        worker.call("error")
+    assert worker.alive and worker.call("echo", 1) == ("test", 1)
+
+
+def test_a_stalled_block_is_a_hang_named_with_every_blocks_state(worker):
+    t0 = time.perf_counter()
+    with pytest.raises(WorkerFailure) as e:
+        worker.call("run", 400, stall_block=2, obey_abort=False, grid=4)
+    dt = time.perf_counter() - t0
+    f = e.value
+    assert f.kind == "hang" and dt < 5
+    assert "block 2: in" in str(f) and "waiting after o_proj_residual of layer 1" in str(f)
+    assert [b.block for b in f.blocks if not b.waiting] == [2]
+    assert not worker.alive
+    worker.start()
+    assert worker.call("echo", 2) == ("test", 2)
+
+
+def test_a_spin_that_ignores_the_abort_flag_is_killed(worker):
+    t0 = time.perf_counter()
+    with pytest.raises(WorkerFailure) as e:
+        worker.call("spin", grid=4)
+    assert e.value.kind == "hang" and time.perf_counter() - t0 < 5
+    assert "did not stop when asked" in str(e.value)
+    assert worker.start() < 30 and worker.call("echo", 3) == ("test", 3)
+
+
+def test_a_kernel_that_watches_the_abort_flag_stops_without_a_kill(worker):
+    with pytest.raises(WorkerFailure) as e:
+        worker.call("run", 400, stall_block=1, obey_abort=True, grid=4)
+    assert e.value.kind == "hang" and not e.value.killed and "stopped when asked" in str(e.value)
+    assert worker.alive and worker.call("echo", 6) == ("test", 6)
+
+
+def test_a_compiler_that_never_returns(worker):
+    t0 = time.perf_counter()
+    with pytest.raises(WorkerFailure) as e:
+        worker.call("compile_forever")
+    assert e.value.kind == "compiler" and time.perf_counter() - t0 < 5
+
+
+def test_a_fault_ends_the_worker(worker):
+    with pytest.raises(WorkerFailure) as e:
+        worker.call("fault")
+    assert e.value.kind == "fault" and "cudaErrorIllegalAddress" in str(e.value)
+    time.sleep(0.2)
+    assert not worker.alive
+
+
+def test_a_crash_is_reported(worker):
+    with pytest.raises(WorkerFailure) as e:
+        worker.call("crash")
+    assert e.value.kind == "crash" and "exit code 134" in str(e.value)
+    worker.start()
+    assert worker.call("echo", 4) == ("test", 4)
+
+
+def test_an_interrupt_stops_the_run_and_keeps_the_worker(worker):
+    def interrupt(w):
+        if w.progress() >= 3:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        worker.call("run", 10_000, on_poll=interrupt, grid=4)
+    assert worker.alive and worker.call("echo", 5) == ("test", 5)
+
+
+def test_block_states_and_summary():
+    import numpy as np
+    words = np.array([plan.where(3, 1, 2, True)] * 3 + [plan.where(3, 1, 2)] + [0], np.uint32).view(np.int32)
+    blocks = block_states(words, None, 5)
+    assert blocks[3] == BlockState(3, "o_proj_residual", 1, 2, False, False)
+    assert blocks[4].stage is None
+    s = summarize_blocks(blocks)
+    assert s.index("block 3: in o_proj_residual of layer 1 at step 2") < s.index("blocks 0, 1, 2: waiting after")

@@ -1,0 +1,66 @@
+"""Failure injections: edits of the kernel's sections that hang, fault, overflow or break the compiler, which the
+loop must report (a record with the failure's kind, every block's last state for a hang or a fault) while the
+notebook lives on, and recover from on the next good edit. `scripts/failure_suite.py` runs them all through the
+editing loop on a GPU; `tests/test_failure_suite.py` checks without one that each applies and builds as meant;
+the GPU tests run one hang and one fault through a Workbench.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Injection:
+    name: str
+    section: str
+    what: str
+    find: str
+    replace: str
+    expect: str                # the record status expected
+
+    def apply(self, text: str) -> str:
+        if text.count(self.find) != 1:
+            raise ValueError(f"injection {self.name}: the text to replace is not in {self.section} exactly once")
+        return text.replace(self.find, self.replace)
+
+
+INJECTIONS = (
+    Injection("spin-on-flag", "o_proj_residual", "block 3 spins on a flag nobody sets, outside any barrier",
+              "    float* act = smem + WB_SMEM_O_PROJ_RESIDUAL_ACT;",
+              "    float* act = smem + WB_SMEM_O_PROJ_RESIDUAL_ACT;\n"
+              "    if (wb_bid() == 3) { volatile int* never = (volatile int*)act; if (wb_tid() == 0) *never = 0;\n"
+              "                         while (*never == 0) { } }", "hang"),
+    Injection("barrier-skipped", "grid_sync", "block 5 skips the barrier after gate_up_silu of layer 1",
+              "    __shared__ int stop;\n    wb_syncthreads();",
+              "    __shared__ int stop;\n    if (wb_bid() == 5 && stage == ST_GATE_UP_SILU && layer == 1) return false;\n"
+              "    wb_syncthreads();", "hang"),
+    Injection("trap", "gate_up_silu", "block 7 executes a trap", "    float* act = smem + WB_SMEM_GATE_UP_SILU_ACT;",
+              "    float* act = smem + WB_SMEM_GATE_UP_SILU_ACT;\n    if (wb_bid() == 7 && wb_tid() == 0) __trap();",
+              "fault"),
+    Injection("illegal-address", "down_residual", "block 9 writes 4 GB past the residual",
+              "    float* act = smem + WB_SMEM_DOWN_RESIDUAL_ACT;",
+              "    float* act = smem + WB_SMEM_DOWN_RESIDUAL_ACT;\n"
+              "    if (wb_bid() == 9 && wb_tid() == 0) x[1ll << 30] = 1.f;", "fault"),
+    Injection("shared-out-of-bounds", "lm_head", "block 11 writes 16 MB past its shared memory",
+              "    float* act = smem + WB_SMEM_LM_HEAD_ACT;",
+              "    float* act = smem + WB_SMEM_LM_HEAD_ACT;\n"
+              "    if (wb_bid() == 11 && wb_tid() == 0) ((volatile float*)smem)[1 << 22] = 1.f;", "fault"),
+    Injection("sampler-loops", "sampling", "the sampler never returns (block 0 spins)",
+              "    // max logit and greedy argmax from the LM head's per-block partials",
+              "    if (wb_tid() == 0) { volatile int spin = 1; while (spin) { } }\n"
+              "    // max logit and greedy argmax from the LM head's per-block partials", "hang"),
+    Injection("too-much-shared", "attention_decode", "asks for 256 KB of static shared memory",
+              "    float* qs = smem + WB_SMEM_ATTENTION_DECODE_Q;",
+              "    __shared__ float huge[64 * 1024];\n    huge[wb_tid()] = 1.f;\n"
+              "    float* qs = smem + WB_SMEM_ATTENTION_DECODE_Q;\n    if (huge[(wb_tid() * 7) % 1024] == 2.f) o[0] = 0.f;",
+              "compile error"),
+    Injection("compiler-hangs", "embedding", "a loop unrolled a million times (the compiler runs for minutes)",
+              "    for (int i = wb_tid(); i < WB_D; i += wb_ntid()) x[i] = bf16_to_f32(row[i]);",
+              "    float acc = 0.f;\n#pragma unroll\n    for (int k = 0; k < 1000000; ++k) acc = acc * 0.999f + (float)(k ^ token);\n"
+              "    for (int i = wb_tid(); i < WB_D; i += wb_ntid()) x[i] = bf16_to_f32(row[i]) + acc * 0.f;",
+              "compiler hang or crash"),
+)
+
+
+def by_name(name: str) -> Injection:
+    return next(i for i in INJECTIONS if i.name == name)
