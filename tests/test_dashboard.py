@@ -723,16 +723,9 @@ def test_history_reads_session_records():
 def test_follow_a_workbench():
     full = synthetic()
 
-    class Result:
-        timing = full
-        tok_per_s = 1234.0
-
-    class Timed:
-        last = Result()
-
     class FakeWorkbench:
         cfg = CFG
-        timed = Timed()
+        stamps = full                   # Workbench.stamps: the last timed run's, from wherever it ran
 
         def __init__(self):
             self.history = [Rec(None, None, 1.0, True, 1200.0)]
@@ -798,3 +791,41 @@ def test_ab_from_an_ab_record():
     assert view.rows[-1]["delta_us"] == pytest.approx(sum(r.us_per_token for r in b) - sum(r.us_per_token for r in a))
     with pytest.raises(ValueError, match="no timing"):
         D.ABView(ABRec((), (), None, None))
+
+
+def test_blocks_panel_shows_a_hang_from_its_record():
+    """A record of a hang brings every block's state (ReloadRecord.blocks, made by the worker from the where-words
+    the kernel writes into mapped memory): the blocks panel appears, the block that stopped inside its stage is
+    the one outlined, the waiting ones are grey, and its hover text says where it was."""
+    from workbench.loop.records import ReloadRecord
+    from workbench.run.worker import block_states
+
+    attn = plan.STAGE_NAMES.index("attention_decode")
+    words = np.array([plan.where(attn, 5, 17, waiting=True)] * 132, np.uint32).view(np.int32)
+    words[7] = plan.where(attn, 5, 17)                               # block 7 never left attention at layer 5
+    words[131] = 0                                                     # one block never started
+    blocks = block_states(words, words.copy(), 132)
+    d = D.Dashboard(CFG, source="x")
+    assert d.blocks.widget.layout.display == "none"
+    rec = ReloadRecord(time=0.0, trigger="edit", section="attention_decode", variant=None, variants=(), status="hang",
+                       blocks=blocks, error="no progress for 2.0 s")
+    d.add_record(rec)
+    assert d.blocks.widget.layout.display is None
+    cells = d.blocks.cells
+    assert [c["block"] for c in cells if c["suspect"]] == [7]
+    assert cells[7]["text"] == "block 7: in attention_decode of layer 5 at step 17 (stopped moving)"
+    assert cells[7]["colour"] == D.COLORS["attention_decode"]
+    assert cells[0]["colour"] == D.WAIT_COLOR and cells[0]["short"] == "w"
+    assert cells[131]["text"] == "block 131: never started"
+    page = d.panel("blocks").value
+    assert "130 waiting at the barrier, 1 stopped inside their stage" in page
+    assert "hang, reload 1: attention_decode" in page
+    assert page.count("<td ") == 132 and page.count("#cf222e") >= 1
+
+
+def test_blocks_panel_takes_mappings_and_ignores_records_without_blocks():
+    d = D.Dashboard(CFG, source="x")
+    d.add_record({"section": "lm_head", "compile_s": 1.0, "passed": True, "tok_s": 1000.0})
+    assert d.blocks.widget.layout.display == "none"
+    cells = d.show_blocks([{"block": 0, "stage": "lm_head", "layer": -1, "step": 3, "waiting": False, "moved": True}])
+    assert cells[0]["text"] == "block 0: in lm_head at step 3" and not cells[0]["suspect"]

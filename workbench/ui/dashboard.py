@@ -15,6 +15,9 @@ Panels, each a FigureWidget (or an HTML table) the tests and notebooks can read 
   tok_s      tok/s of every step of the run, against the roofline at that position
   history    one row per reload record (HistoryRecord; `follow(workbench)` feeds it): section, variant,
              compile time, verification, tok/s
+  blocks     after a hang or a fault, every block's last state (in which stage of which layer and step, or
+             waiting at the barrier after it; the blocks that stopped inside their stage outlined): shown when a
+             record brings blocks, or by show_blocks(WorkerFailure.blocks)
   ab         two runs' per-stage times side by side, with the differences (also alone: ABView)
 
 `update_timing` may be called again and again with a growing snapshot (`Monokernel.timing_snapshot()`: stamps not
@@ -242,6 +245,72 @@ class HistoryTable:
                     "no reloads yet</td></tr>"]
         return ("<div class='wb-history'><b>Reloads</b><table style='border-collapse:collapse;font-size:12px'>"
                 f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table></div>")
+
+
+# -- a hang or a fault: where every block was ------------------------------------------------------------------------
+
+def block_cells(blocks) -> list[dict]:
+    """Blocks (workbench.run.worker.BlockState, or mappings with the same fields: block, stage, layer, step,
+    waiting, moved) → one cell each: its label, colour and text. A block still inside its stage that stopped moving
+    is a suspect (the section it is in hangs, or it never reached the barrier); one waiting at the barrier only
+    waits for the suspects."""
+    out = []
+    for b in blocks:
+        get = (lambda k, b=b: b.get(k)) if isinstance(b, Mapping) else (lambda k, b=b: getattr(b, k, None))
+        stage, layer, step = get("stage"), get("layer"), get("step")
+        waiting, moved = bool(get("waiting")), bool(get("moved"))
+        if stage is None:
+            colour, short, text = UNKNOWN_COLOR, "·", f"block {get('block')}: never started"
+        else:
+            colour = WAIT_COLOR if waiting else COLORS.get(stage, UNKNOWN_COLOR)
+            at = f" of layer {layer}" if layer is not None and layer >= 0 else ""
+            text = (f"block {get('block')}: {'waiting after' if waiting else 'in'} {stage}{at} at step {step}"
+                    + ("" if moved else " (stopped moving)"))
+            short = "w" if waiting else SHORT.get(stage, stage)[:7]
+        out.append({"block": get("block"), "colour": colour, "short": short, "text": text,
+                    "suspect": stage is not None and not waiting and not moved})
+    return out
+
+
+class BlockGrid:
+    """The grid after a hang or a fault, one cell per block (per SM), coloured by the stage it was in; waiting
+    blocks grey, suspects outlined in red. An HTML widget; `set(blocks, title)` redraws it."""
+
+    COLUMNS = 22                          # 132 SMs: six rows
+
+    def __init__(self):
+        self.cells: list[dict] = []
+        self.title = ""
+        self.widget = _widgets().HTML(self._html())
+
+    def set(self, blocks, title: str = "") -> list[dict]:
+        self.cells = block_cells(blocks or [])
+        self.title = title
+        self.widget.value = self._html()
+        return self.cells
+
+    def _html(self) -> str:
+        if not self.cells:
+            return "<div class='wb-blocks' style='color:#777'>no hang or fault to show</div>"
+        n_sus = sum(c["suspect"] for c in self.cells)
+        n_wait = sum(c["short"] == "w" for c in self.cells)
+        rows, row = [], []
+        for c in self.cells:
+            border = "2px solid #cf222e" if c["suspect"] else "1px solid #fff"
+            row.append(f"<td title='{html.escape(c['text'], quote=True)}' style='background:{c['colour']};"
+                       f"border:{border};width:34px;height:22px;text-align:center;font-size:9px;color:#111'>"
+                       f"{c['block']}<br>{html.escape(c['short'])}</td>")
+            if len(row) == self.COLUMNS:
+                rows.append("<tr>" + "".join(row) + "</tr>")
+                row = []
+        if row:
+            rows.append("<tr>" + "".join(row) + "</tr>")
+        suspects = [c["text"] for c in self.cells if c["suspect"]][:4]
+        head = (f"<b>Blocks</b> {html.escape(self.title)} — {len(self.cells)} blocks: {n_wait} waiting at the "
+                f"barrier, {n_sus} stopped inside their stage")
+        notes = "".join(f"<div>{html.escape(t)}</div>" for t in suspects)
+        return (f"<div class='wb-blocks'>{head}<table style='border-collapse:collapse'>{''.join(rows)}</table>"
+                f"<div style='font-size:12px;color:#cf222e'>{notes}</div></div>")
 
 
 # -- data for the figures ------------------------------------------------------------------------------------------
@@ -485,9 +554,11 @@ class Dashboard:
 
         self.figures = {"stages": stages, "bandwidth": bw, "gantt": gantt, "tok_s": toks}
         self.history = HistoryTable()
+        self.blocks = BlockGrid()
+        self.blocks.widget.layout.display = "none"          # shown when a record brings a hang or a fault
         self.ab = ABView()
         self.ab._box.layout.display = "none"
-        self._box = w.VBox([self.header, w.HBox([stages, bw]), self.step_slider, gantt,
+        self._box = w.VBox([self.header, self.blocks.widget, w.HBox([stages, bw]), self.step_slider, gantt,
                             w.HBox([toks, self.history.widget]), self.ab._box])
         if cfg is not None:
             self._setup_gantt(cfg)
@@ -602,19 +673,30 @@ class Dashboard:
         return on_poll
 
     def add_record(self, record) -> dict:
-        """Append a reload record (see HistoryRecord) to the history table; usable as an on_record callback."""
-        return self.history.add(record)
+        """Append a reload record (see HistoryRecord) to the history table; usable as an on_record callback. A
+        record of a hang or a fault (one with `blocks`) shows where every block was, in the blocks panel."""
+        row = self.history.add(record)
+        blocks = record.get("blocks") if isinstance(record, Mapping) else getattr(record, "blocks", None)
+        if blocks:
+            status = record.get("status") if isinstance(record, Mapping) else getattr(record, "status", "")
+            self.show_blocks(blocks, f"({status}, reload {len(self.history.rows)}: {row['section']})")
+        return row
+
+    def show_blocks(self, blocks, title: str = "") -> list[dict]:
+        """Show the blocks panel: every block's last state (WorkerFailure.blocks, ReloadRecord.blocks)."""
+        cells = self.blocks.set(blocks, title)
+        self.blocks.widget.layout.display = None
+        return cells
 
     def follow(self, wb) -> Callable:
         """Show a Workbench's reloads (workbench.session): the history so far and every new record (through
         `wb.on_record`); where a reload ran the timing build (a GPU), its stamps too. Returns the callback (remove
         it from wb.on_record to stop following)."""
         def timing_of(rec=None):
-            res = getattr(getattr(wb, "timed", None), "last", None)
-            stamps = getattr(res, "timing", None)
+            stamps = getattr(wb, "stamps", None)        # the last timed run's, wherever it ran (a worker too)
             if stamps is not None:
                 tps = _number(_field(rec, "tok_s")) if rec is not None else None
-                self.update_timing(stamps, wb.cfg, pos0=0, tok_s=tps or getattr(res, "tok_per_s", None))
+                self.update_timing(stamps, wb.cfg, pos0=0, tok_s=tps)
 
         for rec in list(getattr(wb, "history", [])):
             self.add_record(rec)
@@ -644,15 +726,17 @@ class Dashboard:
 
     def panel(self, name: str):
         """One panel alone, to display by itself: stages, bandwidth, gantt (with its token slider), tok_s, history,
-        ab."""
+        blocks, ab."""
         if name == "gantt":
             return _widgets().VBox([self.step_slider, *_synced(self.figures["gantt"])])
         if name == "history":
             return self.history.widget
+        if name == "blocks":
+            return self.blocks.widget
         if name == "ab":
             return self.ab.widget
         if name not in self.figures:
-            raise KeyError(f"no panel {name!r}: stages, bandwidth, gantt, tok_s, history, ab")
+            raise KeyError(f"no panel {name!r}: stages, bandwidth, gantt, tok_s, history, blocks, ab")
         return _synced(self.figures[name])[0]
 
     @property
