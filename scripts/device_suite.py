@@ -1,8 +1,9 @@
-"""Everything the GPU must show, in one call: a smoke run, the GPU tests, the mutation suite, `verify` on every
-preset, the editing loop's timings, the bench (this tree against a base tree in the same run, and PyTorch), and
+"""Everything the GPU must show, in one call: a smoke run, the GPU tests, the mutation suite, the failure
+injections (hangs, faults, compiler hangs through the loop's worker), compute-sanitizer, `verify` on every preset,
+the editing loop's timings, the bench (this tree against a base tree in the same run, and PyTorch), and
 re-recorded timing traces.
 
-    python scripts/device_suite.py [--out DIR] [--only smoke pytest mutants verify loop bench record]
+    python scripts/device_suite.py [--out DIR] [--only smoke pytest mutants failures sanitize verify loop bench record]
                                    [--base DIR] [--verify-models M ...]
 
 Each part runs in its own process with a time limit (a hang or a crash in one cannot take the others down), its
@@ -109,7 +110,8 @@ for pos in (0, 3700):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
-    ap.add_argument("--only", nargs="*", default=["smoke", "pytest", "mutants", "verify", "loop", "bench", "record"])
+    ap.add_argument("--only", nargs="*", default=["smoke", "pytest", "mutants", "failures", "sanitize", "verify",
+                                                 "loop", "bench", "record"])
     ap.add_argument("--verify-models", nargs="*", default=["tiny", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"])
     ap.add_argument("--bench-models", nargs="*", default=["llama-3.2-1b"])
     ap.add_argument("--base", help="another checkout to bench against, interleaved (A/B in one run)")
@@ -127,6 +129,12 @@ def main():
     if "mutants" in a.only:
         R["mutants"] = run("mutants", [PY, "scripts/mutation_suite.py", "--model", "llama-3.2-1b", "--json",
                                        str(out / "mutants.json")], out, 420)
+    if "failures" in a.only:
+        R["failures"] = run("failures", [PY, "scripts/failure_suite.py", "--model", "llama-3.2-1b", "--json",
+                                         str(out / "failures.json")], out, 360)
+    if "sanitize" in a.only:
+        R["sanitize"] = run("sanitize", [PY, "-m", "workbench", "sanitize", "--model", "tiny", "--tokens", "2"],
+                            out, 300)
     if "verify" in a.only:
         for m in a.verify_models:
             R[f"verify-{m}"] = run(f"verify-{m}", [PY, "-m", "workbench", "verify", "--model", m, "--prompt-len",
