@@ -103,3 +103,23 @@ def test_block_states_and_summary():
     assert blocks[4].stage is None
     s = summarize_blocks(blocks)
     assert s.index("block 3: in o_proj_residual of layer 1 at step 2") < s.index("blocks 0, 1, 2: waiting after")
+
+
+def test_the_worker_builds_from_the_callers_kernel_folder(tmp_path, capfd):
+    """The worker is another process: it must read the sections from the folder the caller edits (use_kernels_dir,
+    as the suites and the tests do), not from its own default. A real CLI service and a real NVRTC compile: a
+    broken line in the copy is reported at the copy's file and line."""
+    import shutil
+
+    from workbench import cli, paths
+    copy = tmp_path / "kernels"
+    shutil.copytree(paths.kernels_dir(), copy, ignore=shutil.ignore_patterns(".history"))
+    section = copy / "sections" / "embedding.cuh"
+    text = section.read_text().rstrip("\n") + "\n"
+    section.write_text(text + "__device__ void wb_broken() { float y = nonsense; }\n")
+    line = len(text.splitlines()) + 1
+    args = cli._parser().parse_args(["build", "--model", "tiny"])
+    with paths.use_kernels_dir(copy):
+        assert cli._in_worker(args) == 1
+    err = capfd.readouterr().err
+    assert f"kernels/sections/embedding.cuh:{line}: error" in err and "nonsense" in err, err   # the copy's line

@@ -524,6 +524,8 @@ class CliService:
             m.close()
 
     def run(self, cmd: str, fields: dict) -> int:
+        from . import paths
+        paths.set_kernels_dir(fields.pop("kernels_dir"))       # the caller's, not this process's default
         rc = COMMANDS[cmd][0](argparse.Namespace(**fields))
         sys.stdout.flush()
         sys.stderr.flush()
@@ -538,6 +540,8 @@ def _in_worker(args) -> int:
     fields.pop("in_process", None)
     fields["has_tokenizer"] = fields.get("tokenizer") is not None
     fields["tokenizer"] = None                              # opened again in the worker
+    from . import paths
+    fields["kernels_dir"] = str(paths.kernels_dir())
     max_seq = get_config(args.model, max_seq=getattr(args, "max_seq", None)).max_seq
     worker = Worker(CliService, hang_s=30.0, compile_s=300.0, max_tokens=max(max_seq, 1 << 14) + 2)
     try:

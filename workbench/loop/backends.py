@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 
+from .. import paths
 from ..build import assemble as _asm
 from ..build.assemble import BuildOptions
 from ..build.compile import CompileError
@@ -366,6 +367,11 @@ class GpuService:
         self.backend = GpuBackend(cfg, loader=loader, mapped=self.mapped, on_phase=set_phase, **(backend_kw or {}))
         set_phase("idle")
 
+    def at(self, kernels: str, method: str, *args, **kw):
+        """`method` with the caller's kernel folder in force (sections are read from where the caller edits)."""
+        paths.set_kernels_dir(kernels)
+        return getattr(self, method)(*args, **kw)
+
     def build(self, builds: dict, overrides: dict):
         from .benchmark import texts_of
         wall = self.backend.build(builds, overrides)
@@ -420,7 +426,8 @@ class WorkerBackend:
         from ..run.runtime import KernelHang
         from ..run.worker import WorkerFailure, summarize_blocks
         try:
-            return self.worker.call(method, *args, grid=132, **kw)
+            # the caller's kernel folder, every call: the worker is another process and would read the default
+            return self.worker.call("at", str(paths.kernels_dir()), method, *args, grid=132, **kw)
         except WorkerFailure as f:
             if f.killed:
                 self.recover(f)
@@ -441,7 +448,7 @@ class WorkerBackend:
         self.worker.start()
         if self.good is not None:
             builds, texts = self.good
-            _, self.info = self.worker.call("build", builds, texts, grid=132)
+            _, self.info = self.worker.call("at", str(paths.kernels_dir()), "build", builds, texts, grid=132)
         self.restart_s = time.perf_counter() - t0
 
     def build(self, builds: dict, overrides: dict) -> float:

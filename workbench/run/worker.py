@@ -26,6 +26,7 @@ import dataclasses
 import os
 import pickle
 import signal
+import sys
 import time
 import traceback
 from multiprocessing import get_context, shared_memory
@@ -199,13 +200,11 @@ def _child(conn, shm_name: str, n_words: int, factory, args: tuple, kwargs: dict
     close = getattr(service, "close", None)
     if close:
         close()
-    service = words = None                                # every view of the block, before the block
-    import gc
-    gc.collect()
-    try:
-        shm.close()
-    except BufferError:
-        pass
+    # Exit without unwinding: the caller owns the block (and unlinks it), and views of it may live on in this
+    # process's caches, which would make closing it here fail noisily at exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def phase_setter(words: np.ndarray):
@@ -242,8 +241,8 @@ class Worker:
     # -- the shared block --
     @property
     def mapped(self) -> np.ndarray:
-        """The kernel's mapped block (plan.MAPPED), as the caller sees it."""
-        return self.words[HEADER:]
+        """A snapshot of the kernel's mapped block (plan.MAPPED): a copy, so that no view outlives the block."""
+        return self.words[HEADER:].copy()
 
     def where_words(self, grid: int) -> np.ndarray:
         o = HEADER + plan.mapped_offset("where")
@@ -322,7 +321,7 @@ class Worker:
         self.words = None                                  # the view must go before the mapping can
         try:
             self.shm.close()
-        except BufferError:                                # a view handed out (Worker.mapped) is still alive
+        except BufferError:                                # a view still alive somewhere: the unlink frees it
             pass
         try:
             self.shm.unlink()
