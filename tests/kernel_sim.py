@@ -124,7 +124,7 @@ class SimKernel:
             forced = step + 1 < len(prompt)
             nxt = int(prompt[step + 1]) if forced and not self.publish_bug else sampled
             stop = nxt < 0                              # publish refuses it and stops the kernel
-            if not forced:
+            if not forced and not stop:                 # an invalid choice is never published
                 out.append(sampled)
             fed.append(nxt)
             if step in tap_steps:
@@ -143,8 +143,13 @@ class SimKernel:
                         off = tp.at(max(layer, 0))
                         row[off:off + tp.size] = v.reshape(-1)
             if stop:
-                res = Result(out, step + 1, 1.0, None, record, None, None, taps if tap_steps else None, tap_steps,
-                             pos0, (list(prompt) + out)[:step + 1], list(prompt), max_new, eos)
+                # as the runtime returns it: every recorded row, those of the steps never run unwritten (NaN)
+                hist = np.full((len(record), cfg.vocab), np.nan, np.float32)
+                if logits_hist:
+                    hist[:len(logits_hist)] = np.stack(logits_hist)
+                res = Result(out, step + 1, 1.0, hist if record else None, record, None, None,
+                             taps if tap_steps else None, tap_steps, pos0, (list(prompt) + out)[:step + 1],
+                             list(prompt), max_new, eos)
                 e = NonFiniteLogits(f"no valid token at step {step}: the logits are NaN or infinite")
                 e.result = res
                 raise e

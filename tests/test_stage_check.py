@@ -9,7 +9,7 @@ from kernel_sim import SimKernel
 
 from workbench import plan
 from workbench.check.reference import round_bf16
-from workbench.check.verify import coverage, verify_stages
+from workbench.check.verify import coverage, end_to_end, verify_stages
 from workbench.model.config import get_config
 from workbench.model.weights import prepare, random_weights
 
@@ -183,3 +183,9 @@ def test_an_unwritten_element_that_stops_the_kernel_is_still_named(tiny_p):
     f = table.first_failure
     assert (f.stage, f.buffer, f.layer, f.step) == ("gate_up_silu", "hmlp", 0, 0), table.summary()
     assert any(c.buffer == "run stopped" and "NaN" in c.note for c in table.extra)
+    # the end-to-end check of that run (the loop's, after the table) takes only what ran: the step that stopped has
+    # NaN logits and chose no token
+    first = results[0]
+    assert first.recorded_steps and max(first.recorded_steps) < first.steps
+    e2e = end_to_end(tiny_p, first, len(first.prompt))
+    assert e2e and not e2e[-1].finite and e2e[-1].token_ok is None

@@ -37,10 +37,12 @@ INJECTIONS = (
     Injection("trap", "gate_up_silu", "block 7 executes a trap", "    float* act = smem + WB_SMEM_GATE_UP_SILU_ACT;",
               "    float* act = smem + WB_SMEM_GATE_UP_SILU_ACT;\n    if (wb_bid() == 7 && wb_tid() == 0) __trap();",
               "fault"),
-    Injection("illegal-address", "down_residual", "block 9 writes 4 GB past the residual",
+    # through a null pointer, not far past a buffer: a far address can land in another allocation and not fault
+    Injection("illegal-address", "down_residual", "block 9 writes through a null pointer",
               "    float* act = smem + WB_SMEM_DOWN_RESIDUAL_ACT;",
               "    float* act = smem + WB_SMEM_DOWN_RESIDUAL_ACT;\n"
-              "    if (wb_bid() == 9 && wb_tid() == 0) x[1ll << 30] = 1.f;", "fault"),
+              "    if (wb_bid() == 9 && wb_tid() == 0) { volatile float* null = x + (0 - (long long)(size_t)x / 4); "
+              "*null = 1.f; }", "fault"),
     Injection("shared-out-of-bounds", "lm_head", "block 11 writes 16 MB past its shared memory",
               "    float* act = smem + WB_SMEM_LM_HEAD_ACT;",
               "    float* act = smem + WB_SMEM_LM_HEAD_ACT;\n"

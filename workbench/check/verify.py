@@ -129,10 +129,16 @@ def verify_stages(mk: Monokernel, *, thorough: bool = False, sampling: bool = Fa
 
 
 def _ran(res: Result) -> Result:
-    """A stopped run's Result cut to the steps that ran (the others' taps are the poison they started with)."""
+    """A stopped run's Result cut to the steps that ran: its taps (the others' are the poison they started with)
+    and its recorded logits and draws (the others' were never written; nor were the tokens they would be checked
+    against)."""
     keep = [i for i, s in enumerate(res.tap_steps) if s < res.steps]
+    rec = [i for i, s in enumerate(res.recorded_steps) if s < res.steps]
     return dataclasses.replace(res, tap_steps=[res.tap_steps[i] for i in keep],
-                               taps=res.taps[keep] if res.taps is not None and keep else None)
+                               taps=res.taps[keep] if res.taps is not None and keep else None,
+                               recorded_steps=[res.recorded_steps[i] for i in rec],
+                               logits=res.logits[rec] if res.logits is not None and rec else None,
+                               draws=res.draws[rec] if res.draws is not None and rec else None)
 
 
 # ---- end to end ---------------------------------------------------------------------------------------------------
@@ -211,8 +217,9 @@ def end_to_end(p: Prepared, res: Result, prompt_len: int, rtol: float = DEFAULT_
         top2 = np.sort(r)[-2:]
         margin = float(top2[1] - top2[0])
         token_ok = None
-        if step >= prompt_len - 1 and margin > 2 * rtol * float(np.abs(r).max()):
-            token_ok = res.tokens[step - (prompt_len - 1)] == int(np.argmax(r))
+        g = step - (prompt_len - 1)                     # the token this step chose; none at a step that stopped
+        if 0 <= g < len(res.tokens) and margin > 2 * rtol * float(np.abs(r).max()):
+            token_ok = res.tokens[g] == int(np.argmax(r))
         checks.append(StepCheck(step, res.pos0 + step, rel, float(diff.max()) if finite else math.inf, finite,
                                 token_ok, margin))
     return checks
