@@ -45,17 +45,34 @@ class FakeService:
                     w[b] = plan.where(step % 5, step % 3, step)
             if stall_block is None or step < 3:
                 self.mapped[prog] = step + 1
+            elif (step - 3) * 0.005 > timeout_s:
+                self._barrier_timed_out()                  # the waiting blocks' own timeout, as a kernel's
             time.sleep(0.005)
         self.set_phase("checking")
         return self.mapped[prog]
 
+    def _barrier_timed_out(self):
+        """What a kernel's barrier writes when it times out: the hang code first among the status words."""
+        self.mapped[plan.mapped_offset("status") + plan.STATUS_WORDS.index("code")] = 1
+
     def spin(self):
-        """A block that spins on a flag nobody sets, ignoring the abort flag."""
+        """A block that spins on a flag nobody sets, ignoring the abort flag; the others time out at the barrier."""
         self.set_phase("running", 0.2)
         w = self._where()
         w[:] = [plan.where(3, 1, 2), plan.where(3, 1, 2, True), plan.where(3, 1, 2, True), plan.where(3, 1, 2, True)]
+        time.sleep(0.2)
+        self._barrier_timed_out()
         while True:
             time.sleep(0.01)
+
+    def freeze(self, after_s: float = 1.5):
+        """A fault as the GPU shows it: every block halts at once (the waiting ones' timeouts never fire), and
+        the CUDA error reaches the process only seconds later, when the driver has torn the context down."""
+        self.set_phase("running", 0.2)
+        w = self._where()
+        w[:] = [plan.where(3, 1, 2), plan.where(3, 1, 2, True), plan.where(3, 1, 2, True), plan.where(3, 1, 2, True)]
+        time.sleep(after_s)
+        self.fault()
 
     def compile_forever(self):
         self.set_phase("compiling")

@@ -52,6 +52,7 @@ class SimKernel:
     hook: object = None                        # (stage, layer, step, outputs) -> outputs
     sampler_bug: bool = False                  # top-k keeps one token too many
     publish_bug: bool = False                  # feeds the sampled token even while the prompt lasts
+    stops_early: bool = False                  # ends every run one step before it should (a wrong stop decision)
 
     def __post_init__(self):
         self.cfg = self.p.cfg
@@ -97,6 +98,8 @@ class SimKernel:
         cfg, launch = self.cfg, self.launch
         eos = list(eos or [])
         n_steps = len(prompt) + max_new - 1
+        if self.stops_early and n_steps > 1:
+            n_steps -= 1
         record, tap_steps = sorted(record), sorted(tap_steps)
         floats = plan.tap_step_floats(cfg, launch)
         taps = np.full((len(tap_steps), floats), np.nan, np.float32)

@@ -164,6 +164,17 @@ def test_publish_feeding_the_wrong_token(tiny_p):
     assert f is not None and f.stage == "publish", table.summary()
 
 
+def test_a_kernel_that_stops_early_is_named_by_the_last_stage(tiny_p):
+    """A run that ends before its steps (the stop decision is publish's) fails, named after what ran passed."""
+    table, results = run(tiny_p, stops_early=True)
+    f = table.first_failure
+    assert f is not None and f.stage == "publish", table.summary()
+    assert any(c.buffer == "run stopped" and "ran" in c.note for c in table.extra)
+    first = results[0]                                # cut to what ran, so the end-to-end check can take it
+    assert first.recorded_steps and max(first.recorded_steps) < first.steps
+    assert end_to_end(tiny_p, first, len(first.prompt))
+
+
 def test_round_bf16_rounds_to_nearest_even():
     x = np.float32([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -1.0 - 2 ** -9, np.nan])
     r = round_bf16(x)

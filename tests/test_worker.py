@@ -15,7 +15,7 @@ from workbench.run.worker import BlockState, Worker, WorkerFailure, block_states
 
 @pytest.fixture
 def worker():
-    w = Worker(FakeService, "test", hang_s=0.6, grace_s=0.3, compile_s=1.5, max_tokens=64)
+    w = Worker(FakeService, "test", hang_s=0.6, grace_s=0.3, compile_s=1.5, fault_s=3.0, max_tokens=64)
     w.start()
     yield w
     w.close()
@@ -54,6 +54,23 @@ def test_a_spin_that_ignores_the_abort_flag_is_killed(worker):
     assert e.value.kind == "hang" and time.perf_counter() - t0 < 5
     assert "did not stop when asked" in str(e.value)
     assert worker.start() < 30 and worker.call("echo", 3) == ("test", 3)
+
+
+def test_a_grid_frozen_whole_is_given_time_to_report_its_fault(worker):
+    """Every block halted, the waiting ones too, and no barrier report: a fault the driver is still tearing down,
+    not a hang; the worker is waited for (fault_s) and the fault named."""
+    with pytest.raises(WorkerFailure) as e:
+        worker.call("freeze", 1.5, grid=4)
+    assert e.value.kind == "fault" and "illegal" in str(e.value)
+    assert [b.block for b in e.value.blocks if not b.waiting] == [0]
+    worker.start()
+    assert worker.call("echo", 5) == ("test", 5)
+
+
+def test_a_frozen_grid_that_never_reports_is_killed_as_a_hang(worker):
+    with pytest.raises(WorkerFailure) as e:
+        worker.call("freeze", 60.0, grid=4)
+    assert e.value.kind == "hang" and "the whole grid froze" in str(e.value)
 
 
 def test_a_kernel_that_watches_the_abort_flag_stops_without_a_kill(worker):

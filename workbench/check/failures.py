@@ -56,9 +56,13 @@ INJECTIONS = (
               "    __shared__ float huge[64 * 1024];\n    huge[wb_tid()] = 1.f;\n"
               "    float* qs = smem + WB_SMEM_ATTENTION_DECODE_Q;\n    if (huge[(wb_tid() * 7) % 1024] == 2.f) o[0] = 0.f;",
               "compile error"),
-    Injection("compiler-hangs", "embedding", "a loop unrolled a million times (the compiler runs for minutes)",
+    # 2^24 copies of a statement, by the preprocessor: the compiler front end alone takes minutes (a large
+    # `#pragma unroll` is not enough: NVVM declines to unroll past its own limit and compiles in seconds)
+    Injection("compiler-hangs", "embedding", "16 million copies of a statement (the compiler runs for minutes)",
               "    for (int i = wb_tid(); i < WB_D; i += wb_ntid()) x[i] = bf16_to_f32(row[i]);",
-              "    float acc = 0.f;\n#pragma unroll\n    for (int k = 0; k < 1000000; ++k) acc = acc * 0.999f + (float)(k ^ token);\n"
+              "#define WB_X0(s) s\n"
+              + "".join(f"#define WB_X{i}(s) WB_X{i - 1}(s) WB_X{i - 1}(s)\n" for i in range(1, 25)) +
+              "    float acc = 0.f;\n    WB_X24(acc = acc * 0.999f + (float)token;)\n"
               "    for (int i = wb_tid(); i < WB_D; i += wb_ntid()) x[i] = bf16_to_f32(row[i]) + acc * 0.f;",
               "compiler hang or crash"),
 )

@@ -119,6 +119,11 @@ def verify_stages(mk: Monokernel, *, thorough: bool = False, sampling: bool = Fa
             if r.sampling is not None:
                 draws[i] = r.sampling
             break
+        if res.steps < r.steps:
+            # it ended early on its own (a wrong stop decision): what ran is checked, the early end is a failure
+            stopped[len(results)] = (res.steps, f"the kernel ran {res.steps} of the run's {r.steps} steps")
+            results.append(_ran(res))
+            break
         results.append(res)
         if r.sampling is not None:
             draws[i] = r.sampling

@@ -223,13 +223,15 @@ class Worker:
     """One worker process running `factory(buf, header, n_words, worker_words, *args)` (see the module docstring).
 
     hang_s: no movement of a running kernel for this long is a hang. grace_s: after raising the abort flag, how long
-    the kernel has to stop before the worker is killed. compile_s: a call in the compiling phase longer than this is
+    the kernel has to stop before the worker is killed; fault_s: how much longer a grid frozen whole (a fault the
+    driver has yet to report) is given. compile_s: a call in the compiling phase longer than this is
     a compiler hang. max_tokens: the mapped block's room for streamed tokens."""
 
     def __init__(self, factory, *args, hang_s: float = 2.0, grace_s: float = 0.75, compile_s: float = 30.0,
-                 start_s: float = 120.0, max_tokens: int = 1 << 16, **kwargs):
+                 start_s: float = 120.0, fault_s: float = 15.0, max_tokens: int = 1 << 16, **kwargs):
         self.factory, self.args, self.kwargs = factory, args, kwargs
         self.hang_s, self.grace_s, self.compile_s, self.start_s = hang_s, grace_s, compile_s, start_s
+        self.fault_s = fault_s
         self.n_words = HEADER + plan.mapped_words(max_tokens)
         self.shm = shared_memory.SharedMemory(create=True, size=4 * self.n_words)
         self.words = np.frombuffer(self.shm.buf, dtype=np.int32, count=self.n_words)
@@ -403,9 +405,19 @@ class Worker:
                     aborted_at = now
                 elif aborted_at is not None and now - aborted_at > self.grace_s:
                     status = self.status()
+                    # A grid frozen whole, even the blocks waiting at a barrier (their own timeout never fired),
+                    # is a fault on its way: the GPU halts every block at a trap or a bad address, and the driver
+                    # takes seconds to tear the context down. Wait for the worker to report it.
+                    frozen = status.get("code", 0) == 0 and any(
+                        (d := plan.decode_where(int(x))) is not None and d[3] for x in w)
+                    if frozen and now - aborted_at < self.grace_s + self.fault_s:
+                        continue
                     self.kill()
                     raise self._failure("hang", f"no progress for {hang_s:.1f} s and the kernel did not stop "
-                                                f"when asked", grid, t0, status=status)
+                                                f"when asked" + (f"; the whole grid froze (the blocks waiting at a "
+                                                                 f"barrier never timed out): a fault the driver did "
+                                                                 f"not report within {self.fault_s:.0f} s?"
+                                                                 if frozen else ""), grid, t0, status=status)
         except KeyboardInterrupt:
             self._interrupted(grid)
             raise
