@@ -602,3 +602,14 @@ def test_generate_streams_text(capsys, monkeypatch, tmp_path, tiny_hf_checkpoint
     out = capsys.readouterr().out
     assert seen == {"prompt": byte_bpe.encode("café").ids, "max_new": len(out_ids)}
     assert out.splitlines()[0] == " naïve 😀 日本語"
+
+
+@pytest.mark.parametrize("text, errors", [
+    ("========= ERROR SUMMARY: 0 errors\n", 0),
+    ("========= ERROR SUMMARY: 3 errors\n", 3),
+    ("========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n", 0),   # as the H200 printed it
+    ("========= RACECHECK SUMMARY: 5 hazards displayed (2 errors, 3 warnings)\n", 2),
+    ("========= COMPUTE-SANITIZER\nTraceback ...\n", None),
+])
+def test_sanitizer_summaries_are_read(text, errors):
+    assert cli.sanitizer_errors(text) == errors

@@ -474,10 +474,18 @@ def _check_sanitize(args):
                          "--sanitizer PATH names it)")
 
 
+def sanitizer_errors(output: str) -> int | None:
+    """The error count of a compute-sanitizer run's summary line, None without one. memcheck, synccheck and
+    initcheck end with `ERROR SUMMARY: N errors`; racecheck with `RACECHECK SUMMARY: H hazards displayed (N errors,
+    W warnings)`."""
+    import re
+    m = re.search(r"ERROR SUMMARY: (\d+) error", output) or re.search(r"RACECHECK SUMMARY: .*?\((\d+) error", output)
+    return int(m[1]) if m else None
+
+
 def cmd_sanitize(args) -> int:
     """`generate` under compute-sanitizer, once per tool, in this process (the sanitizer must see the kernel):
     a line per tool with its error count; exit 1 if any tool found an error."""
-    import re
     import subprocess
     tools = SANITIZER_TOOLS if args.tool == "all" else (args.tool,)
     worst = 0
@@ -489,8 +497,7 @@ def cmd_sanitize(args) -> int:
         t0 = time.perf_counter()
         r = subprocess.run(cmd, capture_output=True, text=True)
         out = r.stdout + r.stderr
-        m = re.search(r"ERROR SUMMARY: (\d+) error", out)
-        errors = int(m[1]) if m else None
+        errors = sanitizer_errors(out)
         dt = time.perf_counter() - t0
         if errors is None:
             print(f"{tool:10s} {args.model}: no summary (exit code {r.returncode}) in {dt:.0f} s; its output ends:\n"
