@@ -12,6 +12,7 @@ import struct
 
 import numpy as np
 import pytest
+from conftest import TEXT
 
 from workbench import cli
 from workbench.cli import main, stream_text
@@ -512,26 +513,6 @@ def test_user_errors_stay_value_errors():
 
 
 # -- streaming text (DecodeStream) ---------------------------------------------------------------------------------
-
-TEXT = ["naïve 😀 日本語, café façade: ünïcödé ∑ ∫ 🎉🎉",
-        "The quick brown fox jumps over the lazy dog. Ça va? Größe, Straße, naïveté.",
-        "日本語のテキスト、中文字符、한국어 텍스트 and emoji 😀🙃🎉 side by side"] * 4
-
-
-@pytest.fixture(scope="module")
-def byte_bpe():
-    """A byte-level BPE tokenizer (GPT-2 / Llama 3 style) trained here, with few merges (280 tokens, 256 of them
-    bytes) so that multi-byte characters stay split across tokens: what decoding token by token gets wrong."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=280, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<eos>"])
-    tok.train_from_iterator(TEXT, trainer)
-    return tok
-
 
 @pytest.mark.parametrize("text", ["naïve 😀 日本語", TEXT[0], TEXT[1] + " " + TEXT[2]])
 def test_streamed_pieces_are_the_decoded_text(byte_bpe, text):

@@ -221,3 +221,35 @@ def test_head_dims_verify(tmp_path, head_dim, kind):
     rep = verify(Monokernel(p, BuildOptions(), max_steps=64), prompt_len=8, max_new=16, seed=fresh_seed())
     print(rep.summary())
     assert rep.passed, rep.summary()
+
+
+def test_generate_streams_whole_characters_through_a_splitting_tokenizer(tmp_path, hf_checkpoint, byte_bpe):
+    """The CLI on the GPU, in its worker, with a text prompt through a byte-level BPE tokenizer that splits
+    multi-byte characters (a checkpoint of the tokenizer's vocabulary): what it prints is what the streaming
+    decoder makes of the tokens the same kernel generates from the same ids without a tokenizer."""
+    import shutil
+    import subprocess
+    import sys
+
+    from workbench.cli import stream_text
+    fields = {**get_config("tiny").to_hf_dict(), "vocab_size": byte_bpe.get_vocab_size()}
+    plain = tmp_path / "plain"
+    shutil.copytree(hf_checkpoint(**fields), plain)
+    with_text = tmp_path / "text"
+    shutil.copytree(plain, with_text)
+    byte_bpe.save(str(with_text / "tokenizer.json"))
+    prompt = "naïve 😀 日本"
+    ids = byte_bpe.encode(prompt).ids
+
+    def cli(*argv):
+        r = subprocess.run([sys.executable, "-m", "workbench", "generate", "--tokens", "40", *argv],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        body, summary = r.stdout.rstrip("\n").rsplit("\n", 1)
+        assert summary.startswith("40 tokens") and "tok/s" in summary, r.stdout
+        return body
+
+    tokens = [int(t) for t in cli("--model", str(plain), "--prompt-ids", ",".join(map(str, ids))).split()]
+    assert len(tokens) == 40 and all(0 <= t < byte_bpe.get_vocab_size() for t in tokens)
+    text = cli("--model", str(with_text), "--prompt", prompt)
+    assert text == "".join(stream_text(byte_bpe, tokens, prompt=ids))
