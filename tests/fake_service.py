@@ -27,7 +27,7 @@ class FakeService:
 
     def run(self, steps: int, *, stall_block: int | None = None, obey_abort: bool = True, timeout_s: float = 0.5):
         """A kernel of `steps` steps, 5 ms each; `stall_block` stops moving from step 2 (the others wait for it)."""
-        self.set_phase("running", timeout_s)
+        self.set_phase("running", timeout_s, 4)
         abort = plan.mapped_offset("host_abort")
         prog = plan.mapped_offset("progress")
         self.mapped[abort] = 0
@@ -57,7 +57,7 @@ class FakeService:
 
     def spin(self):
         """A block that spins on a flag nobody sets, ignoring the abort flag; the others time out at the barrier."""
-        self.set_phase("running", 0.2)
+        self.set_phase("running", 0.2, 4)
         w = self._where()
         w[:] = [plan.where(3, 1, 2), plan.where(3, 1, 2, True), plan.where(3, 1, 2, True), plan.where(3, 1, 2, True)]
         time.sleep(0.2)
@@ -68,7 +68,7 @@ class FakeService:
     def freeze(self, after_s: float = 1.5):
         """A fault as the GPU shows it: every block halts at once (the waiting ones' timeouts never fire), and
         the CUDA error reaches the process only seconds later, when the driver has torn the context down."""
-        self.set_phase("running", 0.2)
+        self.set_phase("running", 0.2, 4)
         w = self._where()
         w[:] = [plan.where(3, 1, 2), plan.where(3, 1, 2, True), plan.where(3, 1, 2, True), plan.where(3, 1, 2, True)]
         time.sleep(after_s)
@@ -89,3 +89,14 @@ class FakeService:
 
     def error(self):
         raise ValueError("a plain error, reported as itself")
+
+    def barrier_report(self):
+        """A hang the kernel caught itself: its barrier timed out, named the straggler, and the kernel stopped."""
+        from workbench.run.runtime import KernelHang
+        self.set_phase("running", 0.2, 4)
+        w = self._where()
+        w[:] = [plan.where(3, 1, 2), plan.where(3, 1, 2, True), plan.where(3, 1, 2, True), plan.where(3, 1, 2, True)]
+        self._barrier_timed_out()
+        self.set_phase("checking")
+        raise KernelHang("grid barrier timed out after the o_proj_residual stage of layer 1 at step 2: block 1 "
+                         "waited, 1 block(s) never arrived, the first being block 0")

@@ -23,7 +23,7 @@ def worker():
 
 def test_calls_come_back(worker):
     assert worker.call("echo", 41) == ("test", 41)
-    assert worker.call("run", 20, grid=4) == 20
+    assert worker.call("run", 20) == 20
     assert worker.progress() == 20 and worker.alive
 
 
@@ -36,7 +36,7 @@ def test_errors_come_back_as_themselves(worker):
 def test_a_stalled_block_is_a_hang_named_with_every_blocks_state(worker):
     t0 = time.perf_counter()
     with pytest.raises(WorkerFailure) as e:
-        worker.call("run", 400, stall_block=2, obey_abort=False, grid=4)
+        worker.call("run", 400, stall_block=2, obey_abort=False)
     dt = time.perf_counter() - t0
     f = e.value
     assert f.kind == "hang" and dt < 5
@@ -50,7 +50,7 @@ def test_a_stalled_block_is_a_hang_named_with_every_blocks_state(worker):
 def test_a_spin_that_ignores_the_abort_flag_is_killed(worker):
     t0 = time.perf_counter()
     with pytest.raises(WorkerFailure) as e:
-        worker.call("spin", grid=4)
+        worker.call("spin")
     assert e.value.kind == "hang" and time.perf_counter() - t0 < 5
     assert "did not stop when asked" in str(e.value)
     assert worker.start() < 30 and worker.call("echo", 3) == ("test", 3)
@@ -60,7 +60,7 @@ def test_a_grid_frozen_whole_is_given_time_to_report_its_fault(worker):
     """Every block halted, the waiting ones too, and no barrier report: a fault the driver is still tearing down,
     not a hang; the worker is waited for (fault_s) and the fault named."""
     with pytest.raises(WorkerFailure) as e:
-        worker.call("freeze", 1.5, grid=4)
+        worker.call("freeze", 1.5)
     assert e.value.kind == "fault" and "illegal" in str(e.value)
     assert [b.block for b in e.value.blocks if not b.waiting] == [0]
     worker.start()
@@ -72,15 +72,26 @@ def test_a_halted_grid_whose_error_never_comes_is_a_fault_all_the_same(worker):
     worker is killed after fault_s and the failure reported as a fault, the faulting block named."""
     t0 = time.perf_counter()
     with pytest.raises(WorkerFailure) as e:
-        worker.call("freeze", 60.0, grid=4)
+        worker.call("freeze", 60.0)
     assert e.value.kind == "fault" and e.value.killed and "the whole grid halted at once" in str(e.value)
     assert "block 0: in o_proj_residual of layer 1" in str(e.value) and time.perf_counter() - t0 < 10
     assert not worker.alive
 
 
+def test_a_hang_the_kernel_reports_itself_is_a_hang_without_a_kill(worker):
+    """The kernel's own barrier report (KernelHang) comes back as a WorkerFailure like every other hang, with the
+    blocks, and the worker lives on: every caller (the loop, the command line) handles one kind of failure."""
+    with pytest.raises(WorkerFailure) as e:
+        worker.call("barrier_report")
+    f = e.value
+    assert f.kind == "hang" and not f.killed and f.message.startswith("grid barrier timed out")
+    assert "block 0: in o_proj_residual of layer 1 at step 2" in str(f)
+    assert worker.alive and worker.call("echo", 7) == ("test", 7)
+
+
 def test_a_kernel_that_watches_the_abort_flag_stops_without_a_kill(worker):
     with pytest.raises(WorkerFailure) as e:
-        worker.call("run", 400, stall_block=1, obey_abort=True, grid=4)
+        worker.call("run", 400, stall_block=1, obey_abort=True)
     assert e.value.kind == "hang" and not e.value.killed and "stopped when asked" in str(e.value)
     assert worker.alive and worker.call("echo", 6) == ("test", 6)
 
@@ -113,7 +124,7 @@ def test_an_interrupt_stops_the_run_and_keeps_the_worker(worker):
         if w.progress() >= 3:
             raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
-        worker.call("run", 10_000, on_poll=interrupt, grid=4)
+        worker.call("run", 10_000, on_poll=interrupt)
     assert worker.alive and worker.call("echo", 5) == ("test", 5)
 
 

@@ -64,11 +64,10 @@ def positive_float(text: str) -> float:
 
 
 def threads(text: str) -> int:
-    # whole warps (work is dealt out per warp), at most a CUDA block's limit of 1024, which the reduction scratch
-    # is sized for (WB_MAX_WARPS)
+    from .build.assemble import threads_problem      # the builds' own rule, checked before anything is read
     n = _number(text, int)
-    if n % 32 or not 64 <= n <= 1024:
-        raise argparse.ArgumentTypeError(f"must be a multiple of 32 from 64 to 1024, got {n}")
+    if (why := threads_problem(n)) is not None:
+        raise argparse.ArgumentTypeError(why)
     return n
 
 
@@ -99,7 +98,7 @@ def _model_args(p: argparse.ArgumentParser):
     p.add_argument("--max-seq", type=positive_int,
                    help="KV-cache length (default: the config's, at most 8192; at most max_position_embeddings)")
     p.add_argument("--threads", type=threads, default=512,
-                   help="threads per block (one block per SM): a multiple of 32 from 64 to 1024")
+                   help="threads per block (one block per SM): a multiple of 64 from 64 to 1024")
 
 
 # -- checks that need the config: before any weight is read and before the GPU is touched ---------------------------
@@ -592,8 +591,12 @@ def main(argv=None) -> int:
         return 0
     except Exception as e:
         from .build.compile import CompileError
+        from .run.runtime import KernelError
         if isinstance(e, CompileError):                 # the kernel sources' fault, reported as `build` reports it
             print(e, file=sys.stderr)
+            return 1
+        if isinstance(e, KernelError):                  # the kernel stopped itself (a hang it caught, NaN logits)
+            print("error: the kernel stopped: " + " ".join(str(e).split()), file=sys.stderr)
             return 1
         traceback.print_exc()
         print(BUG, file=sys.stderr)

@@ -620,7 +620,17 @@ def decode_where(w: int) -> tuple[str, int, int, bool] | None:
         vals.append((w >> shift) & ((1 << bits) - 1))
         shift += bits
     st, layer, step, waiting = vals
-    return (STAGE_NAMES[st] if st < len(STAGE_NAMES) else f"stage {st}"), layer - 1, step, bool(waiting)
+    return stage_name(st), layer - 1, step, bool(waiting)
+
+
+def stage_name(index: int) -> str:
+    """The stage of a Stage enum value the kernel reported ("stage N" for one the plan does not have)."""
+    return STAGE_NAMES[index] if 0 <= index < len(STAGE_NAMES) else f"stage {index}"
+
+
+def place(stage: str, layer: int, step: int) -> str:
+    """Where in the decode step: "attention_decode of layer 3 at step 7" (a token stage has no layer)."""
+    return stage + (f" of layer {layer}" if layer >= 0 else "") + f" at step {step}"
 
 
 def describe_where(w: int) -> str:
@@ -628,8 +638,7 @@ def describe_where(w: int) -> str:
     if d is None:
         return "unknown"
     st, layer, step, waiting = d
-    return (("waiting after " if waiting else "") + st + (f" of layer {layer}" if layer >= 0 else "")
-            + f" at step {step}")
+    return ("waiting after " if waiting else "") + place(st, layer, step)
 
 
 # Kernel parameters that are not buffers of the step: the synchronisation words, the host's mapped memory, the

@@ -22,6 +22,14 @@ from ..model.config import ModelConfig
 from .header import Params, decode_step, plan_header  # noqa: F401  (Params: the host's mirror, used from here)
 
 
+def threads_problem(n) -> str | None:
+    """Why `n` cannot be the threads of a block (None: it can): at most a CUDA block's 1024, which the reduction
+    scratch is sized for (WB_MAX_WARPS), in multiples of 64. The command line checks with this too."""
+    if isinstance(n, int) and 64 <= n <= 1024 and n % 64 == 0:
+        return None
+    return f"must be a multiple of 64 from 64 to 1024, got {n!r}"
+
+
 @dataclasses.dataclass(frozen=True)
 class BuildOptions:
     threads: int = 512           # per block; one block per SM
@@ -43,8 +51,8 @@ class BuildOptions:
             raise ValueError(f"fast_compile must be 0, min, mid or max, got {self.fast_compile!r}")
         if self.ptxas_opt not in (0, 1, 2, 3):
             raise ValueError(f"ptxas_opt must be 0 to 3, got {self.ptxas_opt!r}")
-        if not (isinstance(self.threads, int) and 64 <= self.threads <= 1024 and self.threads % 64 == 0):
-            raise ValueError(f"threads must be a multiple of 64 from 64 to 1024, got {self.threads!r}")
+        if (why := threads_problem(self.threads)) is not None:
+            raise ValueError(f"threads {why}")
         if not (isinstance(self.grid, int) and self.grid >= 1):
             raise ValueError(f"grid must be a positive number of blocks, got {self.grid!r}")
 

@@ -299,47 +299,54 @@ class GpuBackend:
                     o["error"] = "compile error:\n" + format_compile_error(e)
                 except (KernelError, ValueError, FileNotFoundError) as e:
                     o["error"] = f"{type(e).__name__}: {e}"
-            runs, timing = {"a": [], "b": []}, {}
-            tok = self.cfg.bos_token_id if self.cfg.bos_token_id is not None else 1
-            for tag, mk in kernels.items():
-                try:
-                    mk.generate([tok], 2, eos=[], timeout_s=self.timeout_s)
-                except KernelError as e:
-                    out[tag]["error"] = f"{type(e).__name__}: {e}"
-            live = {t: mk for t, mk in kernels.items() if not out[t]["error"]}
-            for _ in range(repeats):
-                for tag, mk in live.items():
-                    res = mk.generate([tok], tokens, eos=[], timing_steps=tokens, timeout_s=self.timeout_s)
-                    runs[tag].append(res.tok_per_s)
-                    timing[tag] = res.timing
+            live = {t: (mk, True) for t, mk in kernels.items() if not out[t]["error"]}
+            runs, last, errors = self._interleaved(live, tokens, repeats)
+            for tag, e in errors.items():
+                out[tag]["error"] = e
             kernels.clear()
         for tag in ("a", "b"):
-            out[tag]["runs"] = runs[tag]
-            out[tag]["tok_s"] = float(np.median(runs[tag])) if runs[tag] else None
-            out[tag]["rows"] = stage_table(self.cfg, timing[tag], 0) if tag in timing else None
+            out[tag]["runs"] = runs.get(tag, [])
+            out[tag]["tok_s"] = float(np.median(runs[tag])) if runs.get(tag) else None
+            out[tag]["rows"] = stage_table(self.cfg, last[tag].timing, 0) if tag in last else None
         return out
 
     def overhead(self, builds: dict, overrides: dict, *, tokens: int, repeats: int) -> dict:
         """tok/s of each build in `builds` ({name: BuildOptions}), `repeats` interleaved runs of `tokens` greedy
-        steps (so drifting clocks hit all alike); a build with timing stores every step's stamps. The build named
-        "timing" is also run storing none: what the compiled-in instrumentation costs by itself."""
-        tps: dict = {k: [] for k in builds}
+        steps; a build with timing stores every step's stamps. The build named "timing" is also run storing none:
+        what the compiled-in instrumentation costs by itself."""
+        from ..run.runtime import KernelError
         with self._ctx():
             kernels = {k: self.monokernel(o, dict(overrides), max_steps=tokens + 8) for k, o in builds.items()}
-            tok = self.cfg.bos_token_id if self.cfg.bos_token_id is not None else 1
-            for mk in kernels.values():
-                mk.generate([tok], 4, eos=[], timeout_s=self.timeout_s)
+            spec = {k: (mk, mk.opt.timing) for k, mk in kernels.items()}
             if "timing" in kernels:
-                tps["timing, no stamps stored"] = []
-            for _ in range(repeats):
-                for k, mk in kernels.items():
-                    tps[k].append(mk.generate([tok], tokens, eos=[], timeout_s=self.timeout_s,
-                                              timing_steps=tokens if mk.opt.timing else 0).tok_per_s)
-                if "timing" in kernels:
-                    tps["timing, no stamps stored"].append(
-                        kernels["timing"].generate([tok], tokens, eos=[], timeout_s=self.timeout_s).tok_per_s)
+                spec["timing, no stamps stored"] = (kernels["timing"], False)
+            runs, _, errors = self._interleaved(spec, tokens, repeats)
             kernels.clear()
-        return tps
+        if errors:
+            raise KernelError("; ".join(f"{k}: {e}" for k, e in errors.items()))
+        return runs
+
+    def _interleaved(self, spec: dict, tokens: int, repeats: int) -> tuple[dict, dict, dict]:
+        """Time kernels against each other: spec {name: (Monokernel, store stamps)}. Each is warmed up (a kernel that
+        fails there is left out, its error kept), then `repeats` rounds of `tokens` greedy steps from the BOS token
+        run every kernel in turn, so that drifting clocks hit all alike. → ({name: [tok/s]}, {name: its last
+        Result}, {name: error})."""
+        from ..run.runtime import KernelError
+        tok = self.cfg.bos_token_id if self.cfg.bos_token_id is not None else 1
+        errors = {}
+        for name, (mk, _) in spec.items():
+            try:
+                mk.generate([tok], 2, eos=[], timeout_s=self.timeout_s)
+            except KernelError as e:
+                errors[name] = f"{type(e).__name__}: {e}"
+        live = {n: v for n, v in spec.items() if n not in errors}
+        runs, last = {n: [] for n in live}, {}
+        for _ in range(repeats):
+            for name, (mk, stamps) in live.items():
+                last[name] = mk.generate([tok], tokens, eos=[], timing_steps=tokens if stamps else 0,
+                                         timeout_s=self.timeout_s)
+                runs[name].append(last[name].tok_per_s)
+        return runs, last, errors
 
     def close(self):
         self.kernels.clear()
@@ -371,26 +378,16 @@ class GpuService:
         set_phase("idle")
 
     def at(self, kernels: str, method: str, *args, **kw):
-        """`method` with the caller's kernel folder in force (sections are read from where the caller edits)."""
+        """`method` with the caller's kernel folder in force (sections are read from where the caller edits): this
+        service's own (build, which answers with what the caller keeps of each kernel), else the backend's."""
         paths.set_kernels_dir(kernels)
-        return getattr(self, method)(*args, **kw)
+        target = self if method in ("build", "close") else self.backend
+        return getattr(target, method)(*args, **kw)
 
     def build(self, builds: dict, overrides: dict):
         from .benchmark import texts_of
         wall = self.backend.build(builds, overrides)
         return wall, {n: (mk.asm.key, mk.resources(), texts_of(mk.asm)) for n, mk in self.backend.kernels.items()}
-
-    def verify(self, sampling: bool = False):
-        return self.backend.verify(sampling=sampling)
-
-    def time(self, steps: int, prompt=None):
-        return self.backend.time(steps, prompt)
-
-    def ab(self, a, b, overrides, **kw):
-        return self.backend.ab(a, b, overrides, **kw)
-
-    def overhead(self, builds, overrides, **kw):
-        return self.backend.overhead(builds, overrides, **kw)
 
     def close(self):
         self.backend.close()
@@ -426,21 +423,14 @@ class WorkerBackend:
         self.restart_s = None
 
     def _call(self, method, *args, **kw):
-        from ..run.runtime import KernelHang
-        from ..run.worker import WorkerFailure, summarize_blocks
+        from ..run.worker import WorkerFailure
         try:
             # the caller's kernel folder, every call: the worker is another process and would read the default
-            return self.worker.call("at", str(paths.kernels_dir()), method, *args, grid=132, **kw)
+            return self.worker.call("at", str(paths.kernels_dir()), method, *args, **kw)
         except WorkerFailure as f:
-            if f.killed:
+            if f.killed:                       # a hang the kernel survived needs no new worker
                 self.recover(f)
             raise
-        except KernelHang as e:
-            # the kernel's own barrier timed out and named the straggler: a hang it survived (no new worker needed)
-            blocks = self.worker.blocks(132)
-            f = WorkerFailure("hang", f"{e}. {summarize_blocks(blocks)}", blocks, self.worker.status())
-            f.killed = False
-            raise f from None
 
     def recover(self, failure=None):
         """A new worker, with the last good builds loaded (from CuPy's cache: no compile), the weights checked."""
@@ -451,7 +441,7 @@ class WorkerBackend:
         self.worker.start()
         if self.good is not None:
             builds, texts = self.good
-            _, self.info = self.worker.call("at", str(paths.kernels_dir()), "build", builds, texts, grid=132)
+            _, self.info = self.worker.call("at", str(paths.kernels_dir()), "build", builds, texts)
         self.restart_s = time.perf_counter() - t0
 
     def build(self, builds: dict, overrides: dict) -> float:

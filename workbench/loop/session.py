@@ -259,7 +259,7 @@ class Workbench:
         """The worker hung, faulted or died: the record says so, with every block's state; a new worker already
         holds the last good kernels (WorkerBackend.recover)."""
         rec.status, rec.passed, rec.error = WORKER_FAILURES[f.kind], False, str(f)
-        rec.first_failure = str(f).split(". ")[0]
+        rec.first_failure = f.message
         rec.blocks, rec.detect_s = f.blocks, f.seconds
         rec.restart_s = getattr(self.backend, "restart_s", None)
 

@@ -178,7 +178,8 @@ class Monokernel:
         self.p, self.cfg = prepared, prepared.cfg
         mapped = mapped if mapped is not None else _worker_mapped()
         on_phase = on_phase or WORKER_CONTEXT.get("on_phase")
-        self.on_phase = on_phase or (lambda phase, timeout_s=None: None)   # tells a watching parent what runs
+        # tells a watching parent what runs (its phase, the barrier timeout, the grid)
+        self.on_phase = on_phase or (lambda phase, timeout_s=None, grid=None: None)
         dev = cupy.cuda.Device()
         self.n_sm = dev.attributes["MultiProcessorCount"]
         # one block per SM: all resident, so grid barriers cannot deadlock; the build is specialised to that grid
@@ -406,7 +407,7 @@ class Monokernel:
         w = self.mapped.words
         w[:] = 0
         start, end = cp.cuda.Event(), cp.cuda.Event()
-        self.on_phase("running", max(timeout_s, 0.0))
+        self.on_phase("running", max(timeout_s, 0.0), self.grid)
         start.record(self.stream)
         # cooperative launch: the driver refuses (rather than deadlocks) a grid that cannot be resident at once
         self.fn.kernel((self.grid,), (self.opt.threads,), (self.params_dev,), shared_mem=self.smem,
@@ -490,7 +491,7 @@ class Monokernel:
             return
         if code == ERROR["hang"]:
             s = int(st[STATUS["stage"]])
-            stage = plan.STAGE_NAMES[s] if 0 <= s < len(plan.STAGE_NAMES) else "?"
+            stage = plan.stage_name(s)
             layer = f" of layer {st[STATUS['layer']]}" if st[STATUS["layer"]] >= 0 else ""
             raise KernelHang(
                 f"grid barrier timed out after the {stage} stage{layer} at step {st[STATUS['step']]}: block "

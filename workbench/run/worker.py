@@ -4,7 +4,8 @@ The caller (a notebook, the command line) keeps what must survive: the section f
 dashboards. The worker runs a *service* (an object whose methods do the GPU work: build, verify, time, generate) and
 answers calls over a pipe. Beside the pipe the two share one block of memory (multiprocessing.shared_memory):
 
-    words 0..15    the worker's own: what it is doing (the phase), a heartbeat of its host thread, its pid
+    words 0..15    the worker's own: what it is doing (the phase), the grid of the kernel it runs, that kernel's
+                   barrier timeout
     words 16..     the kernel's mapped block (workbench.plan.MAPPED): status, the host's abort flag, the token count,
                    the step heartbeat, every block's where-word, the tokens; the worker registers it as mapped host
                    memory, so the kernel writes it directly and the caller reads it while the kernel runs and after
@@ -35,7 +36,7 @@ import numpy as np
 
 from .. import plan
 
-W_PHASE, W_BEAT, W_PID, W_CALL, W_TIMEOUT_MS = 0, 1, 2, 3, 4
+W_PHASE, W_GRID, W_TIMEOUT_MS = 0, 1, 2
 HEADER = 16                              # worker words before the kernel's mapped block
 PHASES = ("idle", "starting", "loading", "compiling", "running", "checking")
 # CUDA errors after which a context cannot be used again (cudaError_t): the worker reports and exits
@@ -50,13 +51,14 @@ class WorkerFailure(RuntimeError):
     """The worker hung, faulted or died. `kind`: hang | fault | crash | compiler; `blocks`: [BlockState]."""
 
     def __init__(self, kind: str, message: str, blocks=None, status=None, seconds: float = float("nan")):
-        super().__init__(message)
+        super().__init__(f"{message}. {summarize_blocks(blocks or [])}")
         self.kind, self.blocks, self.status, self.seconds = kind, blocks or [], status or {}, seconds
+        self.message = message             # what happened, without the blocks' summary
 
     killed = True                      # the worker was replaced (False: the kernel stopped when asked; it lives on)
 
     def __reduce__(self):
-        return (WorkerFailure, (self.kind, str(self), self.blocks, self.status, self.seconds))
+        return (WorkerFailure, (self.kind, self.message, self.blocks, self.status, self.seconds))
 
 
 class RemoteError(RuntimeError):
@@ -77,12 +79,14 @@ class BlockState:
     waiting: bool           # arrived at the barrier after that stage, waiting for the others
     moved: bool             # its where-word changed in the last watch interval
 
-    def __str__(self) -> str:
+    @property
+    def where(self) -> str:
         if self.stage is None:
-            return f"block {self.block}: never started"
-        at = f" of layer {self.layer}" if self.layer >= 0 else ""
-        return (f"block {self.block}: {'waiting after' if self.waiting else 'in'} {self.stage}{at} at step "
-                f"{self.step}" + ("" if self.moved else " (stopped moving)"))
+            return "never started"
+        return ("waiting after " if self.waiting else "in ") + plan.place(self.stage, self.layer, self.step)
+
+    def __str__(self) -> str:
+        return f"block {self.block}: {self.where}" + ("" if self.moved or self.stage is None else " (stopped moving)")
 
 
 def block_states(where_words: np.ndarray, previous: np.ndarray | None, grid: int) -> list[BlockState]:
@@ -90,7 +94,7 @@ def block_states(where_words: np.ndarray, previous: np.ndarray | None, grid: int
     for b in range(grid):
         w = int(where_words[b]) & 0xFFFFFFFF
         d = plan.decode_where(w) if w else None
-        moved = previous is not None and int(previous[b]) != int(where_words[b])
+        moved = previous is not None and b < len(previous) and int(previous[b]) != int(where_words[b])
         if d is None:
             out.append(BlockState(b, None, -1, -1, False, moved))
         else:
@@ -109,11 +113,7 @@ def summarize_blocks(blocks: list[BlockState], limit: int = 6) -> str:
     ordered = sorted(groups.items(), key=lambda kv: (kv[0][3], len(kv[1])))      # not-waiting, fewest first
     parts = []
     for (stage, layer, step, waiting), bs in ordered[:limit]:
-        if stage is None:
-            where = "never started"
-        else:
-            where = (f"{'waiting after' if waiting else 'in'} {stage}" + (f" of layer {layer}" if layer >= 0 else "")
-                     + f" at step {step}")
+        where = BlockState(bs[0], stage, layer, step, waiting, True).where
         names = ", ".join(map(str, bs[:8])) + (f" … ({len(bs)})" if len(bs) > 8 else "")
         parts.append(f"block{'s' if len(bs) > 1 else ''} {names}: {where}")
     return "; ".join(parts)
@@ -170,7 +170,6 @@ def _child(conn, shm_name: str, n_words: int, factory, args: tuple, kwargs: dict
     signal.signal(signal.SIGINT, signal.SIG_IGN)          # the caller decides what an interrupt means
     shm = shared_memory.SharedMemory(name=shm_name)
     words = np.frombuffer(shm.buf, dtype=np.int32, count=n_words)
-    words[W_PID] = os.getpid()
     words[W_PHASE] = PHASES.index("starting")
     service = None
     try:
@@ -188,7 +187,6 @@ def _child(conn, shm_name: str, n_words: int, factory, args: tuple, kwargs: dict
         if msg is None:
             break
         method, a, kw = msg
-        words[W_CALL] += 1
         try:
             result = getattr(service, method)(*a, **kw)
             conn.send(("ok", result))
@@ -208,11 +206,14 @@ def _child(conn, shm_name: str, n_words: int, factory, args: tuple, kwargs: dict
 
 
 def phase_setter(words: np.ndarray):
-    """For a service in the worker: `set(phase, timeout_s)` tells the watching caller what runs now (and, for a
-    kernel, how long its own barriers wait before they report a hang: the caller waits longer than that)."""
-    def set_phase(phase: str, timeout_s: float | None = None):
+    """For a service in the worker: `set(phase, timeout_s, grid)` tells the watching caller what runs now (and, for
+    a kernel, how long its own barriers wait before they report a hang, the caller waiting longer than that, and how
+    many blocks it has: the where-words to read)."""
+    def set_phase(phase: str, timeout_s: float | None = None, grid: int | None = None):
         if timeout_s is not None:
             words[W_TIMEOUT_MS] = int(1000 * timeout_s)
+        if grid is not None:
+            words[W_GRID] = grid
         words[W_PHASE] = PHASES.index(phase)
     return set_phase
 
@@ -246,9 +247,14 @@ class Worker:
         """A snapshot of the kernel's mapped block (plan.MAPPED): a copy, so that no view outlives the block."""
         return self.words[HEADER:].copy()
 
-    def where_words(self, grid: int) -> np.ndarray:
+    @property
+    def grid(self) -> int:
+        """Blocks of the kernel the worker runs (or last ran); 0 before any."""
+        return int(self.words[W_GRID])
+
+    def where_words(self) -> np.ndarray:
         o = HEADER + plan.mapped_offset("where")
-        return self.words[o:o + grid].copy()
+        return self.words[o:o + self.grid].copy()
 
     def status(self) -> dict:
         o = HEADER + plan.mapped_offset("status")
@@ -338,7 +344,7 @@ class Worker:
             pass
 
     # -- calls --
-    def call(self, method: str, *args, grid: int = 132, on_poll=None, **kwargs):
+    def call(self, method: str, *args, on_poll=None, **kwargs):
         """Run `service.method(*args, **kwargs)` in the worker and return its result, watching it (see the class).
         `on_poll(worker)` is called about every 20 ms while waiting (to stream tokens from the mapped block)."""
         if not self.alive:
@@ -365,11 +371,14 @@ class Worker:
                         self._reap()
                         code = payload[-1]
                         raise self._failure("fault", f"the kernel faulted: {STICKY.get(code, code)} "
-                                                     f"({payload[1]})", grid, t0)
+                                                     f"({payload[1]})", t0)
                     e = _rebuild(payload)
                     if aborted_at is not None:            # we stopped it for want of progress: a hang it survived
                         raise self._failure("hang", f"no progress for {hang_s:.1f} s; the kernel stopped when "
-                                                    f"asked ({e})", grid, t0, kill=False)
+                                                    f"asked ({e})", t0, kill=False)
+                    from .runtime import KernelHang
+                    if isinstance(e, KernelHang):         # its own barrier timed out and named the straggler
+                        raise self._failure("hang", str(e), t0, kill=False) from None
                     raise e
                 if on_poll is not None:
                     on_poll(self)
@@ -378,21 +387,21 @@ class Worker:
                     how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
                     phase = self.phase
                     raise self._failure("crash" if phase != "compiling" else "compiler",
-                                        f"the GPU worker died ({how}) while {phase}", grid, t0)
+                                        f"the GPU worker died ({how}) while {phase}", t0)
                 now = time.monotonic()
                 phase = self.phase
                 if phase == "compiling":
                     compile_since = compile_since or now
                     if now - compile_since > self.compile_s:
                         self.kill()
-                        raise self._failure("compiler", f"the compiler ran past {self.compile_s:.0f} s", grid, t0)
+                        raise self._failure("compiler", f"the compiler ran past {self.compile_s:.0f} s", t0)
                     last_move = now
                     continue
                 compile_since = None
                 if phase != "running":
                     last_move = now
                     continue
-                w, prog = self.where_words(grid), self.progress()
+                w, prog = self.where_words(), self.progress()
                 if last_where is None or prog != last_prog or not np.array_equal(w, last_where):
                     self._prev_where = last_where
                     last_where, last_prog, last_move = w, prog, now
@@ -422,14 +431,14 @@ class Worker:
                                                      f"trap or a bad address; no CUDA error came within "
                                                      f"{self.grace_s + self.fault_s:.0f} s, so the worker was "
                                                      f"killed. The block still inside its stage is the one that "
-                                                     f"faulted", grid, t0, status=status)
+                                                     f"faulted", t0, status=status)
                     raise self._failure("hang", f"no progress for {hang_s:.1f} s and the kernel did not stop "
-                                                f"when asked", grid, t0, status=status)
+                                                f"when asked", t0, status=status)
         except KeyboardInterrupt:
-            self._interrupted(grid)
+            self._interrupted()
             raise
 
-    def _interrupted(self, grid: int):
+    def _interrupted(self):
         """An interrupt while waiting: ask the kernel to stop; if it does, the worker answers and lives on."""
         self.abort()
         deadline = time.monotonic() + max(self.grace_s, 2.0)
@@ -445,21 +454,20 @@ class Worker:
         if self.proc is not None:
             self.proc.join(5)
 
-    def _failure(self, kind, message, grid, t0, status=None, kill: bool = True) -> WorkerFailure:
-        blocks = block_states(self.where_words(grid), getattr(self, "_prev_where", None), grid)
+    def _failure(self, kind, message, t0, status=None, kill: bool = True) -> WorkerFailure:
+        blocks = self.blocks()
         status = status or self.status()
-        if status.get("code") == 1:                       # the kernel's own barrier report came first
+        if status.get("code") == plan.ERRORS.index("hang"):   # the kernel's own barrier report came first
             message += (f"; the kernel's barrier report: block {status['block']} waited after "
-                        f"{plan.STAGE_NAMES[status['stage']] if 0 <= status['stage'] < len(plan.STAGE_NAMES) else '?'}"
-                        f" (step {status['step']}), first missing block {status['missing_block']}, last seen in "
-                        f"{plan.describe_where(status['missing_where'])}")
-        f = WorkerFailure(kind, f"{message}. {summarize_blocks(blocks)}", blocks, status, time.perf_counter() - t0)
+                        f"{plan.stage_name(status['stage'])} (step {status['step']}), first missing block "
+                        f"{status['missing_block']}, last seen in {plan.describe_where(status['missing_where'])}")
+        f = WorkerFailure(kind, message, blocks, status, time.perf_counter() - t0)
         f.killed = kill
         self.last_failure = f
         if kill:
             self.kill()
         return f
 
-    def blocks(self, grid: int = 132) -> list[BlockState]:
+    def blocks(self) -> list[BlockState]:
         """Every block's last state as the shared block holds it now."""
-        return block_states(self.where_words(grid), getattr(self, "_prev_where", None), grid)
+        return block_states(self.where_words(), getattr(self, "_prev_where", None), self.grid)

@@ -250,25 +250,20 @@ class HistoryTable:
 # -- a hang or a fault: where every block was ------------------------------------------------------------------------
 
 def block_cells(blocks) -> list[dict]:
-    """Blocks (workbench.run.worker.BlockState, or mappings with the same fields: block, stage, layer, step,
-    waiting, moved) → one cell each: its label, colour and text. A block still inside its stage that stopped moving
-    is a suspect (the section it is in hangs, or it never reached the barrier); one waiting at the barrier only
-    waits for the suspects."""
+    """Blocks (workbench.run.worker.BlockState, or mappings of its fields) → one cell each: its label, colour and
+    text (the BlockState's own). A block still inside its stage that stopped moving is a suspect (the section it is
+    in hangs or faulted, or it never reached the barrier); one waiting at the barrier only waits for the suspects."""
+    from ..run.worker import BlockState
     out = []
     for b in blocks:
-        get = (lambda k, b=b: b.get(k)) if isinstance(b, Mapping) else (lambda k, b=b: getattr(b, k, None))
-        stage, layer, step = get("stage"), get("layer"), get("step")
-        waiting, moved = bool(get("waiting")), bool(get("moved"))
-        if stage is None:
-            colour, short, text = UNKNOWN_COLOR, "·", f"block {get('block')}: never started"
+        b = BlockState(**b) if isinstance(b, Mapping) else b
+        if b.stage is None:
+            colour, short = UNKNOWN_COLOR, "·"
         else:
-            colour = WAIT_COLOR if waiting else COLORS.get(stage, UNKNOWN_COLOR)
-            at = f" of layer {layer}" if layer is not None and layer >= 0 else ""
-            text = (f"block {get('block')}: {'waiting after' if waiting else 'in'} {stage}{at} at step {step}"
-                    + ("" if moved else " (stopped moving)"))
-            short = "w" if waiting else SHORT.get(stage, stage)[:7]
-        out.append({"block": get("block"), "colour": colour, "short": short, "text": text,
-                    "suspect": stage is not None and not waiting and not moved})
+            colour = WAIT_COLOR if b.waiting else COLORS.get(b.stage, UNKNOWN_COLOR)
+            short = "w" if b.waiting else SHORT.get(b.stage, b.stage)[:7]
+        out.append({"block": b.block, "colour": colour, "short": short, "text": str(b),
+                    "suspect": b.stage is not None and not b.waiting and not b.moved})
     return out
 
 
