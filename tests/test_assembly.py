@@ -209,7 +209,7 @@ def test_generated_constants_are_the_plans():
     from workbench.measure.timing import slot_names
     for cfg in PRESETS.values():
         launch = plan.Launch()
-        text = plan_header(cfg, launch, {})
+        text = plan_header(cfg, launch)
         assert f"constexpr int WB_SLOTS = {plan.n_slots(cfg)};" in text
         assert len(slot_names(cfg)) == plan.n_slots(cfg) == 5 * cfg.n_layers + 2
         assert f"WB_TAP_STEP_FLOATS = {plan.tap_step_floats(cfg, launch)};" in text

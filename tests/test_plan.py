@@ -145,8 +145,8 @@ def test_where_words_round_trip():
 def test_the_mapped_block_layout():
     assert plan.mapped_offset("status") == 0
     assert plan.mapped_offset("host_abort") == plan.STATUS_LEN
-    assert plan.mapped_offset("where") == plan.STATUS_LEN + 4
-    assert plan.mapped_offset("tokens_out") == plan.STATUS_LEN + 4 + plan.MAX_BLOCKS
+    assert plan.mapped_offset("where") == plan.STATUS_LEN + 3
+    assert plan.mapped_offset("tokens_out") == plan.STATUS_LEN + 3 + plan.MAX_BLOCKS
     assert plan.mapped_words(10) == plan.mapped_offset("tokens_out") + 10
     assert len(plan.STATUS_WORDS) <= plan.STATUS_LEN
 

@@ -149,10 +149,6 @@ class Stage:
     tolerances: dict = dataclasses.field(default_factory=dict)   # {written buffer: check.stages.Tolerance}
     contracts: tuple = ()               # checks beyond tolerances (check.stages.*_contract)
 
-    @property
-    def weights(self) -> tuple:
-        return tuple(u.buffer for u in self.reads if BUFFERS[u.buffer].kind == "weight")
-
     def reads_buffer(self, name: str) -> bool:
         return any(u.buffer == name for u in self.reads)
 
@@ -401,14 +397,6 @@ def barrier_slot(cfg: ModelConfig, stage_name: str, layer: int) -> int | None:
     return None
 
 
-def slot_of(cfg: ModelConfig, stage_name: str, layer: int) -> int:
-    """The slot (the barrier that ends it) in which this stage runs, in steady state."""
-    for s in slots(cfg):
-        if (stage_name, layer) in s.stages:
-            return s.index
-    raise KeyError((stage_name, layer))
-
-
 # ---- taps: what the debug build copies out, per step ----------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -419,10 +407,6 @@ class Tap:
     size: int                       # floats per layer (or per step for token stages)
     offset: int                     # of layer 0, in floats from the start of the step's record
     layers: int                     # 1 for token stages
-
-    @property
-    def name(self) -> str:
-        return f"{self.stage}.{self.buffer}"
 
     def at(self, layer: int) -> int:
         return self.offset + (layer if self.layers > 1 else 0) * self.size
@@ -571,10 +555,12 @@ def dependencies(cfg: ModelConfig, launch: Launch = Launch()) -> dict:
 # ---- control: status words, error codes, the where word, the mapped host block ----------------------------------
 # The kernel publishes a stop's reason and place in `status` (mapped host memory: readable while it runs and after
 # it is gone); the host reads the same names.
-STATUS_WORDS = ("code", "stage", "layer", "step", "block", "epoch", "missing_block", "missing_where", "n_missing",
-                "arrived")
+STATUS_WORDS = ("code", "stage", "layer", "step", "block", "epoch", "missing_block", "missing_where", "n_missing")
 STATUS_LEN = 16
 ERRORS = ("ok", "hang", "aborted", "bad_token")
+# dev_flags[] (device memory, cheap to poll): the stop's reason (an ERRORS code: every block stops at its next
+# barrier), the previous step's decision that generation is done, and whether a barrier's hang report is taken.
+DEV_FLAGS = ("stop", "done", "reported")
 # Where each block is: written at every stage entry (waiting 0) and on arriving at the barrier after it (waiting 1),
 # read when diagnosing a hang: by the kernel's own barrier report, and by the host, which keeps the words in mapped
 # memory that outlives the process running the kernel. (field, bits), low bits first; the layer is stored + 1 so
@@ -582,8 +568,8 @@ ERRORS = ("ok", "hang", "aborted", "bad_token")
 WHERE_FIELDS = (("stage", 5), ("layer", 7), ("step", 19), ("waiting", 1))
 MAX_BLOCKS = 1024                   # where-words the mapped block holds (one per block of the grid)
 # The mapped host block, in 32-bit words: status, the host's abort flag, the count of published tokens, the heartbeat
-# (steps done), a spare word, each block's where-word, then the tokens.
-MAPPED = (("status", STATUS_LEN), ("host_abort", 1), ("n_out", 1), ("progress", 1), ("spare", 1),
+# (steps done), each block's where-word, then the tokens.
+MAPPED = (("status", STATUS_LEN), ("host_abort", 1), ("n_out", 1), ("progress", 1),
           ("where", MAX_BLOCKS), ("tokens_out", None))
 
 

@@ -10,21 +10,21 @@
 #pragma once
 
 // WbError, the WbStatus words of status[] and wb_where() come from the plan (the generated header).
-static_assert(WB_STATUS_WORDS >= WB_STATUS_ARRIVED + 1, "status[] holds every status word");
+static_assert(WB_STATUS_WORDS >= WB_STATUS_N_MISSING + 1, "status[] holds every status word wb_report writes");
 
 #define WB_BAR_STOP 0x80000000u
 
-// Stop every block at its next barrier: dev_flags[0] keeps the reason, the counter's top bit releases the waiters.
+// Stop every block at its next barrier: dev_flags[WB_FLAG_STOP] keeps the reason, the counter's top bit releases the waiters.
 __device__ __forceinline__ void wb_raise_stop(const Params* __restrict__ P, int code) {
-    ((volatile int*)P->dev_flags)[0] = code;
+    ((volatile int*)P->dev_flags)[WB_FLAG_STOP] = code;
     wb_fence_gpu();
     wb_atomic_or(P->bar_count, WB_BAR_STOP);
 }
 
-// dev_flags[0] is the device's copy of "stop now" (an error or a host abort seen by some block): cheap to poll.
+// dev_flags[WB_FLAG_STOP] is the device's copy of "stop now" (an error or a host abort seen by some block): cheap to poll.
 // host_abort lives in mapped host memory: a read crosses PCIe, so it is polled only on slow paths.
 __device__ __forceinline__ bool wb_should_stop(const Params* __restrict__ P) {
-    if (wb_load_volatile(P->dev_flags) != 0) return true;
+    if (wb_load_volatile(P->dev_flags + WB_FLAG_STOP) != 0) return true;
     if (wb_load_volatile(P->host_abort) != 0) { wb_raise_stop(P, WB_ERR_ABORTED); return true; }
     return false;
 }
@@ -54,7 +54,7 @@ __device__ __noinline__ void wb_report(const Params* __restrict__ P, int code, i
     }
     const int first_where = first >= 0 ? (int)((volatile u32*)P->where)[first] : -1;
     wb_raise_stop(P, code);
-    if (wb_atomic_cas(P->dev_flags + 2, 0, 1) != 0) return;  // someone else reported first
+    if (wb_atomic_cas(P->dev_flags + WB_FLAG_REPORTED, 0, 1) != 0) return;  // someone else reported first
     volatile int* st = P->status;
     st[WB_STATUS_STAGE] = stage; st[WB_STATUS_LAYER] = layer; st[WB_STATUS_STEP] = step;
     st[WB_STATUS_BLOCK] = wb_bid(); st[WB_STATUS_EPOCH] = (int)epoch;

@@ -26,8 +26,8 @@ __device__ __noinline__ void wb_flush_stamps(const Params* __restrict__ P, int s
 #define wb_flush_stamps(P, step) ((void)0)
 #endif
 
-// The previous step's publish decided to stop (dev_flags[1]); read by every block after the first barrier.
-__device__ __forceinline__ bool wb_done(const Params* __restrict__ P) { return ((volatile int*)P->dev_flags)[1] != 0; }
+// The previous step's publish decided to stop (dev_flags[WB_FLAG_DONE]); read by every block after the first barrier.
+__device__ __forceinline__ bool wb_done(const Params* __restrict__ P) { return ((volatile int*)P->dev_flags)[WB_FLAG_DONE] != 0; }
 
 // A stage every block takes part in; and one that block 0 runs alone (the others go on to the next barrier).
 #define WB_GRID(stage, layer, call)                                                                            \

@@ -1,7 +1,7 @@
 // The step's end, by block 0: the token fed next is the prompt's next token while the prompt lasts, else the one
 // the sampler chose, which is streamed to the host (tokens_out[g], then the count n_out: mapped memory, in that
 // order). The stop decision (an EOS token, max_new, n_steps, the end of the cache, the host's abort word) goes to
-// dev_flags[1], which every block reads after the next barrier. A recorded step's logits are copied to
+// dev_flags[WB_FLAG_DONE], which every block reads after the next barrier. A recorded step's logits are copied to
 // logits_hist for the host to compare with the reference.
 #pragma once
 
@@ -13,7 +13,7 @@ WB_SECTION int stage_publish(int sampled, const Params* __restrict__ P, int step
         int done = 0;
         if (next < 0 || next >= WB_VOCAB) {                 // NaN logits leave no valid choice
             ((volatile int*)P->status)[WB_STATUS_STEP] = step;
-            ((volatile int*)P->dev_flags)[0] = WB_ERR_BAD_TOKEN;
+            ((volatile int*)P->dev_flags)[WB_FLAG_STOP] = WB_ERR_BAD_TOKEN;
             wb_fence_system();
             ((volatile int*)P->status)[WB_STATUS_CODE] = WB_ERR_BAD_TOKEN;
             next = 0;
@@ -29,11 +29,11 @@ WB_SECTION int stage_publish(int sampled, const Params* __restrict__ P, int step
         done |= step + 1 >= P->n_steps || P->pos0 + step + 1 >= WB_MAX_SEQ;
         // reading host memory costs a PCIe round trip: look at the abort word every 16 steps only
         if ((step & 15) == 15 && wb_load_volatile(P->host_abort)) {
-            ((volatile int*)P->dev_flags)[0] = WB_ERR_ABORTED;
+            ((volatile int*)P->dev_flags)[WB_FLAG_STOP] = WB_ERR_ABORTED;
             done = 1;
         }
         *(volatile int*)P->progress = step + 1;             // the host watchdog's heartbeat
-        P->dev_flags[1] = done;
+        P->dev_flags[WB_FLAG_DONE] = done;
     }
     const int rec = P->rec_slot[step];
     if (rec >= 0)

@@ -164,7 +164,7 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
     kernels = paths.kernels_dir()
     paste(_display(kernels / "portability.cuh"), (kernels / "portability.cuh").read_text())
     launch = opt.launch
-    paste("<generated: plan header>", plan_header(cfg, launch, {}))
+    paste("<generated: plan header>", plan_header(cfg, launch))
     for name in plan.LIBRARY + plan.STAGE_NAMES + ("<decode step>", "monokernel"):
         if name == "<decode step>":
             paste("<generated: decode step>", decode_step(cfg, launch))

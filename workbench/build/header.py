@@ -34,15 +34,16 @@ def params_struct() -> str:
             f"static_assert(sizeof(Params) == {ctypes.sizeof(Params)}, \"Params: the host's layout\");\n")
 
 
-def plan_header(cfg: ModelConfig, launch: plan.Launch, defines: dict[str, str]) -> str:
+def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
     """Everything the sections may name that the plan or the config decides."""
     out = ["// ---- generated from the model config and workbench/plan.py: edit those, not this text ----"]
-    out += [f"#define {k} {v}" for k, v in defines.items()]
     out.append(params_struct())
     out.append("enum Stage { " + ", ".join(f"ST_{_upper(s)}" for s in plan.STAGE_NAMES) +
                f", WB_N_STAGES }};")
     out.append("enum WbError { " + ", ".join(f"WB_{'OK' if e == 'ok' else 'ERR_' + _upper(e)} = {i}"
                                             for i, e in enumerate(plan.ERRORS)) + " };")
+    out.append("enum WbDevFlag { " + ", ".join(f"WB_FLAG_{_upper(f)} = {i}" for i, f in enumerate(plan.DEV_FLAGS))
+               + f", WB_DEV_FLAGS = {len(plan.DEV_FLAGS)} }};")
     out.append("// status[] (mapped host memory): a stop's reason and place, read by the host after `code`")
     out.append("enum WbStatus { " + ", ".join(f"WB_STATUS_{_upper(w)} = {i}" for i, w in enumerate(plan.STATUS_WORDS))
                + f", WB_STATUS_WORDS = {plan.STATUS_LEN} }};")

@@ -191,7 +191,7 @@ class GpuBackend:
                 opt = builds[name]
                 mk = self.kernels.get(name)
                 t0 = time.perf_counter()
-                if mk is None or mk.opt.threads != opt.threads:
+                if mk is None or not mk.same_launch(opt):
                     mk = self.monokernel(opt, overrides, max_steps=256, max_record=64)
                 else:
                     mk.reload(opt, overrides)

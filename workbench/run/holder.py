@@ -25,7 +25,8 @@ class Lent:
 
 def _checksum(a) -> int:
     import cupy
-    return int(cupy.asnumpy(a.view(cupy.uint16 if a.dtype.itemsize == 2 else cupy.uint32).astype(cupy.uint64).sum()))
+    # summed in 64 bits without a widened copy (the embedding's would be 2 GB of scratch)
+    return int(a.view(cupy.uint16 if a.dtype.itemsize == 2 else cupy.uint32).sum(dtype=cupy.uint64))
 
 
 class _HolderService:

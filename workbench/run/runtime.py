@@ -54,9 +54,6 @@ class NonFiniteLogits(KernelError):
     pass
 
 
-decode_where = plan.describe_where
-
-
 @dataclasses.dataclass
 class Sampling:
     temperature: float = 0.0     # 0: greedy
@@ -185,8 +182,6 @@ class Monokernel:
         # one block per SM: all resident, so grid barriers cannot deadlock; the build is specialised to that grid
         self.grid = self.n_sm
         self.opt = dataclasses.replace(options, grid=self.grid)
-        self.launch = self.opt.launch
-        self.attn_max_splits = self.launch.max_splits(self.cfg)
         self.module = self.fn = None
         self._install(self.opt, overrides)
         self.max_steps = max_steps or self.cfg.max_seq
@@ -219,8 +214,9 @@ class Monokernel:
         occ = self.cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, options.threads, smem)
         if occ < 1:
             raise KernelError(f"kernel cannot be resident: {options.threads} threads, {smem} B shared memory")
-        if getattr(self, "fn", None) is not None and options.threads != self.opt.threads:
-            raise ValueError("threads per block cannot change on reload; build a new Monokernel")
+        if getattr(self, "fn", None) is not None and not self.same_launch(options):
+            raise ValueError("the launch (threads per block, attention's split size) cannot change on reload: the "
+                             "buffers are sized for it; build a new Monokernel")
         old = self.module
         self.asm, self.module, self.fn, self.compile_s, self.smem = asm, module, fn, compile_s, smem
         self.opt, self.overrides = options, dict(overrides or {})
@@ -229,6 +225,18 @@ class Monokernel:
             # stays alive through self.module) and a long editing session does not grow without bound
             del old
             self.cp._util.clear_memo()
+
+    @property
+    def launch(self) -> plan.Launch:
+        return self.opt.launch
+
+    @property
+    def attn_max_splits(self) -> int:
+        return self.launch.max_splits(self.cfg)
+
+    def same_launch(self, options: BuildOptions) -> bool:
+        """Whether a build with `options` fits this kernel's buffers (so that reload can take it)."""
+        return dataclasses.replace(options, grid=self.grid).launch == self.launch
 
     def reload(self, options: BuildOptions | None = None, overrides: dict[str, str] | None = None) -> float:
         """Rebuild from the sections on disk (plus `overrides`). On a compile error the last good kernel stays
@@ -271,7 +279,7 @@ class Monokernel:
         self.bar_count = cp.zeros(1, u32)
         self.arrive = cp.zeros(self.grid, u32)
         self.where_dev = cp.zeros(self.grid, u32)
-        self.dev_flags = cp.zeros(4, i32)
+        self.dev_flags = cp.zeros(len(plan.DEV_FLAGS), i32)
         self.tokens_in = cp.zeros(self.max_steps + 1, i32)
         self.eos = cp.zeros(max(1, len(cfg.eos_token_ids)) + 8, i32)
         self.draws = cp.zeros(1, i32)
@@ -486,7 +494,8 @@ class Monokernel:
     def _raise_on_status(self, aborted_by_host: bool, host_timeout_s: float):
         w = self.mapped.words
         st = w[M_STATUS:M_STATUS + plan.STATUS_LEN]
-        code = int(st[STATUS["code"]]) or int(self.dev_flags[0].get())   # an abort leaves its reason on the device
+        # an abort leaves its reason on the device only
+        code = int(st[STATUS["code"]]) or int(self.dev_flags[plan.DEV_FLAGS.index("stop")].get())
         if code == ERROR["ok"]:
             return
         if code == ERROR["hang"]:
@@ -496,7 +505,7 @@ class Monokernel:
             raise KernelHang(
                 f"grid barrier timed out after the {stage} stage{layer} at step {st[STATUS['step']]}: block "
                 f"{st[STATUS['block']]} waited, {st[STATUS['n_missing']]} block(s) never arrived, the first being "
-                f"block {st[STATUS['missing_block']]}, last seen in {decode_where(int(st[STATUS['missing_where']]))}")
+                f"block {st[STATUS['missing_block']]}, last seen in {plan.describe_where(int(st[STATUS['missing_where']]))}")
         if code == ERROR["aborted"]:
             why = f"no progress for {host_timeout_s:.0f} s (host watchdog)" if aborted_by_host else "abort requested"
             raise KernelAborted(f"kernel aborted: {why}; it stopped at step {int(w[M_PROGRESS])}")
