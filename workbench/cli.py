@@ -200,12 +200,9 @@ def _require_gpu(cmd: str):
 def _load(args):
     import cupy
 
-    from .model.weights import load, prepare
+    from .model.weights import load_prepared
     t0 = time.perf_counter()
-    w = load(args.model, args.weights, seed=args.weights_seed, xp=cupy, max_seq=args.max_seq)
-    p = prepare(w, xp=cupy)
-    del w
-    cupy.cuda.Device().synchronize()
+    p = load_prepared(args.model, args.weights, seed=args.weights_seed, xp=cupy, max_seq=args.max_seq)
     print(f"[{p.cfg.name}] weights {p.source}: {p.nbytes() / 1e9:.2f} GB prepared in {time.perf_counter() - t0:.1f} s",
           file=sys.stderr)
     return p

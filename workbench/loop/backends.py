@@ -370,10 +370,9 @@ class GpuService:
         else:
             import cupy
 
-            from ..model.weights import load, prepare
+            from ..model.weights import load_prepared
             model, weights, seed, max_seq = spec
-            loader = lambda: prepare(load(model, weights, seed=seed, xp=cupy, max_seq=max_seq, progress=False),  # noqa: E731
-                                     xp=cupy, progress=False)
+            loader = lambda: load_prepared(model, weights, seed=seed, xp=cupy, max_seq=max_seq, progress=False)  # noqa: E731
         self.backend = GpuBackend(cfg, loader=loader, mapped=self.mapped, on_phase=set_phase, **(backend_kw or {}))
         set_phase("idle")
 

@@ -164,10 +164,9 @@ class Workbench:
     # -- model and builds ------------------------------------------------------------------------------------------
     def _load(self, xp):
         """The prepared weights, where the backend runs (cupy on the GPU, numpy on the CPU)."""
-        from ..model.weights import load, prepare
-        w = load(self.model, self.weights_path, seed=self.seed, xp=xp, max_seq=self.cfg.max_seq,
-                 progress=self.progress)
-        return prepare(w, xp=xp, progress=self.progress)
+        from ..model.weights import load_prepared
+        return load_prepared(self.model, self.weights_path, seed=self.seed, xp=xp, max_seq=self.cfg.max_seq,
+                             progress=self.progress)
 
     @property
     def p(self):

@@ -402,6 +402,18 @@ def load(model: str, weights: str | None = None, seed: int = 0, xp=np, max_seq: 
     return random_weights(cfg, seed, xp=xp, progress=progress)
 
 
+def load_prepared(model: str, weights: str | None = None, seed: int = 0, xp=np, max_seq: int | None = None,
+                  progress: bool = True) -> Prepared:
+    """load, then prepare where it will run: the loaded copy is let go before returning (on a GPU that halves
+    what the weights occupy at their peak)."""
+    w = load(model, weights, seed=seed, xp=xp, max_seq=max_seq, progress=progress)
+    p = prepare(w, xp=xp, progress=progress)
+    del w
+    if xp is not np:
+        xp.cuda.Device().synchronize()
+    return p
+
+
 def _progress(it, desc, enabled):
     if not enabled:
         return it

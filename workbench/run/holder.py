@@ -39,12 +39,9 @@ class _HolderService:
     def _load(self):
         import cupy
 
-        from ..model.weights import load, prepare
+        from ..model.weights import load_prepared
         model, weights, seed, max_seq = self.spec
-        w = load(model, weights, seed=seed, xp=cupy, max_seq=max_seq, progress=False)
-        self.p = prepare(w, xp=cupy, progress=False)
-        del w
-        cupy.cuda.Device().synchronize()
+        self.p = load_prepared(model, weights, seed=seed, xp=cupy, max_seq=max_seq, progress=False)
         self.sums = {k: _checksum(v) for k, v in self.p.arrays().items()}
 
     def lend(self) -> Lent:
