@@ -8,6 +8,7 @@ or compile.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -287,8 +288,8 @@ def cmd_verify(args) -> int:
     inputs, at both sides of every attention split threshold, a long position, every sampler mode with
     --sampling), then end to end on the kernel itself (teacher-forced logits and greedy tokens)."""
     from .build.assemble import BuildOptions
-    from .check.verify import verify, verify_sampling, verify_stages
-    from .run.runtime import Monokernel, Sampling
+    from .check.verify import SAMPLER_MODES, verify, verify_sampling, verify_stages
+    from .run.runtime import Monokernel
     p = _load(args)
     ok = True
     taps = Monokernel(p, BuildOptions(threads=args.threads, taps=True), max_steps=256)
@@ -302,8 +303,9 @@ def cmd_verify(args) -> int:
         print(rep.summary())
         ok &= rep.passed
     if args.sampling:
-        for s in (Sampling(0.8, 0, 1.0, 1), Sampling(1.0, 50, 1.0, 2), Sampling(0.7, 0, 0.9, 3),
-                  Sampling(1.3, 200, 0.95, 4)):
+        # the stage-local check's modes, with seeds of their own (draws independent of the ones it checked)
+        for i, mode in enumerate(SAMPLER_MODES):
+            s = dataclasses.replace(mode, seed=i + 1)
             rep = verify_sampling(mk, s, draws=args.draws)
             print(rep.summary())
             ok &= rep.passed
