@@ -136,8 +136,8 @@ def test_records_reach_subscribers(wb):
 @pytest.mark.parametrize("name", ["spin-on-flag", "illegal-address"])
 def test_a_hang_or_a_fault_is_reported_and_the_loop_lives_on(wb, name):
     """The GPU runs in a worker process: a section that spins forever (outside any barrier, so the kernel's own
-    timeouts never fire) or writes far out of bounds is reported by its kind, with the block that stopped inside
-    its stage named (a hang), the worker replaced with the last good kernels, and the next reload passes."""
+    timeouts never fire) or writes through a null pointer is reported by its kind within 5 s, with the block that
+    stopped inside its stage named, the worker replaced with the last good kernels, and the next reload passes."""
     from workbench.check.failures import by_name
     inj = by_name(name)
     path = session.section_file(inj.section)
@@ -150,12 +150,11 @@ def test_a_hang_or_a_fault_is_reported_and_the_loop_lives_on(wb, name):
     print(rec.report())
     assert path.read_text() == original
     assert rec.status == inj.expect and not rec.passed, rec.report()
-    assert rec.detect_s is not None and rec.detect_s < 30 and rec.restart_s is not None
-    if inj.expect == "hang":
-        stuck = [b for b in rec.blocks if b.stage is not None and not b.waiting and not b.moved]
-        assert [b.block for b in stuck] == [3] and stuck[0].stage == inj.section, rec.block_table()
+    assert rec.detect_s is not None and rec.detect_s < 5, rec.report()
+    assert inj.named(rec), rec.block_table()
     nxt = wb.reload(trigger="undo", section=inj.section)
     assert nxt.passed, nxt.report()
+    assert wb.backend.restart_s is not None and wb.backend.restart_s < 10
 
 
 def test_loop_benchmark_restores_files(kernels):

@@ -419,10 +419,13 @@ class WorkerBackend:
         self.setup_s = time.perf_counter() - t0
         self.info: dict = {}                   # build name → (key, resources, texts)
         self.good = None                       # (builds, texts) of the last builds that ran without a failure
-        self.restart_s = None
+        self.restart_s = None                  # from a failure to a new worker holding the last good builds
+        self._restore = False                  # a new worker is starting: load the good builds before the next call
 
     def _call(self, method, *args, **kw):
         from ..run.worker import WorkerFailure
+        if self._restore:
+            self._restored()
         try:
             # the caller's kernel folder, every call: the worker is another process and would read the default
             return self.worker.call("at", str(paths.kernels_dir()), method, *args, **kw)
@@ -432,16 +435,29 @@ class WorkerBackend:
             raise
 
     def recover(self, failure=None):
-        """A new worker, with the last good builds loaded (from CuPy's cache: no compile), the weights checked."""
-        t0 = time.perf_counter()
+        """A new worker, the weights checked: it starts now, in the background, so that the failure is reported at
+        once; the next call waits for it and first loads the last good builds into it (from CuPy's cache)."""
+        self._recover_t0 = time.perf_counter()
         if self.holder is not None and failure is not None and failure.kind == "fault":
             if self.holder.check():                        # a wild write reached the weights: they were prepared again
                 self.worker.args = (self.cfg, self.holder.lend()) + self.worker.args[2:]
-        self.worker.start()
+        self.worker.spawn()
+        self._restore = True
+        self.restart_s = None
+
+    def _restored(self):
+        self._restore = False
+        self.worker.wait_ready()
         if self.good is not None:
             builds, texts = self.good
             _, self.info = self.worker.call("at", str(paths.kernels_dir()), "build", builds, texts)
-        self.restart_s = time.perf_counter() - t0
+        self.restart_s = time.perf_counter() - self._recover_t0
+
+    def ensure_ready(self) -> float | None:
+        """Wait for a worker started after a failure to hold the last good kernels → seconds since the failure."""
+        if self._restore:
+            self._restored()
+        return self.restart_s
 
     def build(self, builds: dict, overrides: dict) -> float:
         wall, info = self._call("build", builds, overrides)

@@ -13,7 +13,7 @@ def format_compile_error(e: CompileError, limit: int = 12) -> str:
     for f, n, sev, text, src in e.messages:
         if sev != "error":
             continue
-        out.append(f"{f}:{n}: error: {text}")
+        out.append(f"{f}{f':{n}' if n else ''}: error: {text}")
         if src:
             out.append(f"  {n:5d} | {src.rstrip()}")
     if not out:
@@ -94,9 +94,10 @@ class ReloadRecord:
         if self.status == VERIFY_FAILED:
             return f"✗ {what}: VERIFY FAILED: {self.first_failure}\n  {line}; table: wb.last.stages"
         if self.status in WORKER_FAILURES.values():
+            replaced = ("a new GPU worker is starting with the last good kernels" if self.restart_s is None else
+                        f"the GPU worker was replaced in {self.restart_s:.1f} s with the last good kernels")
             return (f"✗ {what}: {self.status.upper()}, reported after {self.detect_s:.1f} s: {self.error}\n"
-                    f"  the GPU worker was replaced in {self.restart_s or float('nan'):.1f} s with the last good kernels; "
-                    f"every block: wb.last.block_table()")
+                    f"  {replaced}; every block: wb.last.block_table()")
         return f"✗ {what}: {self.status}: {self.error}\n  {line}"
 
     def to_dict(self) -> dict:

@@ -61,6 +61,18 @@ class WorkerFailure(RuntimeError):
         return (WorkerFailure, (self.kind, self.message, self.blocks, self.status, self.seconds))
 
 
+@dataclasses.dataclass
+class CallTime:
+    """One call: `wall_s` here, from sending it to its answer; `service_s` in the worker, inside the method."""
+    method: str
+    wall_s: float
+    service_s: float
+
+    @property
+    def overhead_s(self) -> float:
+        return self.wall_s - self.service_s
+
+
 class RemoteError(RuntimeError):
     """An exception of the worker's that has no class here (its type name and message kept)."""
 
@@ -188,8 +200,9 @@ def _child(conn, shm_name: str, n_words: int, factory, args: tuple, kwargs: dict
             break
         method, a, kw = msg
         try:
+            t0 = time.perf_counter()
             result = getattr(service, method)(*a, **kw)
-            conn.send(("ok", result))
+            conn.send(("ok", (result, time.perf_counter() - t0)))
         except BaseException as e:                        # noqa: BLE001 - reported to the caller
             code = _sticky(e)
             conn.send(("fault" if code else "error", _describe(e) + ((code,) if code else ())))
@@ -223,22 +236,22 @@ def phase_setter(words: np.ndarray):
 class Worker:
     """One worker process running `factory(buf, header, n_words, worker_words, *args)` (see the module docstring).
 
-    hang_s: no movement of a running kernel for this long is a hang. grace_s: after raising the abort flag, how long
-    the kernel has to stop before the worker is killed; fault_s: how much longer a grid halted whole (a fault) is
-    given to report its CUDA error before it is killed and reported as a fault all the same. compile_s: a call in the compiling phase longer than this is
-    a compiler hang. max_tokens: the mapped block's room for streamed tokens."""
+    hang_s: no movement of a running kernel for this long is a hang (or, if the blocks waiting at a barrier froze
+    too, a fault). grace_s: after raising the abort flag, how long the kernel has to stop before the worker is
+    killed. compile_s: a call in the compiling phase longer than this is a compiler hang. max_tokens: the mapped block's room for streamed tokens."""
 
     def __init__(self, factory, *args, hang_s: float = 2.0, grace_s: float = 0.75, compile_s: float = 30.0,
-                 start_s: float = 120.0, fault_s: float = 3.0, max_tokens: int = 1 << 16, **kwargs):
+                 start_s: float = 120.0, max_tokens: int = 1 << 16, **kwargs):
         self.factory, self.args, self.kwargs = factory, args, kwargs
         self.hang_s, self.grace_s, self.compile_s, self.start_s = hang_s, grace_s, compile_s, start_s
-        self.fault_s = fault_s
         self.n_words = HEADER + plan.mapped_words(max_tokens)
         self.shm = shared_memory.SharedMemory(create=True, size=4 * self.n_words)
         self.words = np.frombuffer(self.shm.buf, dtype=np.int32, count=self.n_words)
         self.words[:] = 0
         self.proc = self.conn = None
+        self._starting = False
         self.starts = 0
+        self.calls: list[CallTime] = []       # the last calls' wall time here and service time there
         self.last_failure: WorkerFailure | None = None
 
     # -- the shared block --
@@ -281,6 +294,13 @@ class Worker:
     def start(self) -> float:
         """Start (or restart) the worker; returns the seconds it took to be ready."""
         t0 = time.perf_counter()
+        self.spawn()
+        self.wait_ready()
+        return time.perf_counter() - t0
+
+    def spawn(self):
+        """Start a new worker process without waiting for it: it loads while the caller goes on (`wait_ready`, or
+        the next call, waits for it)."""
         self.kill()
         self.words[:] = 0
         ctx = get_context("spawn")
@@ -290,6 +310,12 @@ class Worker:
         self.proc.start()
         child.close()
         self.starts += 1
+        self._starting = True
+
+    def wait_ready(self):
+        if not self._starting:
+            return
+        self._starting = False
         deadline = time.monotonic() + self.start_s
         while not self.conn.poll(0.05):
             if not self.proc.is_alive():
@@ -305,9 +331,9 @@ class Worker:
         if kind != "ready":
             self.kill()
             raise _rebuild(payload)
-        return time.perf_counter() - t0
 
     def kill(self):
+        self._starting = False
         if self.proc is not None and self.proc.is_alive():
             self.proc.kill()
             self.proc.join(5)
@@ -348,7 +374,8 @@ class Worker:
         """Run `service.method(*args, **kwargs)` in the worker and return its result, watching it (see the class).
         `on_poll(worker)` is called about every 20 ms while waiting (to stream tokens from the mapped block)."""
         if not self.alive:
-            self.start()
+            self.spawn()
+        self.wait_ready()
         t0 = time.perf_counter()
         self.conn.send((method, args, kwargs))
         last_where, last_prog, last_move = None, -1, time.monotonic()
@@ -366,19 +393,22 @@ class Worker:
                 if msg is not None:
                     kind, payload = msg
                     if kind == "ok":
-                        return payload
+                        result, inner = payload
+                        name = args[1] if method == "at" and len(args) > 1 else method
+                        self.calls = self.calls[-31:] + [CallTime(name, time.perf_counter() - t0, inner)]
+                        return result
                     if kind == "fault":
                         self._reap()
                         code = payload[-1]
                         raise self._failure("fault", f"the kernel faulted: {STICKY.get(code, code)} "
                                                      f"({payload[1]})", t0)
                     e = _rebuild(payload)
-                    if aborted_at is not None:            # we stopped it for want of progress: a hang it survived
-                        raise self._failure("hang", f"no progress for {hang_s:.1f} s; the kernel stopped when "
-                                                    f"asked ({e})", t0, kill=False)
                     from .runtime import KernelHang
                     if isinstance(e, KernelHang):         # its own barrier timed out and named the straggler
                         raise self._failure("hang", str(e), t0, kill=False) from None
+                    if aborted_at is not None:            # we stopped it for want of progress: a hang it survived
+                        raise self._failure("hang", f"no progress for {hang_s:.1f} s; the kernel stopped when "
+                                                    f"asked ({e})", t0, kill=False)
                     raise e
                 if on_poll is not None:
                     on_poll(self)
@@ -409,31 +439,29 @@ class Worker:
                 # a kernel's own barriers report a cooperative hang (naming the straggler) after their timeout:
                 # leave them the time to
                 hang_s = max(self.hang_s, self.words[W_TIMEOUT_MS] / 1000 + 1.0)
-                if aborted_at is None and now - last_move > hang_s:
-                    self.abort()
+                status = self.status()
+                reported = status.get("code", 0) == plan.ERRORS.index("hang")
+                if aborted_at is None and (reported or now - last_move > hang_s):
+                    # A grid frozen whole, even the blocks waiting at a barrier past their own timeout, with no
+                    # report from them, is a fault: measured on the H200, a trap, an illegal address and an
+                    # out-of-bounds shared store each halted every block at once, and no CUDA error reached the
+                    # process in 15 s. Every hang (a spin, a skipped barrier, a sampler that never returns) left
+                    # the waiting blocks' timeouts running, and they report it themselves.
+                    if not reported and status.get("code", 0) == 0 and any(
+                            (d := plan.decode_where(int(x))) is not None and d[3] for x in w):
+                        raise self._failure("fault", f"the whole grid halted at once: blocks waiting at a barrier "
+                                                     f"stopped for {now - last_move:.1f} s without their own "
+                                                     f"timeout ({self.words[W_TIMEOUT_MS] / 1000:.1f} s) firing, "
+                                                     f"as at a trap or a bad address (no CUDA error comes back "
+                                                     f"from those for seconds, so the worker was killed). The "
+                                                     f"block still inside its stage is the one that faulted", t0,
+                                            status=status)
+                    self.abort()                      # a reported hang stops at once if its straggler can
                     aborted_at = now
                 elif aborted_at is not None and now - aborted_at > self.grace_s:
-                    status = self.status()
-                    # A grid frozen whole, even the blocks waiting at a barrier (their own timeout never fired),
-                    # is a fault on its way: the GPU halts every block at a trap or a bad address, and the driver
-                    # takes seconds to tear the context down. Wait for the worker to report it.
-                    frozen = status.get("code", 0) == 0 and any(
-                        (d := plan.decode_where(int(x))) is not None and d[3] for x in w)
-                    if frozen and now - aborted_at < self.grace_s + self.fault_s:
-                        continue
-                    self.kill()
-                    if frozen:
-                        # Measured on the H200: a trap, an illegal address and an out-of-bounds shared store each
-                        # halted the whole grid and no error reached the process in 15 s; every hang (a spin, a
-                        # skipped barrier, a sampler that never returns) left the waiting blocks' timeouts running.
-                        raise self._failure("fault", f"the whole grid halted at once (even the blocks waiting at "
-                                                     f"a barrier, whose own timeout never fired), as it does at a "
-                                                     f"trap or a bad address; no CUDA error came within "
-                                                     f"{self.grace_s + self.fault_s:.0f} s, so the worker was "
-                                                     f"killed. The block still inside its stage is the one that "
-                                                     f"faulted", t0, status=status)
-                    raise self._failure("hang", f"no progress for {hang_s:.1f} s and the kernel did not stop "
-                                                f"when asked", t0, status=status)
+                    raise self._failure("hang", (f"no progress for {hang_s:.1f} s" if not reported else
+                                                 "a barrier timed out") + " and the kernel did not stop when "
+                                        "asked", t0, status=status)
         except KeyboardInterrupt:
             self._interrupted()
             raise
