@@ -114,6 +114,7 @@ def main():
                                                  "loop", "bench", "record"])
     ap.add_argument("--verify-models", nargs="*", default=["tiny", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"])
     ap.add_argument("--bench-models", nargs="*", default=["llama-3.2-1b"])
+    ap.add_argument("--sanitize-models", nargs="*", default=["tiny", "llama-3.2-1b"])
     ap.add_argument("--base", help="another checkout to bench against, interleaved (A/B in one run)")
     ap.add_argument("--no-torch", action="store_true", help="bench without the PyTorch rows")
     ap.add_argument("--pytest-args", nargs="*", default=[])
@@ -133,8 +134,9 @@ def main():
         R["failures"] = run("failures", [PY, "scripts/failure_suite.py", "--model", "llama-3.2-1b", "--json",
                                          str(out / "failures.json")], out, 360)
     if "sanitize" in a.only:
-        R["sanitize"] = run("sanitize", [PY, "-m", "workbench", "sanitize", "--model", "tiny", "--tokens", "2"],
-                            out, 300)
+        for m in a.sanitize_models:
+            R[f"sanitize-{m}"] = run(f"sanitize-{m}", [PY, "-m", "workbench", "sanitize", "--model", m, "--tokens",
+                                                      "2"], out, 540)
     if "verify" in a.only:
         for m in a.verify_models:
             R[f"verify-{m}"] = run(f"verify-{m}", [PY, "-m", "workbench", "verify", "--model", m, "--prompt-len",

@@ -26,6 +26,41 @@ def test_each_injection_applies_and_builds_as_meant(inj):
     if inj.expect == "compile error":
         with pytest.raises(CompileError) as e:
             compile_cubin(asm)
-        assert "shared" in str(e.value).lower()
+        assert "too much shared data" in str(e.value)
+        # ptxas names no line: the report points at the section's static shared array, at its line in the edit
+        line = 1 + mutated.splitlines().index("    __shared__ float huge[64 * 1024];")
+        assert f"kernels/sections/{inj.section}.cuh:{line}: error: static shared memory" in str(e.value)
+        from workbench.loop.records import ReloadRecord, format_compile_error
+        rec = ReloadRecord(0.0, "edit", inj.section, None, ())
+        rec.error = format_compile_error(e.value)
+        assert inj.named(rec), rec.error
     else:
         compile_cubin(asm)
+
+
+@pytest.mark.parametrize("inj", [i for i in suite.INJECTIONS if i.block is not None], ids=lambda i: i.name)
+def test_the_block_a_report_must_name_is_the_one_the_edit_picks(inj):
+    if "wb_bid()" in inj.replace:
+        assert f"wb_bid() == {inj.block}" in inj.replace
+    else:                                         # the sampler runs in block 0 alone
+        assert inj.section == "sampling" and inj.block == 0
+
+
+def test_named_wants_the_block_inside_its_section_or_in_the_report():
+    from workbench.loop.records import ReloadRecord
+    from workbench.run.worker import BlockState
+    inj = suite.by_name("illegal-address")
+    rec = ReloadRecord(0.0, "edit", inj.section, None, ())
+    rec.blocks = [BlockState(b, "down_residual", 1, 0, True, False) for b in range(12)]
+    assert not inj.named(rec)                               # every block waiting: nobody named
+    rec.blocks[9] = BlockState(9, "down_residual", 1, 0, False, False)
+    assert inj.named(rec)
+    rec.blocks[9] = BlockState(9, "gate_up_silu", 1, 0, False, False)
+    assert not inj.named(rec)                               # stopped, but in another section
+    rec.error = "a barrier timed out ... first missing block 19, ..."
+    assert not inj.named(rec)
+    rec.error = "a barrier timed out ... first missing block 9, last seen in down_residual"
+    assert inj.named(rec)
+    ce = suite.by_name("too-much-shared")
+    rec.error = "kernels/sections/attention_decode.cuh:12: error: too much shared data"
+    assert ce.named(rec)

@@ -31,7 +31,8 @@ class CompileError(RuntimeError):
 
     def __init__(self, messages: list, log: str):
         self.messages, self.log = messages, log
-        lines = [f"{f}:{n}: {sev}: {txt}" + (f"\n    {src.strip()}" if src else "") for f, n, sev, txt, src in messages
+        lines = [f"{f}{f':{n}' if n else ''}: {sev}: {txt}" + (f"\n    {src.strip()}" if src else "")
+                 for f, n, sev, txt, src in messages
                  if sev == "error"] or [log.strip()]
         super().__init__("kernel did not compile:\n" + "\n".join(lines))
 
@@ -57,6 +58,26 @@ def parse_log(log: str, asm: Assembled | None = None) -> list:
         lines = (text or "").splitlines()
         src = lines[n - 1] if 0 < n <= len(lines) else ""
         out.append((f, n, "error" if "error" in m["sev"] else "warning", m["text"], src))
+    return out
+
+
+_SHARED_ARRAY = re.compile(r"__shared__[^;()]*\[")
+_PTXAS_SHARED = re.compile(r"ptxas error\s*: (?P<text>Entry function .* uses too much shared data.*)$", re.M)
+
+
+def resource_messages(log: str, asm: Assembled | None) -> list:
+    """ptxas's "uses too much shared data" names the kernel, not a line: point at every static `__shared__` array
+    in the sections (the dynamic shared memory is the plan's, sized by the header), so that the report lands at
+    the user's declaration."""
+    m = _PTXAS_SHARED.search(log)
+    if not m or asm is None:
+        return []
+    out = [("ptxas", 0, "error", m["text"].strip(), "")]
+    for _, path, text in asm.pieces:
+        for n, line in enumerate(text.splitlines(), 1):
+            if _SHARED_ARRAY.search(line.split("//")[0]) and "extern" not in line:
+                out.append((path, n, "error", "static shared memory declared here counts against that limit",
+                            line))
     return out
 
 
@@ -89,7 +110,7 @@ def compile_nvidia(asm: Assembled, arch: str = "sm_90") -> tuple[bytes, str, str
         log = get(nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog, prog).decode(errors="replace")
         log = log.rstrip("\x00 ")
         if res[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise CompileError(parse_log(log, asm), log)
+            raise CompileError(parse_log(log, asm) + resource_messages(log, asm), log)
         cubin = get(nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN, prog)
         ptx = get(nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX, prog).decode(errors="replace").rstrip("\x00")
         return cubin, ptx, log

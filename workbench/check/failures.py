@@ -7,6 +7,7 @@ the GPU tests run one hang and one fault through a Workbench.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,11 +18,20 @@ class Injection:
     find: str
     replace: str
     expect: str                # the record status expected
+    block: int | None = None   # the block the report must name (None: no block to name, a compile-time failure)
 
     def apply(self, text: str) -> str:
         if text.count(self.find) != 1:
             raise ValueError(f"injection {self.name}: the text to replace is not in {self.section} exactly once")
         return text.replace(self.find, self.replace)
+
+    def named(self, rec) -> bool:
+        """Whether a reload record names this failure where it is: its block, stopped inside its section or named
+        by the kernel's barrier report; a compile error at the section's file."""
+        if self.block is None:
+            return self.expect != "compile error" or f"{self.section}.cuh" in (rec.error or "")
+        stuck = [b.block for b in rec.blocks or () if b.stage == self.section and not b.waiting and not b.moved]
+        return self.block in stuck or re.search(rf"\bblock {self.block}\b", rec.error or "") is not None
 
 
 INJECTIONS = (
@@ -29,28 +39,28 @@ INJECTIONS = (
               "    float* act = smem + WB_SMEM_O_PROJ_RESIDUAL_ACT;",
               "    float* act = smem + WB_SMEM_O_PROJ_RESIDUAL_ACT;\n"
               "    if (wb_bid() == 3) { volatile int* never = (volatile int*)act; if (wb_tid() == 0) *never = 0;\n"
-              "                         while (*never == 0) { } }", "hang"),
+              "                         while (*never == 0) { } }", "hang", 3),
     Injection("barrier-skipped", "grid_sync", "block 5 skips the barrier after gate_up_silu of layer 1",
               "    __shared__ int stop;\n    wb_syncthreads();",
               "    __shared__ int stop;\n    if (wb_bid() == 5 && stage == ST_GATE_UP_SILU && layer == 1) return false;\n"
-              "    wb_syncthreads();", "hang"),
+              "    wb_syncthreads();", "hang", 5),
     Injection("trap", "gate_up_silu", "block 7 executes a trap", "    float* act = smem + WB_SMEM_GATE_UP_SILU_ACT;",
               "    float* act = smem + WB_SMEM_GATE_UP_SILU_ACT;\n    if (wb_bid() == 7 && wb_tid() == 0) __trap();",
-              "fault"),
+              "fault", 7),
     # through a null pointer, not far past a buffer: a far address can land in another allocation and not fault
     Injection("illegal-address", "down_residual", "block 9 writes through a null pointer",
               "    float* act = smem + WB_SMEM_DOWN_RESIDUAL_ACT;",
               "    float* act = smem + WB_SMEM_DOWN_RESIDUAL_ACT;\n"
               "    if (wb_bid() == 9 && wb_tid() == 0) { volatile float* null = x + (0 - (long long)(size_t)x / 4); "
-              "*null = 1.f; }", "fault"),
+              "*null = 1.f; }", "fault", 9),
     Injection("shared-out-of-bounds", "lm_head", "block 11 writes 16 MB past its shared memory",
               "    float* act = smem + WB_SMEM_LM_HEAD_ACT;",
               "    float* act = smem + WB_SMEM_LM_HEAD_ACT;\n"
-              "    if (wb_bid() == 11 && wb_tid() == 0) ((volatile float*)smem)[1 << 22] = 1.f;", "fault"),
+              "    if (wb_bid() == 11 && wb_tid() == 0) ((volatile float*)smem)[1 << 22] = 1.f;", "fault", 11),
     Injection("sampler-loops", "sampling", "the sampler never returns (block 0 spins)",
               "    // max logit and greedy argmax from the LM head's per-block partials",
               "    if (wb_tid() == 0) { volatile int spin = 1; while (spin) { } }\n"
-              "    // max logit and greedy argmax from the LM head's per-block partials", "hang"),
+              "    // max logit and greedy argmax from the LM head's per-block partials", "hang", 0),
     Injection("too-much-shared", "attention_decode", "asks for 256 KB of static shared memory",
               "    float* qs = smem + WB_SMEM_ATTENTION_DECODE_Q;",
               "    __shared__ float huge[64 * 1024];\n    huge[wb_tid()] = 1.f;\n"

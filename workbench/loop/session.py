@@ -99,7 +99,9 @@ class Workbench:
     compared with tolerances); its speed, a quarter lower, is never measured. "0" compiles it like the timed build,
     which always is. isolate: run the GPU side in a worker process (default), so that a hang or a fault is
     reported and the worker replaced while this process lives on; hang_s: how long a kernel may show no progress
-    before it counts as hung (its own barriers time out after half of that and name the straggler)."""
+    before it counts as hung (its own barriers time out after half of that and name the straggler);
+    compile_limit_s: a compile running longer than this is a compiler hang, and its worker is replaced (default:
+    four times the last compile, at least 10 s)."""
 
     def __init__(self, model: str = "llama-3.2-1b", *, weights: str | None = None, seed: int = 0,
                  max_seq: int | None = None, device: str = "auto", threads: int = 512, variants=None,
@@ -107,7 +109,8 @@ class Workbench:
                  parallel_compile: bool | None = None, cpu_reference: bool | None = None,
                  history_dir: str | Path | None = None, watch: bool = False, activate: bool = True,
                  build: bool = True, progress: bool = False, build_options: dict | None = None,
-                 verify_fast_compile: str = "min", isolate: bool = True, hang_s: float = 2.0):
+                 verify_fast_compile: str = "min", isolate: bool = True, hang_s: float = 2.0,
+                 compile_limit_s: float | None = None):
         global _ACTIVE
         if device not in ("auto", "gpu", "cpu"):
             raise ValueError(f"device must be auto, gpu or cpu, got {device!r}")
@@ -133,7 +136,7 @@ class Workbench:
             # the GPU in a worker process: a hang or a fault in an edit cannot take this process down
             self.backend = WorkerBackend(self.cfg, model=model, weights=weights, seed=seed, max_seq=self.cfg.max_seq,
                                          parallel=parallel_compile, timeout_s=min(timeout_s, hang_s / 2),
-                                         verify_seed=verify_seed, hang_s=hang_s)
+                                         verify_seed=verify_seed, hang_s=hang_s, compile_s=compile_limit_s)
         elif device == "gpu":
             import cupy
             self.backend = GpuBackend(self.cfg, loader=lambda: self._load(cupy), parallel=parallel_compile,
