@@ -98,14 +98,6 @@ __device__ __forceinline__ wb_u4 wb_ld_cg_u4(const void* p) {
     v4u v = *WB_GLOBAL(v4u, p);
     return wb_u4{v.x, v.y, v.z, v.w};
 }
-// No bulk copy engine reachable from here: weights are not staged in LDS ahead of their stage (WB_BULK_COPY 0 keeps
-// the staging code out of the build; these are never called).
-#define WB_BULK_COPY 0
-__device__ __forceinline__ void wb_mbar_init(u64*, u32) {}
-__device__ __forceinline__ void wb_mbar_expect_tx(u64*, u32) {}
-__device__ __forceinline__ bool wb_mbar_test(u64*, u32) { return true; }
-__device__ __forceinline__ void wb_bulk_g2s(void*, const void*, u32, u64*) {}
-__device__ __forceinline__ void wb_fence_proxy_async() {}
 #define WB_INF __builtin_inff()
 #else  // ---------------------------------------------------------------------------------------------- NVIDIA
 #define WB_WARP 32
@@ -154,32 +146,6 @@ __device__ __forceinline__ float wb_fma(float a, float b, float c) { return fmaf
 __device__ __forceinline__ float4 wb_ld_cg_f4(const float* p) { return __ldcg((const float4*)p); }
 __device__ __forceinline__ float wb_ld_cg(const float* p) { return __ldcg(p); }
 __device__ __forceinline__ wb_u4 wb_ld_cg_u4(const void* p) { uint4 v = __ldcg((const uint4*)p); return wb_u4{v.x, v.y, v.z, v.w}; }
-// Bulk copies global → shared (sm_90's cp.async.bulk, the copy engine TMA uses, without a tensor map): issued by one
-// thread, they complete on a shared-memory mbarrier whose transaction count the issuer set, so the copying costs
-// the SM no registers and no load slots while it waits on something else.
-#define WB_BULK_COPY 1
-__device__ __forceinline__ u32 wb_smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void wb_mbar_init(u64* bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(wb_smem_addr(bar)), "r"(count) : "memory");
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-// the one arrival of the phase, with the bytes the phase's copies will bring
-__device__ __forceinline__ void wb_mbar_expect_tx(u64* bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(wb_smem_addr(bar)), "r"(bytes) : "memory");
-}
-// whether the phase of this parity has completed (try_wait: the thread may be suspended a while before it answers)
-__device__ __forceinline__ bool wb_mbar_test(u64* bar, u32 parity) {
-    u32 ok;
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
-                 : "=r"(ok) : "r"(wb_smem_addr(bar)), "r"(parity) : "memory");
-    return ok != 0;
-}
-__device__ __forceinline__ void wb_bulk_g2s(void* dst, const void* src, u32 bytes, u64* bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-                 :: "r"(wb_smem_addr(dst)), "l"(src), "r"(bytes), "r"(wb_smem_addr(bar)) : "memory");
-}
-// orders this thread's earlier shared-memory accesses before the copy engine's writes
-__device__ __forceinline__ void wb_fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 #define WB_INF __int_as_float(0x7f800000)
 #endif
 

@@ -246,7 +246,7 @@ def test_the_decode_step_is_generated_from_the_plan():
     text = decode_step(cfg, plan.Launch())
     calls = re.findall(r"WB_(GRID|BLOCK0)\(ST_(\w+),", text)
     assert [c[1].lower() for c in calls] == list(plan.STAGE_NAMES)
-    assert text.count("WB_SYNC(") + text.count("WB_SYNC_STAGING(") == len({s.stages[-1][0] for s in plan.slots(cfg)})
+    assert text.count("WB_SYNC(") == len({s.stages[-1][0] for s in plan.slots(cfg)})
     assert "stage_o_proj_residual(P->o, P->wo + layer * WB_PER_LAYER_WO, layer, smem, /* → */ P->x /* += */)" in text
     assert stage_call(plan.stage("sampling")).startswith("s.sampled = stage_sampling(P->logits")
     for st in plan.STAGES:

@@ -36,7 +36,6 @@ class Launch:
     grid: int = 132
     threads: int = 512
     attn_min_chunk: int = 32        # fewest cache positions per attention split
-    staging_kib: int = 192          # shared memory for the weights staged at the barrier before their stage
 
     def max_splits(self, cfg: ModelConfig) -> int:
         """Attention splits each kv head's positions over at most this many blocks (≈ one block per SM)."""
@@ -149,9 +148,6 @@ class Stage:
     reference: Callable | None = None   # its math on a check.stages.StageIO → {buffer: value}
     tolerances: dict = dataclasses.field(default_factory=dict)   # {written buffer: check.stages.Tolerance}
     contracts: tuple = ()               # checks beyond tolerances (check.stages.*_contract)
-    # The weight whose first rows each warp finds in shared memory: copied there at the grid barrier before the
-    # stage (kernels/lib/matvec.cuh). The section declares `<name>_rows`, the WarpRows its for_warp_units reads.
-    staged: str | None = None
 
     def reads_buffer(self, name: str) -> bool:
         return any(u.buffer == name for u in self.reads)
@@ -223,8 +219,7 @@ STAGES: tuple[Stage, ...] = (
           taps=("q", "k_cache", "v_cache"),
           smem=lambda c, l: {"act": _act(c), "red": RED}, extra_args=("layer", "s.pos", "smem"),
           doc="n = RMSNorm without its gain (folded into Wqkv)", reference=ref.qkv_rope_append_io,
-          tolerances={"q": ref.FP32, "k_cache": ref.KV_BF16, "v_cache": ref.KV_BF16},
-          staged="wqkv"),
+          tolerances={"q": ref.FP32, "k_cache": ref.KV_BF16, "v_cache": ref.KV_BF16}),
     Stage("attention_decode", "layer", "o = softmax(q·Kᵀ/√hd)·V over positions 0..pos, per query head",
           reads=(Use("q", rows=lambda c, h: _head_rows(c, h * c.group, c.group)),
                  Use("k_cache", rows=lambda c, h: _head_rows(c, h), positions="0..pos"),
@@ -243,32 +238,28 @@ STAGES: tuple[Stage, ...] = (
           writes=(Use("x", rows=lambda c, r: ((r, r + 1),)),),
           units=lambda c, l: c.hidden, unit="an output row", taps=("x",),
           smem=lambda c, l: {"act": _act(c)}, extra_args=("layer", "smem"),
-          reference=ref.o_proj_residual_io, tolerances={"x": ref.FP32},
-          staged="wo"),
+          reference=ref.o_proj_residual_io, tolerances={"x": ref.FP32}),
     Stage("gate_up_silu", "layer", "hmlp = silu(Wg·m(x)) ⊙ Wu·m(x)",
           reads=(Use("x"), Use("wgu", rows=lambda c, j: ((2 * j * c.hidden, (2 * j + 2) * c.hidden),))),
           writes=(Use("hmlp", rows=lambda c, j: ((j, j + 1),)),),
           units=lambda c, l: c.intermediate, unit="a gate/up row pair", taps=("hmlp",),
           smem=lambda c, l: {"act": _act(c), "red": RED}, extra_args=("layer", "smem"),
           doc="m = RMSNorm without its gain (folded into Wgu)", reference=ref.gate_up_silu_io,
-          tolerances={"hmlp": ref.FP32},
-          staged="wgu"),
+          tolerances={"hmlp": ref.FP32}),
     Stage("down_residual", "layer", "x += Wd·hmlp",
           reads=(Use("hmlp"), Use("wd", rows=lambda c, r: ((r * c.intermediate, (r + 1) * c.intermediate),)),
                  Use("x", rows=lambda c, r: ((r, r + 1),))),
           writes=(Use("x", rows=lambda c, r: ((r, r + 1),)),),
           units=lambda c, l: c.hidden, unit="an output row", taps=("x",),
           smem=lambda c, l: {"act": _act(c)}, extra_args=("layer", "smem"),
-          reference=ref.down_residual_io, tolerances={"x": ref.FP32},
-          staged="wd"),
+          reference=ref.down_residual_io, tolerances={"x": ref.FP32}),
     Stage("lm_head", "token", "logits = W_lm·n(x); each block's best (value, index)",
           reads=(Use("x"), Use("lm_head", rows=lambda c, v: ((v * c.hidden, (v + 1) * c.hidden),))),
           writes=(Use("logits", rows=lambda c, v: ((v, v + 1),)), Use("blk_max"), Use("blk_arg")),
           units=lambda c, l: c.vocab, unit="a vocabulary row", taps=("logits", "blk_max", "blk_arg"),
           smem=lambda c, l: {"act": _act(c), "red": RED}, extra_args=("smem",),
           doc="n = RMSNorm without its gain (folded into W_lm); the greedy argmax is fused into the partials",
-          reference=ref.lm_head_io, tolerances={"logits": ref.FP32}, contracts=(ref.partials_contract,),
-          staged="lm_head"),
+          reference=ref.lm_head_io, tolerances={"logits": ref.FP32}, contracts=(ref.partials_contract,)),
     Stage("sampling", "token", "sampled = argmax(logits), or a draw from softmax(logits/T) cut by top-k, top-p",
           reads=(Use("logits"), Use("blk_max"), Use("blk_arg")), writes=(Use("sampled"),),
           units=lambda c, l: 1, unit="the whole step", runs_on="block0", taps=("sampled",),
@@ -479,31 +470,12 @@ def smem_regions(cfg: ModelConfig, launch: Launch = Launch()) -> dict[str, dict[
     return out
 
 
-def stage_smem_floats(cfg: ModelConfig, launch: Launch = Launch()) -> int:
-    """The largest stage's own layout."""
+def smem_floats(cfg: ModelConfig, launch: Launch = Launch()) -> int:
     return max((sum(n for _, n in r.values()) for r in smem_regions(cfg, launch).values()), default=0)
 
 
-SMEM_LIMIT = 227 * 1024            # dynamic shared memory a block may opt into on sm_90
-STATIC_SMEM_ROOM = 4096            # left for the kernel's static shared memory (barrier words, timing stamps)
-
-
-def staging_bytes(cfg: ModelConfig, launch: Launch = Launch()) -> int:
-    """The staging area (after every stage's layout, so nothing a stage does touches it): what the launch asks
-    for, cut to what the device leaves, in whole 512-byte loads per warp. 0 when no stage is staged."""
-    if not any(s.staged for s in STAGES):
-        return 0
-    room = SMEM_LIMIT - STATIC_SMEM_ROOM - 4 * stage_smem_floats(cfg, launch)
-    grain = (launch.threads // 32) * 512
-    return max(0, min(launch.staging_kib * 1024, room) // grain * grain)
-
-
-def smem_floats(cfg: ModelConfig, launch: Launch = Launch()) -> int:
-    return stage_smem_floats(cfg, launch) + staging_bytes(cfg, launch) // 4
-
-
 def smem_bytes(cfg: ModelConfig, launch: Launch = Launch()) -> int:
-    """The dynamic shared memory a block is launched with: the largest stage's layout, then the staging area."""
+    """The dynamic shared memory a block is launched with: the largest stage's layout."""
     return 4 * smem_floats(cfg, launch)
 
 

@@ -90,14 +90,8 @@ __device__ __forceinline__ void wb_grid_sync_init() {
 #endif
 #endif
 
-struct WbNothing { __device__ void operator()() const {} };
-
-// Returns true when the kernel must stop (error or abort); callers return at once. `on_arrival` runs in every
-// warp's lane 0 once the block has arrived (every thread of it done with the stage), before thread 0 waits: the
-// staging of the next stage's weights goes there, so that their copy overlaps the wait.
-template <typename OnArrival = WbNothing>
-__device__ __forceinline__ bool grid_sync(const Params* __restrict__ P, int stage, int layer, int step,
-                                          OnArrival on_arrival = {}) {
+// Returns true when the kernel must stop (error or abort); callers return at once.
+__device__ __forceinline__ bool grid_sync(const Params* __restrict__ P, int stage, int layer, int step) {
     __shared__ int stop;
     wb_syncthreads();
     if (wb_tid() == 0) {
@@ -108,11 +102,6 @@ __device__ __forceinline__ bool grid_sync(const Params* __restrict__ P, int stag
         wb_red_release_add(P->bar_count, 1u);
         ((volatile u32*)P->arrive)[wb_bid()] = epoch;
         ((volatile u32*)P->where)[wb_bid()] = wb_where_entered | WB_WHERE_WAITING;   // for the host: arrived, waiting
-    }
-    if (wb_lane() == 0) on_arrival();       // thread 0 has arrived: the others' work overlaps its wait
-    if (wb_tid() == 0) {
-        const u32 epoch = wb_epoch;
-        const u32 target = epoch * (u32)wb_nbid();
         u64 t0 = 0;
         u32 seen;
         for (u32 spin = 0; ((seen = wb_load_acquire(P->bar_count)) & ~WB_BAR_STOP) < target && !(seen & WB_BAR_STOP); ++spin) {

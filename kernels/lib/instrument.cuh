@@ -43,13 +43,6 @@ __device__ __forceinline__ bool wb_done(const Params* __restrict__ P) { return (
         if (grid_sync(P, stage, layer, s.step)) return true;                                                   \
         WB_STAMP_LEAVE(slot);                                                                                   \
     } while (0)
-// The same, with the statement after `slot` run by thread 0 on arrival: the copy of the next stage's first weight rows
-#define WB_SYNC_STAGING(stage, layer, slot, ...)                                                               \
-    do {                                                                                                        \
-        WB_STAMP_ARRIVE(slot);                                                                                  \
-        if (grid_sync(P, stage, layer, s.step, [=] { __VA_ARGS__; })) return true;                                \
-        WB_STAMP_LEAVE(slot);                                                                                   \
-    } while (0)
 
 #if WB_TAPS
 // Debug build: after a stage, block 0 copies what it wrote into the step's tap record (steps the host asked for),

@@ -3,8 +3,6 @@
 // rereading the vocabulary.
 #pragma once
 
-using lm_head_rows = WarpRows<WB_D, 1, WB_VOCAB>;   // one vocabulary row per unit
-
 WB_SECTION void stage_lm_head(const float* x, const bf16* __restrict__ lm_head, float* smem, float* logits,
                               float* blk_max, int* blk_arg) {
     static_assert(WB_SMEM_LM_HEAD_ACT_FLOATS >= WB_D && WB_SMEM_LM_HEAD_RED_FLOATS >= 2 * WB_MAX_WARPS,
@@ -14,7 +12,7 @@ WB_SECTION void stage_lm_head(const float* x, const bf16* __restrict__ lm_head, 
     float best = -WB_INF;
     int arg = 0x7fffffff;
     auto prologue = [&] { load_rms_normalized(act, x, WB_D, red); };
-    for_warp_units<lm_head_rows>(lm_head, act, prologue, [&](int v, const float* y) {
+    for_warp_units<WB_D, 1>(lm_head, WB_VOCAB, act, prologue, [&](int v, const float* y) {
         if (y[0] > best) { best = y[0]; arg = v; }             // rows rise within a warp: ties keep the lowest
         if (wb_lane() == 0) logits[v] = y[0];
     });

@@ -5,15 +5,12 @@
 // between warps, and q/k never round-trip through memory unrotated.
 #pragma once
 
-// Wqkv as the warps read it: row pairs of WB_D, fewer pairs than warps (1,536 for 2,112 on 1B shapes), so dealt
-// across blocks, that every SM loads a share
-using qkv_rope_append_rows = WarpRows<WB_D, 2, (WB_HEADS * WB_HEAD_DIM + 2 * WB_KV_HEADS * WB_HEAD_DIM) / 2, true>;
-
 WB_SECTION void stage_qkv_rope_append(const float* x, const bf16* __restrict__ wqkv, const float* __restrict__ rope_cos,
                                       const float* __restrict__ rope_sin, int layer, int pos, float* smem, float* q,
                                       bf16* k_cache, bf16* v_cache) {
     constexpr int HALF = WB_HEAD_DIM / 2;
     constexpr int Q_DIM = WB_HEADS * WB_HEAD_DIM, KV_DIM = WB_KV_HEADS * WB_HEAD_DIM;
+    constexpr int PAIRS = (Q_DIM + 2 * KV_DIM) / 2;
     static_assert(WB_SMEM_QKV_ROPE_APPEND_ACT_FLOATS >= WB_D && WB_SMEM_QKV_ROPE_APPEND_RED_FLOATS >= WB_MAX_WARPS,
                   "the plan's regions hold x and one float per warp");
     float* act = smem + WB_SMEM_QKV_ROPE_APPEND_ACT;
@@ -22,7 +19,8 @@ WB_SECTION void stage_qkv_rope_append(const float* x, const bf16* __restrict__ w
     const float* __restrict__ sn = rope_sin + (long long)pos * HALF;
     const long long kv_base = (long long)pos * WB_HEAD_DIM;                 // cache [Hkv, max_seq, hd], row pos
     auto prologue = [&] { load_rms_normalized(act, x, WB_D, red); };
-    for_warp_units<qkv_rope_append_rows>(wqkv, act, prologue, [&](int u, const float* r) {
+    // fewer row pairs than warps (1,536 for 2,112 on 1B shapes): dealt across blocks, so that every SM loads a share
+    for_warp_units<WB_D, 2, true>(wqkv, PAIRS, act, prologue, [&](int u, const float* r) {
         if (wb_lane() != 0) return;
         const int row = 2 * u;
         if (row < Q_DIM + KV_DIM) {                            // q or k: rotate the pair (p, p + hd/2)

@@ -43,7 +43,6 @@ class BuildOptions:
     ptxas_opt: int = 3           # ptxas -O level (NVIDIA)
     fast_compile: str = "0"      # NVRTC -Ofc level: "0" (off), "min", "mid", "max": compile speed over code speed
     sampler: str = "full"        # "full": temperature, top-k, top-p; "greedy": argmax only (less code to compile)
-    staging_kib: int = 192       # shared memory for weights staged at the barrier before their stage; 0: none
 
     def __post_init__(self):
         if self.sampler not in ("full", "greedy"):
@@ -59,8 +58,7 @@ class BuildOptions:
 
     @property
     def launch(self) -> plan.Launch:
-        return plan.Launch(grid=self.grid, threads=self.threads, attn_min_chunk=self.attn_min_chunk,
-                           staging_kib=self.staging_kib)
+        return plan.Launch(grid=self.grid, threads=self.threads, attn_min_chunk=self.attn_min_chunk)
 
 
 def option_from_text(field: str, text: str):

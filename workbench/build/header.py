@@ -71,9 +71,7 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
         for r, (off, n) in regs.items():
             out.append(f"constexpr int WB_SMEM_{_upper(st)}_{_upper(r)} = {off}, "
                        f"WB_SMEM_{_upper(st)}_{_upper(r)}_FLOATS = {n};")
-    out.append(f"constexpr int WB_SMEM_STAGING = {plan.stage_smem_floats(cfg, launch)}, "
-               f"WB_STAGING_BYTES = {plan.staging_bytes(cfg, launch)};   // after the largest stage's layout")
-    out.append(f"constexpr int WB_SMEM_FLOATS = {plan.smem_floats(cfg, launch)};")
+    out.append(f"constexpr int WB_SMEM_FLOATS = {plan.smem_floats(cfg, launch)};   // the largest stage's layout")
     # per-layer slices
     for b in plan.BUFFERS.values():
         if b.per_layer:
@@ -140,32 +138,6 @@ def _next_stage(st: plan.Stage) -> plan.Stage | None:
     return plan.stage(names[(i + 1) % len(names)])
 
 
-def _stage_rows(st: plan.Stage, layer: str) -> str:
-    return f"wb_stage_rows<{st.name}_rows>({_arg(plan.Use(st.staged), layer)})" if st.staged else ""
-
-
-def _staging_after(st: plan.Stage) -> str:
-    """What the barrier after `st` stages: the first rows of the next grid stage's weight, if it has one staged.
-    After the last layer stage that is the next layer's first, or past the last layer the first stage after the
-    loop; after the step's last grid stage, the next step's first (the block-0 stages between stage nothing)."""
-    grid = [s for s in plan.STAGES if s.runs_on == "grid"]
-    layer_stages = [s for s in grid if s.scope == "layer"]
-    after_loop = [s for s in grid if s.scope == "token" and plan.STAGES.index(s) > plan.STAGES.index(layer_stages[-1])]
-    if st.runs_on != "grid":
-        return ""
-    i = grid.index(st)
-    if st.scope == "layer" and st is not layer_stages[-1]:
-        return _stage_rows(grid[i + 1], "layer")
-    if st is layer_stages[-1]:
-        nxt = _stage_rows(layer_stages[0], "(layer + 1)")
-        end = _stage_rows(after_loop[0], "0") if after_loop else ""
-        if not (nxt or end):
-            return ""
-        return f"if (layer + 1 < WB_LAYERS) {{ {nxt}; }} else {{ {end}; }}"
-    nxt_grid = grid[i + 1] if i + 1 < len(grid) else grid[0]          # the next step's, past the block-0 stages
-    return _stage_rows(nxt_grid, "0")
-
-
 def decode_step(cfg: ModelConfig, launch: plan.Launch) -> str:
     """The decode step: `wb_decode_step(P, s, smem)` runs one step and returns true when the kernel must stop."""
     slots = plan.slots(cfg)
@@ -181,11 +153,7 @@ def decode_step(cfg: ModelConfig, launch: plan.Launch) -> str:
         b = plan.barrier_slot(cfg, st.name, 0 if st.scope == "layer" else -1)
         if b is not None:
             slot = f"{b} + {per_layer} * layer" if st.scope == "layer" else str(b)
-            staging = _staging_after(st)
-            if staging:
-                lines.append(f"{indent}WB_SYNC_STAGING(ST_{_upper(st.name)}, {layer}, {slot}, {staging});")
-            else:
-                lines.append(f"{indent}WB_SYNC(ST_{_upper(st.name)}, {layer}, {slot});")
+            lines.append(f"{indent}WB_SYNC(ST_{_upper(st.name)}, {layer}, {slot});")
         taps = _tap_lines(cfg, st, "layer")
         if taps:
             lines.append(f"{indent}WB_TAP_COPIES(" + " ".join(taps) + ");")
