@@ -252,4 +252,5 @@ def test_generate_streams_whole_characters_through_a_splitting_tokenizer(tmp_pat
     tokens = [int(t) for t in cli("--model", str(plain), "--prompt-ids", ",".join(map(str, ids))).split()]
     assert len(tokens) == 40 and all(0 <= t < byte_bpe.get_vocab_size() for t in tokens)
     text = cli("--model", str(with_text), "--prompt", prompt)
+    print(f"prompt {prompt!r} → streamed {text!r}")
     assert text == "".join(stream_text(byte_bpe, tokens, prompt=ids))
