@@ -64,3 +64,18 @@ def test_named_wants_the_block_inside_its_section_or_in_the_report():
     ce = suite.by_name("too-much-shared")
     rec.error = "kernels/sections/attention_decode.cuh:12: error: too much shared data"
     assert ce.named(rec)
+
+
+def test_a_runtime_compile_log_of_too_much_shared_data_lands_at_the_declaration():
+    """CuPy's compile (the kernel the GPU runs) hands back NVRTC's log as this text, as the H200 printed it: the
+    same messages as the compile without a driver, at the section's static shared array."""
+    from workbench.build.compile import compile_error
+    inj = suite.by_name("too-much-shared")
+    mutated = inj.apply(section_path(inj.section).read_text())
+    asm = assemble(get_config("tiny"), BuildOptions(), overrides={inj.section: mutated})
+    log = ("ptxas error   : Entry function 'wb_generate' uses too much shared data (0x40020 bytes, 0xc000 max)\n"
+           "\x00")
+    e = compile_error(log, asm)
+    line = 1 + mutated.splitlines().index("    __shared__ float huge[64 * 1024];")
+    assert f"kernels/sections/{inj.section}.cuh:{line}: error: static shared memory" in str(e)
+    assert "uses too much shared data" in str(e)

@@ -81,6 +81,11 @@ def resource_messages(log: str, asm: Assembled | None) -> list:
     return out
 
 
+def compile_error(log: str, asm: Assembled | None) -> CompileError:
+    """An NVRTC log as a CompileError: its messages at the sections' lines, ptxas's resource errors included."""
+    return CompileError(parse_log(log, asm) + resource_messages(log, asm), log)
+
+
 def nvrtc_options(arch: str = "sm_90", asm: Assembled | None = None) -> list[str]:
     return [f"--gpu-architecture={arch}", *NVRTC_OPTIONS, *(asm.flags if asm else ())]
 
@@ -110,7 +115,7 @@ def compile_nvidia(asm: Assembled, arch: str = "sm_90") -> tuple[bytes, str, str
         log = get(nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog, prog).decode(errors="replace")
         log = log.rstrip("\x00 ")
         if res[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise CompileError(parse_log(log, asm) + resource_messages(log, asm), log)
+            raise compile_error(log, asm)
         cubin = get(nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN, prog)
         ptx = get(nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX, prog).decode(errors="replace").rstrip("\x00")
         return cubin, ptx, log

@@ -16,7 +16,7 @@ import numpy as np
 
 from .. import plan
 from ..build.assemble import Assembled, BuildOptions, Params, assemble
-from ..build.compile import NVRTC_OPTIONS, CompileError, parse_log
+from ..build.compile import NVRTC_OPTIONS, compile_error
 from ..model.weights import Prepared
 
 STATUS = {name: i for i, name in enumerate(plan.STATUS_WORDS)}
@@ -252,7 +252,7 @@ class Monokernel:
             fn.kernel                       # compile now, inside the try
         except cp.cuda.compiler.CompileException as e:
             log = str(e)
-            raise CompileError(parse_log(log, asm), log) from None
+            raise compile_error(log, asm) from None
         return mod, fn
 
     def resources(self) -> dict:
