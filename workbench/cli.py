@@ -503,8 +503,11 @@ def cmd_sanitize(args) -> int:
             worst = max(worst, 1)
             continue
         print(f"{tool:10s} {args.model}: {errors} errors, exit code {r.returncode}, {dt:.0f} s")
-        if errors:
-            print("\n".join(l for l in out.splitlines() if "=========" in l)[:4000])
+        if errors or r.returncode:
+            # a nonzero exit with no error counted (racecheck on 1b exited 9 with "0 errors"): what the tool said,
+            # its own lines first, then the end of the run's output
+            said = [l for l in out.splitlines() if "=========" in l]
+            print("\n".join(said)[:4000] if said else "\n".join(out.strip().splitlines()[-12:]))
         worst = max(worst, 1 if errors or r.returncode else 0)
     return worst
 

@@ -73,7 +73,8 @@ def resource_messages(log: str, asm: Assembled | None) -> list:
     if not m or asm is None:
         return []
     out = [("ptxas", 0, "error", m["text"].strip(), "")]
-    for _, path, text in asm.pieces:
+    # the sections first: they are what a user edits; the library's own arrays (timing stamps) after
+    for _, path, text in sorted(asm.pieces, key=lambda piece: not piece[1].startswith("kernels/sections/")):
         for n, line in enumerate(text.splitlines(), 1):
             if _SHARED_ARRAY.search(line.split("//")[0]) and "extern" not in line:
                 out.append((path, n, "error", "static shared memory declared here counts against that limit",
