@@ -413,8 +413,9 @@ class WorkerBackend:
         spec = None if holder else (model, weights, seed, max_seq)
         kw = dict(parallel=self.parallel, timeout_s=timeout_s, verify_seed=verify_seed)
         self._compile_s = compile_s
+        # the mapped block holds the streamed tokens of the longest run asked for (ab and overhead run 264 steps)
         self.worker = Worker(GpuService, cfg, lent, spec, kw, hang_s=hang_s,
-                             compile_s=compile_s or 30.0, max_tokens=257)
+                             compile_s=compile_s or 30.0, max_tokens=1 << 13)
         self.start_s = self.worker.start()
         self.setup_s = time.perf_counter() - t0
         self.info: dict = {}                   # build name → (key, resources, texts)

@@ -238,7 +238,8 @@ class Worker:
 
     hang_s: no movement of a running kernel for this long is a hang (or, if the blocks waiting at a barrier froze
     too, a fault). grace_s: after raising the abort flag, how long the kernel has to stop before the worker is
-    killed. compile_s: a call in the compiling phase longer than this is a compiler hang. max_tokens: the mapped block's room for streamed tokens."""
+    killed. compile_s: a call in the compiling phase longer than this is a compiler hang. max_tokens: the mapped
+    block's room for streamed tokens."""
 
     def __init__(self, factory, *args, hang_s: float = 2.0, grace_s: float = 0.75, compile_s: float = 30.0,
                  start_s: float = 120.0, max_tokens: int = 1 << 16, **kwargs):
