@@ -42,19 +42,24 @@ def rng(request):
 
 
 def _build_llama(hf_config: dict, seed: int = 0):
-    """LlamaForCausalLM with these LlamaConfig fields, re-initialised so that every layer does something:
-    projections with std 1/sqrt(fan_in), norm gains 1 + 0.2·N(0, 1), embeddings with std 0.1 (HF's default init,
-    std 0.02 everywhere and unit gains, leaves the residual stream nearly untouched by the layers)."""
+    """The HF model of these config fields (a LlamaForCausalLM unless `model_type` says another family, e.g.
+    qwen3 or qwen2), re-initialised so that every layer does something: projections with std 1/sqrt(fan_in),
+    biases with std 0.1, norm gains 1 + 0.2·N(0, 1), embeddings with std 0.1 (HF's default init, std 0.02
+    everywhere and unit gains, leaves the residual stream nearly untouched by the layers)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**hf_config)).to(torch.float32).eval()
+    fields = dict(hf_config)
+    config = AutoConfig.for_model(fields.pop("model_type", "llama"), **fields)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "embed_tokens" in name or "lm_head" in name:
                 p.normal_(0.0, 0.1)
-            elif p.ndim == 1:                                   # RMSNorm gains
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.1)
+            elif p.ndim == 1:                                   # RMSNorm gains (q/k norms too)
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))
             else:                                               # nn.Linear weight [out, in]
                 p.normal_(0.0, p.shape[1] ** -0.5)
@@ -99,8 +104,8 @@ def fresh_seed() -> int:
 
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory):
-    """A factory: hf_checkpoint(seed=0, **LlamaConfig fields) → a folder holding config.json and model.safetensors
-    of a random Llama of those shapes (re-initialised as _build_llama does), stored in bf16. Each distinct set of
+    """A factory: hf_checkpoint(seed=0, **config fields) → a folder holding config.json and model.safetensors
+    of a random model of those shapes (Llama unless model_type names another family) (re-initialised as _build_llama does), stored in bf16. Each distinct set of
     fields is built once per session."""
     import json
 

@@ -104,10 +104,12 @@ def test_bad_arguments(capsys, argv, message):
     (["verify", "--model", "tiny", "--prompt-len", "4000", "--tokens", "400"],
      "--prompt-len 4000 and --tokens 400 need 4399 positions, but the KV cache of tiny holds 4352 (--max-seq)"),
     (["generate", "--model", "no-such-model"],
-     "'no-such-model' is neither a preset (llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, tiny) nor a folder with "
+     "'no-such-model' is neither a preset (llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen2.5-0.5b, qwen2.5-1.5b) "
+     "nor a folder with "
      "config.json"),
     (["bench", "--model", "no-such-model"],
-     "'no-such-model' is neither a preset (llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, tiny) nor a folder with "
+     "'no-such-model' is neither a preset (llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen2.5-0.5b, qwen2.5-1.5b) "
+     "nor a folder with "
      "config.json"),
     (["generate", "--model", "tiny", "--prompt", "hello"],
      "--prompt needs a tokenizer.json in a weights folder (these weights are random) and the tokenizers package; "
@@ -206,10 +208,12 @@ LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_fr
     ({"bos_token_id": 5000}, "{path}: bos_token_id 5000 is outside the vocabulary (vocab_size 1003)"),
     ({"model_type": "gpt2"}, "{path}: model_type 'gpt2' is not a Llama-family decoder this kernel implements"),
     ({"model_type": 7}, "{path}: model_type must be a string, got 7"),
-    ({"model_type": "qwen3"}, "{path}: per-head q/k norms (qk_norm, Qwen3-style) are read from the config but the "
+    ({"model_type": "qwen3"}, "{path}: per-head q/k norms (qk_norm, Qwen3-style) are in the reference but the "
                               "kernel has no section for them yet"),
+    ({"model_type": "qwen2"}, "{path}: q/k/v biases (Qwen2-style) are in the reference but the kernel has no "
+                              "section for them yet"),
     ({"hidden_act": "gelu"}, "{path}: hidden_act 'gelu': only silu is implemented"),
-    ({"attention_bias": True}, "{path}: attention/MLP biases are not implemented"),
+    ({"attention_bias": True}, "{path}: attention/MLP biases are not implemented (the q/k/v biases of qwen2 are)"),
 ])
 def test_bad_config_json(capsys, tmp_path, tiny_config, change, message):
     d = {k: v for k, v in {**tiny_config, **change}.items() if not (v is None and k in ("hidden_size", "head_dim"))}
@@ -279,11 +283,12 @@ def fused_qkv(t):
 
 @pytest.mark.parametrize("edit, message", [
     (lambda t: {**t, "model.layers.0.self_attn.q_proj.bias": np.zeros(192, np.uint16)},
-     "{file}: tensor model.layers.0.self_attn.q_proj.bias is not used by the kernel: biases are not implemented"),
+     "{file}: tensor model.layers.0.self_attn.q_proj.bias is not used by the kernel: biases are not implemented for this model_type "
+     "(qwen2's q/k/v biases are)"),
     (lambda t: {**t, "model.layers.1.self_attn.q_norm.weight": np.ones(32, np.float32),
                 "model.layers.1.self_attn.k_norm.weight": np.ones(32, np.float32)},
      "{file}: tensor model.layers.1.self_attn.q_norm.weight is not used by the kernel: per-head q/k norms "
-     "(Qwen3-style) are not implemented (and 1 more tensor the kernel does not read)"),
+     "are Qwen3's (model_type qwen3), not this config's (and 1 more tensor the kernel does not read)"),
     (lambda t: {**t, "model.layers.0.mlp.down_proj.weight_scale": np.ones(1, np.float32)},
      "{file}: tensor model.layers.0.mlp.down_proj.weight_scale is not used by the kernel: quantised weights are "
      "not implemented (bf16, fp16 or fp32 weights only)"),
@@ -329,7 +334,7 @@ def test_a_file_as_model_means_its_folder(capsys, tmp_path, tiny_hf_checkpoint, 
                      lambda t: {**t, "model.layers.0.self_attn.q_proj.bias": np.zeros(192, np.uint16)})
     assert_error(capsys, ["generate", "--model", folder / given],
                  f"{folder / 'model.safetensors'}: tensor model.layers.0.self_attn.q_proj.bias is not used by the "
-                 "kernel: biases are not implemented")
+                 "kernel: biases are not implemented for this model_type (qwen2's q/k/v biases are)")
 
 
 def test_weights_given_as_a_file(capsys, tmp_path, tiny_hf_checkpoint, gpu_present):

@@ -67,10 +67,10 @@ def hf_in_float64(model, cfg):
 
 
 def hf_model(folder, dtype):
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
     # eager in fp32 (softmax in fp32, as HF's eager path does); sdpa in fp64 (eager would softmax in fp32)
     impl = "sdpa" if dtype == torch.float64 else "eager"
-    return LlamaForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=impl).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=impl).eval()
 
 
 def hf_logits(folder, cfg, tokens, dtype):

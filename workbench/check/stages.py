@@ -71,9 +71,11 @@ def embedding(embed, token):
     return embed[token]
 
 
-def qkv_rope_append(x, wq, wk, wv, gain, cos, sin, eps: float):
-    """(q, k, v) = (rope(Wq·h), rope(Wk·h), Wv·h) with h = RMSNorm(x)·gain. The append to the cache (and its
-    rounding to bf16) is the caller's: the reference stays pure."""
+def qkv_rope_append(x, wq, wk, wv, gain, cos, sin, eps: float, *, biases=None, qk_gains=None):
+    """(q, k, v) = (rope(Wq·h), rope(Wk·h), Wv·h) with h = RMSNorm(x)·gain. Qwen2: `biases` (bq, bk, bv) added to
+    the three projections; Qwen3: `qk_gains` (gq, gk), each head of q and of k RMS-normalised over its head_dim
+    with that gain before RoPE. The append to the cache (and its rounding to bf16) is the caller's: the reference
+    stays pure."""
     D, half = x.shape[-1], cos.shape[-1]
     check_shape("gain", gain, D)
     for name, w in (("wq", wq), ("wk", wk), ("wv", wv)):
@@ -82,7 +84,21 @@ def qkv_rope_append(x, wq, wk, wv, gain, cos, sin, eps: float):
     if wk.shape != wv.shape:
         raise ValueError(f"wk {wk.shape} and wv {wv.shape} must match")
     h = rmsnorm(x, gain, eps)
-    return rope(h @ wq.T, cos, sin), rope(h @ wk.T, cos, sin), h @ wv.T
+    q, k, v = h @ wq.T, h @ wk.T, h @ wv.T
+    if biases is not None:
+        for name, b, w in zip(("bq", "bk", "bv"), biases, (wq, wk, wv)):
+            check_shape(name, b, w.shape[0])
+        q, k, v = q + biases[0], k + biases[1], v + biases[2]
+    if qk_gains is not None:
+        q, k = (head_rmsnorm(a, g, 2 * half, eps, name) for a, g, name in zip((q, k), qk_gains, ("q_norm", "k_norm")))
+    return rope(q, cos, sin), rope(k, cos, sin), v
+
+
+def head_rmsnorm(a, gain, head_dim: int, eps: float, name: str = "gain"):
+    """Each head_dim slice of a's last axis RMS-normalised on its own, times `gain` [head_dim] (Qwen3's q/k norm)."""
+    check_shape(name, gain, head_dim)
+    heads = a.reshape(*a.shape[:-1], -1, head_dim)
+    return rmsnorm(heads, gain, eps).reshape(a.shape)
 
 
 # Attention over a block of query rows materialises scores [Hkv, G, rows, keys]; this caps it at 2^25 elements,
@@ -359,8 +375,11 @@ def embedding_io(io: StageIO) -> dict:
 
 def qkv_rope_append_io(io: StageIO) -> dict:
     cos, sin = io.rope()
+    c = io.cfg
+    biases = tuple(io.weight(b) for b in ("bq", "bk", "bv")) if c.qkv_bias else None
+    qk_gains = (io.weight("q_norm"), io.weight("k_norm")) if c.qk_norm else None
     q, k, v = qkv_rope_append(io.act("x"), io.weight("wq"), io.weight("wk"), io.weight("wv"),
-                              io.weight("attn_norm"), cos, sin, io.eps)
+                              io.weight("attn_norm"), cos, sin, io.eps, biases=biases, qk_gains=qk_gains)
     return {"q": q, "k_cache": k, "v_cache": v}
 
 

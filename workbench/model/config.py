@@ -12,7 +12,8 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
-__all__ = ["ConfigError", "RopeScaling", "ModelConfig", "PRESETS", "DEFAULT_MODEL", "get_config", "local_folder"]
+__all__ = ["ConfigError", "RopeScaling", "ModelConfig", "PRESETS", "KERNEL_PRESETS", "DEFAULT_MODEL", "get_config",
+           "local_folder"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +44,6 @@ def shape_problems(v: dict, names: dict[str, str] | None = None) -> list[str]:
     for f in ("hidden", "intermediate"):
         if v[f] % 8:
             problems.append(f"{n[f]} ({v[f]}) must be a multiple of 8 (16-byte weight loads)")
-    if v["qk_norm"]:
-        problems.append("per-head q/k norms (qk_norm, Qwen3-style) are read from the config but the kernel has no "
-                        "section for them yet")
     eps = v["rms_eps"]
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
         problems.append(f"{n['rms_eps']} must be positive, got {eps!r}")
@@ -141,7 +139,8 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     tie_embeddings: bool = True
     max_seq: int = 8192         # KV-cache length the kernel is built for
-    qk_norm: bool = False       # Qwen-style per-head RMSNorm on q and k (not yet in the kernel)
+    qk_norm: bool = False       # Qwen3: per-head RMSNorm on q and k before RoPE, each with its gain
+    qkv_bias: bool = False      # Qwen2: biases on the q, k and v projections
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -153,6 +152,22 @@ class ModelConfig:
         problems = shape_problems({f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
         if problems:
             raise ConfigError(f"model config {self.name!r}: " + "; ".join(problems))
+
+    def kernel_problems(self) -> list[str]:
+        """What of this model the reference computes but the kernel has no section for yet (empty: it runs)."""
+        out = []
+        if self.qk_norm:
+            out.append("per-head q/k norms (qk_norm, Qwen3-style) are in the reference but the kernel has no section "
+                       "for them yet")
+        if self.qkv_bias:
+            out.append("q/k/v biases (Qwen2-style) are in the reference but the kernel has no section for them yet")
+        return out
+
+    def check_kernel(self, source: str | None = None):
+        """ConfigError (naming `source`, else the model) if the kernel cannot run this model."""
+        problems = self.kernel_problems()
+        if problems:
+            raise ConfigError(f"{source or f'model {self.name!r}'}: " + "; ".join(problems))
 
     # derived sizes
     @property
@@ -224,11 +239,11 @@ class ModelConfig:
         act = k.string("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"{source}: hidden_act {act!r}: only silu is implemented")
-        if k.flag("attention_bias", False, null_ok=True) or k.flag("mlp_bias", False, null_ok=True) \
-                or arch == "qwen2":
-            # qwen2's q/k/v projections have biases by architecture, with no config key saying so
-            why = " (qwen2 has q/k/v biases)" if arch == "qwen2" else ""
-            raise ConfigError(f"{source}: attention/MLP biases are not implemented{why}")
+        # qwen2's q/k/v projections have biases by architecture, with no config key saying so; llama's
+        # attention_bias puts one on o_proj as well, and mlp_bias on the MLP: those are not implemented
+        if arch != "qwen2" and (k.flag("attention_bias", False, null_ok=True) or
+                                k.flag("mlp_bias", False, null_ok=True)):
+            raise ConfigError(f"{source}: attention/MLP biases are not implemented (the q/k/v biases of qwen2 are)")
         head_dim = k.integer("head_dim", None, null_ok=True)
         if head_dim is None:
             if hidden % n_heads:
@@ -281,7 +296,8 @@ class ModelConfig:
             intermediate=intermediate, vocab=vocab, rms_eps=k.number("rms_norm_eps", 1e-5),
             rope_theta=theta if theta is not None else 10000.0, rope_scaling=scaling,
             tie_embeddings=k.flag("tie_word_embeddings", False, null_ok=True),
-            max_seq=max_seq, qk_norm=arch == "qwen3", bos_token_id=bos, eos_token_ids=tuple(eos_list),
+            max_seq=max_seq, qk_norm=arch == "qwen3", qkv_bias=arch == "qwen2", bos_token_id=bos,
+            eos_token_ids=tuple(eos_list),
             max_positions=mpe)
         problems = shape_problems(fields, HF_KEYS)
         if problems:
@@ -304,13 +320,22 @@ class ModelConfig:
         return cls.from_hf_dict(d, name=path.parent.name, max_seq=max_seq, source=str(path))
 
     def to_hf_dict(self) -> dict:
-        """The HF LlamaConfig fields for these shapes (used to build test checkpoints and the PyTorch baselines)."""
-        d = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=self.hidden,
+        """The HF config fields for these shapes (used to build test checkpoints and the PyTorch baselines): a
+        LlamaConfig's, or Qwen3's (qk_norm) or Qwen2's (qkv_bias)."""
+        family = "qwen3" if self.qk_norm else "qwen2" if self.qkv_bias else "llama"
+        arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[family]
+        d = dict(model_type=family, architectures=[arch], hidden_size=self.hidden,
                  num_hidden_layers=self.n_layers, num_attention_heads=self.n_heads,
                  num_key_value_heads=self.n_kv_heads, head_dim=self.head_dim,
                  intermediate_size=self.intermediate, vocab_size=self.vocab, rms_norm_eps=self.rms_eps,
                  rope_theta=self.rope_theta, tie_word_embeddings=self.tie_embeddings, hidden_act="silu",
-                 max_position_embeddings=self.max_seq, attention_bias=False, mlp_bias=False)
+                 max_position_embeddings=self.max_seq)
+        if family == "llama":
+            d.update(attention_bias=False, mlp_bias=False)
+        elif family == "qwen3":
+            d.update(attention_bias=False, use_sliding_window=False)
+        else:
+            d.update(use_sliding_window=False)
         if self.rope_scaling:
             r = self.rope_scaling
             d["rope_scaling"] = dict(rope_type="llama3", factor=r.factor, low_freq_factor=r.low_freq_factor,
@@ -343,6 +368,28 @@ PRESETS: dict[str, ModelConfig] = {
                         tie_embeddings=True, max_seq=4352, bos_token_id=1, eos_token_ids=(2,),
                         max_positions=131072),       # as the Llama 3 models it imitates
 }
+
+
+def _qwen(name, hidden, n_layers, n_heads, n_kv_heads, head_dim, intermediate, tied, mpe, **kw):
+    return ModelConfig(name, hidden=hidden, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                       head_dim=head_dim, intermediate=intermediate, vocab=151936, rms_eps=1e-6, rope_theta=1e6,
+                       tie_embeddings=tied, max_seq=min(mpe, 8192), max_positions=mpe, bos_token_id=151643, **kw)
+
+
+# Qwen3 and Qwen2.5 at the shapes of their config.json files. The reference runs them; the kernel has no section
+# for Qwen3's q/k norms or Qwen2's biases yet (ModelConfig.kernel_problems), so KERNEL_PRESETS leaves them out.
+PRESETS.update({
+    "qwen3-0.6b": _qwen("qwen3-0.6b", 1024, 28, 16, 8, 128, 3072, True, 40960, qk_norm=True, eos_token_ids=(151645,)),
+    "qwen3-1.7b": _qwen("qwen3-1.7b", 2048, 28, 16, 8, 128, 6144, True, 40960, qk_norm=True, eos_token_ids=(151645,)),
+    "qwen3-4b": _qwen("qwen3-4b", 2560, 36, 32, 8, 128, 9728, True, 40960, qk_norm=True, eos_token_ids=(151645,)),
+    "qwen3-8b": _qwen("qwen3-8b", 4096, 36, 32, 8, 128, 12288, False, 40960, qk_norm=True, eos_token_ids=(151645,)),
+    "qwen2.5-0.5b": _qwen("qwen2.5-0.5b", 896, 24, 14, 2, 64, 4864, True, 32768, qkv_bias=True,
+                          eos_token_ids=(151643,)),
+    "qwen2.5-1.5b": _qwen("qwen2.5-1.5b", 1536, 28, 12, 2, 128, 8960, True, 131072, qkv_bias=True,
+                          eos_token_ids=(151643,)),
+})
+# the presets the kernel builds (every one the reference runs, less those with a step it has no section for)
+KERNEL_PRESETS = tuple(n for n, c in PRESETS.items() if not c.kernel_problems())
 DEFAULT_MODEL = "llama-3.2-1b"
 
 

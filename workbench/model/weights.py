@@ -48,7 +48,10 @@ def layer_names(i: int) -> dict[str, str]:
     return dict(attn_norm=p + "input_layernorm.weight", wq=p + "self_attn.q_proj.weight",
                 wk=p + "self_attn.k_proj.weight", wv=p + "self_attn.v_proj.weight", wo=p + "self_attn.o_proj.weight",
                 mlp_norm=p + "post_attention_layernorm.weight", wg=p + "mlp.gate_proj.weight",
-                wu=p + "mlp.up_proj.weight", wd=p + "mlp.down_proj.weight")
+                wu=p + "mlp.up_proj.weight", wd=p + "mlp.down_proj.weight",
+                # Qwen3's per-head norm gains and Qwen2's biases: only in models whose config has them
+                q_norm=p + "self_attn.q_norm.weight", k_norm=p + "self_attn.k_norm.weight",
+                bq=p + "self_attn.q_proj.bias", bk=p + "self_attn.k_proj.bias", bv=p + "self_attn.v_proj.bias")
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -61,6 +64,10 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update({n["attn_norm"]: (D,), n["wq"]: (cfg.q_dim, D), n["wk"]: (cfg.kv_dim, D),
                        n["wv"]: (cfg.kv_dim, D), n["wo"]: (D, cfg.q_dim), n["mlp_norm"]: (D,),
                        n["wg"]: (F, D), n["wu"]: (F, D), n["wd"]: (D, F)})
+        if cfg.qk_norm:
+            shapes.update({n["q_norm"]: (cfg.head_dim,), n["k_norm"]: (cfg.head_dim,)})
+        if cfg.qkv_bias:
+            shapes.update({n["bq"]: (cfg.q_dim,), n["bk"]: (cfg.kv_dim,), n["bv"]: (cfg.kv_dim,)})
     return shapes
 
 
@@ -102,8 +109,8 @@ def check_shapes(cfg: ModelConfig, tensors: dict, source: str, where: dict[str, 
 _HARMLESS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 # why a tensor the kernel does not read cannot just be dropped: what it would have changed, by its name
 _UNSUPPORTED = [
-    (re.compile(r"\.bias$"), "biases are not implemented"),
-    (re.compile(r"\.(q_norm|k_norm)\."), "per-head q/k norms (Qwen3-style) are not implemented"),
+    (re.compile(r"\.bias$"), "biases are not implemented for this model_type (qwen2's q/k/v biases are)"),
+    (re.compile(r"\.(q_norm|k_norm)\."), "per-head q/k norms are Qwen3's (model_type qwen3), not this config's"),
     (re.compile(r"(_scale|_scales|\.scales|\.qweight|\.qzeros|\.g_idx|_zero_point|\.absmax|\.quant_map|\.SCB)$"),
      "quantised weights are not implemented (bf16, fp16 or fp32 weights only)"),
     (re.compile(r"\.(qkv_proj|gate_up_proj|W_pack)\."),
@@ -249,7 +256,9 @@ def random_weights(cfg: ModelConfig, seed: int = 0, xp=np, progress: bool = True
     tensors = {}
     shapes = expected_shapes(cfg)
     for name, shape in _progress(list(shapes.items()), "random weights", progress and cfg.n_layers > 4):
-        if len(shape) == 1:
+        if name.endswith(".bias"):
+            t = 0.1 * rs.standard_normal(shape, dtype=xp.float32)
+        elif len(shape) == 1:
             t = 1.0 + 0.2 * rs.standard_normal(shape, dtype=xp.float32)
         else:
             std = 0.1 if ("embed" in name or "lm_head" in name) else 1.0 / np.sqrt(shape[1])
@@ -341,6 +350,7 @@ def prepare(w: Weights, xp=None, progress: bool = True) -> Prepared:
     """Repack and fold, once at load. Gains are folded in fp32 and the product rounded to bf16 once:
     W·(g⊙x̂) = (W·diag g)·x̂ is exact in real arithmetic; the rounding of the product is the only change."""
     cfg, src = w.cfg, w.xp
+    cfg.check_kernel(w.source or None)
     xp = xp or src
     L, D, F = cfg.n_layers, cfg.hidden, cfg.intermediate
 
