@@ -104,12 +104,12 @@ def test_bad_arguments(capsys, argv, message):
     (["verify", "--model", "tiny", "--prompt-len", "4000", "--tokens", "400"],
      "--prompt-len 4000 and --tokens 400 need 4399 positions, but the KV cache of tiny holds 4352 (--max-seq)"),
     (["generate", "--model", "no-such-model"],
-     "'no-such-model' is neither a preset (llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen2.5-0.5b, qwen2.5-1.5b) "
-     "nor a folder with "
+     "'no-such-model' is neither a preset (llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, tiny, qwen3-0.6b, "
+     "qwen3-1.7b, qwen3-4b, qwen3-8b, qwen2.5-0.5b, qwen2.5-1.5b) nor a folder with "
      "config.json"),
     (["bench", "--model", "no-such-model"],
-     "'no-such-model' is neither a preset (llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, tiny, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen2.5-0.5b, qwen2.5-1.5b) "
-     "nor a folder with "
+     "'no-such-model' is neither a preset (llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, tiny, qwen3-0.6b, "
+     "qwen3-1.7b, qwen3-4b, qwen3-8b, qwen2.5-0.5b, qwen2.5-1.5b) nor a folder with "
      "config.json"),
     (["generate", "--model", "tiny", "--prompt", "hello"],
      "--prompt needs a tokenizer.json in a weights folder (these weights are random) and the tokenizers package; "
@@ -494,6 +494,29 @@ def test_tokenizer_json_that_cannot_be_read(capsys, tmp_path, tiny_hf_checkpoint
     rc, err = error_of(capsys, "generate", "--model", folder, "--prompt", "hello")
     assert rc == 2 and err.startswith(f"error: {folder / 'tokenizer.json'}: not a tokenizer the tokenizers package "
                                       "can read (") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("vocab", [280, 260])
+def test_a_text_prompt_goes_through_the_trained_tokenizer_before_the_gpu(capsys, tmp_path, hf_checkpoint, byte_bpe,
+                                                                       vocab):
+    """`generate --prompt` on a checkpoint with a tokenizer.json (a byte-level BPE trained by the fixture, 280
+    tokens): everything up to the GPU runs on this machine. At the tokenizer's own vocabulary the prompt is read,
+    encoded and checked, and what stops it is the missing GPU; at a vocabulary smaller than the tokenizer's, the
+    prompt's encoding has ids past it, and that is what is said, naming the first."""
+    fields = {**cli.get_config("tiny").to_hf_dict(), "vocab_size": vocab}
+    folder = tmp_path / "ckpt"
+    shutil.copytree(hf_checkpoint(**fields), folder)
+    byte_bpe.save(str(folder / "tokenizer.json"))
+    prompt = "naïve 😀 日本"
+    ids = byte_bpe.encode(prompt).ids
+    capsys.readouterr()                                 # what building the checkpoint printed
+    rc, err = error_of(capsys, "generate", "--model", folder, "--prompt", prompt)
+    if vocab >= byte_bpe.get_vocab_size():
+        assert rc == 2 and err.startswith("error: no CUDA GPU is visible") and err.count("\n") == 1, err
+    else:
+        first = next(t for t in ids if t >= vocab)
+        assert (rc, err) == (2, f"error: --prompt: token id {first} is outside the vocabulary of ckpt (vocab_size "
+                                f"{vocab}: ids 0 to {vocab - 1})\n")
 
 
 # -- the one error path itself -------------------------------------------------------------------------------------
