@@ -113,7 +113,7 @@ def main():
     ap.add_argument("--only", nargs="*", default=["smoke", "pytest", "mutants", "failures", "sanitize", "verify",
                                                  "loop", "bench", "record"])
     ap.add_argument("--verify-models", nargs="*", default=["tiny", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"])
-    ap.add_argument("--bench-models", nargs="*", default=["llama-3.2-1b"])
+    ap.add_argument("--bench-models", nargs="*", default=["llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"])
     ap.add_argument("--sanitize-models", nargs="*", default=["tiny", "llama-3.2-1b"])
     ap.add_argument("--base", help="another checkout to bench against, interleaved (A/B in one run)")
     ap.add_argument("--no-torch", action="store_true", help="bench without the PyTorch rows")

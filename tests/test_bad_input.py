@@ -645,3 +645,9 @@ def test_a_kernel_that_stops_itself_is_one_line(capsys, monkeypatch, tiny_hf_che
     assert error_of(capsys, "generate", "--in-process", "--model", tiny_hf_checkpoint, "--prompt-ids", "1") == \
         (1, "error: the kernel stopped: grid barrier timed out after the down_residual stage of layer 3 at step 0: "
             "block 7 waited, 1 block(s) never arrived\n")
+
+
+def test_bench_positions_past_what_the_model_was_trained_for(capsys):
+    assert_error(capsys, ["bench", "--model", "tiny", "--positions", "128", "131000"],
+                 "position 131000 and --tokens 128 need 131264 positions, past the 131072 of max_position_embeddings "
+                 "of tiny")

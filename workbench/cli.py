@@ -176,7 +176,14 @@ def _check_build(args):
 
 
 def _check_bench(args):
-    _config(args.model, None)
+    from .measure.bench import bench_positions
+    cfg = _config(args.model, None)
+    positions = args.positions or bench_positions(args.model)
+    need = max(positions) + 2 * args.tokens + 8                 # what run_bench sizes the KV cache for
+    limit = cfg.max_positions or cfg.max_seq
+    if need > limit:
+        raise UsageError(f"position {max(positions)} and --tokens {args.tokens} need {need} positions, past the "
+                         f"{limit} of max_position_embeddings of {cfg.name}")
 
 
 def gpu_problem() -> str | None:
@@ -374,7 +381,7 @@ def cmd_build(args) -> int:
 
 def cmd_bench(args) -> int:
     from .measure.bench import main as bench_main
-    return bench_main(args.model, args.tokens, args.repeats, args.json, args.no_torch, args.no_hf)
+    return bench_main(args.model, args.tokens, args.repeats, args.json, args.no_torch, args.no_hf, args.positions)
 
 
 def _in_process_arg(p):
@@ -443,6 +450,8 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--json", help="write the table as JSON here")
     be.add_argument("--no-torch", action="store_true", help="skip the PyTorch paths")
     be.add_argument("--no-hf", action="store_true", help="skip HF generate()")
+    be.add_argument("--positions", type=positive_int, nargs="+",
+                    help="starting positions (default 128, 4096 and 16384, and 32768 for llama-3.2-1b)")
     _in_process_arg(be)
     return ap
 
