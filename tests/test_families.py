@@ -47,8 +47,9 @@ def test_reference_matches_the_familys_transformers_class(hf_checkpoint, rng, na
     assert cfg.qk_norm == (fields["model_type"] == "qwen3") and cfg.qkv_bias == (fields["model_type"] == "qwen2")
     assert cfg.tie_embeddings == fields["tie_word_embeddings"]
     w = load_hf(folder, progress=False)
-    names = layer_names(cfg.n_layers - 1)
-    assert (names["q_norm"] in w.tensors) == cfg.qk_norm and (names["bq"] in w.tensors) == cfg.qkv_bias
+    names = layer_names(cfg.n_layers - 1, cfg)
+    assert all(n in w.tensors for n in names.values())
+    assert ("q_norm" in names) == cfg.qk_norm and ("bq" in names) == cfg.qkv_bias
     tokens = [int(t) for t in rng.integers(0, cfg.vocab, N_TOKENS)]
     ours32 = forward(w, tokens, kv_bf16=False, dtype=np.float32)
     ours64 = forward(w, tokens, kv_bf16=False, dtype=np.float64)
@@ -102,10 +103,10 @@ def test_qkv_biases_are_added_before_rope(rng):
 def test_random_weights_of_a_family_have_its_tensors():
     cfg = get_config("tiny").with_(qk_norm=True)
     w = random_weights(cfg, 1, progress=False)
-    assert w.tensors[layer_names(0)["q_norm"]].shape == (cfg.head_dim,)
+    assert w.tensors[layer_names(0, cfg)["q_norm"]].shape == (cfg.head_dim,)
     cfg2 = get_config("tiny").with_(qkv_bias=True)
     w2 = random_weights(cfg2, 1, progress=False)
-    assert w2.tensors[layer_names(1)["bv"]].shape == (cfg2.kv_dim,)
+    assert w2.tensors[layer_names(1, cfg2)["bv"]].shape == (cfg2.kv_dim,)
 
 
 @pytest.mark.parametrize("flag", ["qk_norm", "qkv_bias"])

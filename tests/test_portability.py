@@ -13,7 +13,7 @@ from workbench.build import compile as C
 from workbench.cli import main
 from workbench.build.assemble import BuildOptions, assemble, section_path
 from workbench.paths import kernels_dir
-from workbench.model.config import PRESETS, get_config
+from workbench.model.config import KERNEL_PRESETS, PRESETS, get_config
 
 
 def _clang_missing() -> str | None:
@@ -28,7 +28,7 @@ needs_clang = pytest.mark.skipif(_clang_missing() is not None,
                                  reason=f"no clang for the AMD build ({_clang_missing()}); .ci/run installs clang-19")
 
 # ---- every preset, both targets ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", list(KERNEL_PRESETS))
 def test_every_preset_compiles_for_sm90_without_spills(preset):
     cubin, _ = C.compile_cubin(assemble(get_config(preset)), arch="sm_90")
     (r,) = C.resource_usage(cubin)
@@ -37,7 +37,7 @@ def test_every_preset_compiles_for_sm90_without_spills(preset):
 
 
 @needs_clang
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", list(KERNEL_PRESETS))
 def test_every_preset_compiles_for_gfx942(preset):
     text, _ = C.compile_hip(assemble(get_config(preset)), arch="gfx942")
     (r,) = C.amdgpu_resources(text)
@@ -139,8 +139,9 @@ def test_cli_all_presets_builds_each(monkeypatch, capsys):
     monkeypatch.setattr(C, "compile_cubin", fake)
     monkeypatch.setattr(C, "resource_usage", lambda cubin: [C.Resources("wb_generate", 100, 0, 0, 0)])
     assert main(["build", "--all-presets", "--no-spills"]) == 0
-    assert len(seen) == len(PRESETS) and sorted(seen) == sorted(str(c.vocab) for c in PRESETS.values())
-    assert [l.split()[0] for l in capsys.readouterr().out.splitlines()] == list(PRESETS)
+    assert len(seen) == len(KERNEL_PRESETS)
+    assert sorted(seen) == sorted(str(PRESETS[n].vocab) for n in KERNEL_PRESETS)
+    assert [l.split()[0] for l in capsys.readouterr().out.splitlines()] == list(KERNEL_PRESETS)
 
 
 # ---- machine code of one section ----------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ class HFView:
         return self._cache[name]
 
     def layer(self, name: str, layer: int):
-        return self._get(layer_names(layer)[name])
+        return self._get(layer_names(layer, self.cfg)[name])
 
     def model(self, name: str):
         hf = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",

@@ -43,15 +43,19 @@ def round_bf16(a, xp=np):
 # -- HF-layout weights -----------------------------------------------------------------------------------------
 
 
-def layer_names(i: int) -> dict[str, str]:
+def layer_names(i: int, cfg: ModelConfig | None = None) -> dict[str, str]:
+    """Layer i's tensors by their short names: a Llama layer's, and with `cfg` also those its family adds
+    (Qwen3's per-head norm gains, Qwen2's biases)."""
     p = f"model.layers.{i}."
-    return dict(attn_norm=p + "input_layernorm.weight", wq=p + "self_attn.q_proj.weight",
-                wk=p + "self_attn.k_proj.weight", wv=p + "self_attn.v_proj.weight", wo=p + "self_attn.o_proj.weight",
-                mlp_norm=p + "post_attention_layernorm.weight", wg=p + "mlp.gate_proj.weight",
-                wu=p + "mlp.up_proj.weight", wd=p + "mlp.down_proj.weight",
-                # Qwen3's per-head norm gains and Qwen2's biases: only in models whose config has them
-                q_norm=p + "self_attn.q_norm.weight", k_norm=p + "self_attn.k_norm.weight",
-                bq=p + "self_attn.q_proj.bias", bk=p + "self_attn.k_proj.bias", bv=p + "self_attn.v_proj.bias")
+    out = dict(attn_norm=p + "input_layernorm.weight", wq=p + "self_attn.q_proj.weight",
+               wk=p + "self_attn.k_proj.weight", wv=p + "self_attn.v_proj.weight", wo=p + "self_attn.o_proj.weight",
+               mlp_norm=p + "post_attention_layernorm.weight", wg=p + "mlp.gate_proj.weight",
+               wu=p + "mlp.up_proj.weight", wd=p + "mlp.down_proj.weight")
+    if cfg is not None and cfg.qk_norm:
+        out.update(q_norm=p + "self_attn.q_norm.weight", k_norm=p + "self_attn.k_norm.weight")
+    if cfg is not None and cfg.qkv_bias:
+        out.update(bq=p + "self_attn.q_proj.bias", bk=p + "self_attn.k_proj.bias", bv=p + "self_attn.v_proj.bias")
+    return out
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -60,7 +64,7 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     if not cfg.tie_embeddings:
         shapes["lm_head.weight"] = (V, D)
     for i in range(cfg.n_layers):
-        n = layer_names(i)
+        n = layer_names(i, cfg)
         shapes.update({n["attn_norm"]: (D,), n["wq"]: (cfg.q_dim, D), n["wk"]: (cfg.kv_dim, D),
                        n["wv"]: (cfg.kv_dim, D), n["wo"]: (D, cfg.q_dim), n["mlp_norm"]: (D,),
                        n["wg"]: (F, D), n["wu"]: (F, D), n["wd"]: (D, F)})
