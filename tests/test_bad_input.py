@@ -626,6 +626,13 @@ def test_sanitizer_summaries_are_read(text, errors):
     assert cli.sanitizer_errors(text) == errors
 
 
+def test_the_sanitizers_own_summary_is_shown():
+    text = "x\n========= RACECHECK SUMMARY: 7 hazards displayed (0 errors, 7 warnings)\n"
+    assert cli.sanitizer_summary(text) == "7 hazards displayed (0 errors, 7 warnings)"
+    assert cli.sanitizer_summary("========= ERROR SUMMARY: 0 errors\n") == "0 errors"
+    assert cli.sanitizer_summary("nothing") == ""
+
+
 def test_a_kernel_that_stops_itself_is_one_line(capsys, monkeypatch, tiny_hf_checkpoint, gpu_present):
     """A hang the kernel caught (its barrier timed out) or NaN logits, in this process: one line, exit code 1, no
     traceback and no 'bug' (through the worker it is a WorkerFailure, one line too)."""

@@ -491,6 +491,13 @@ def sanitizer_errors(output: str) -> int | None:
     return int(m[1]) if m else None
 
 
+def sanitizer_summary(output: str) -> str:
+    """The tool's own summary line, as it wrote it (racecheck's counts its hazards and warnings too)."""
+    import re
+    m = re.search(r"(?:ERROR|RACECHECK) SUMMARY: (.*)", output)
+    return m[1].strip() if m else ""
+
+
 def cmd_sanitize(args) -> int:
     """`generate` under compute-sanitizer, once per tool, in this process (the sanitizer must see the kernel):
     a line per tool with its error count; exit 1 if any tool found an error."""
@@ -512,7 +519,8 @@ def cmd_sanitize(args) -> int:
                   + "\n".join(out.strip().splitlines()[-8:]))
             worst = max(worst, 1)
             continue
-        print(f"{tool:10s} {args.model}: {errors} errors, exit code {r.returncode}, {dt:.0f} s")
+        print(f"{tool:10s} {args.model}: {errors} errors ({sanitizer_summary(out)}), exit code {r.returncode}, "
+              f"{dt:.0f} s")
         if errors or r.returncode:
             # a nonzero exit with no error counted (racecheck on 1b exited 9 with "0 errors"): what the tool said,
             # its own lines first, then the end of the run's output
