@@ -108,10 +108,10 @@ def _model_args(p: argparse.ArgumentParser):
 def _config(model: str, max_seq: int | None) -> ModelConfig:
     """The model's config at the asked KV-cache length, which may not pass the positions it was trained for."""
     cfg = get_config(model)
+    of = f"preset {model}" if model in PRESETS else str(local_folder(model) / "config.json")
     if max_seq is not None and cfg.max_positions is not None and max_seq > cfg.max_positions:
-        of = f"preset {model}" if model in PRESETS else str(local_folder(model) / "config.json")
         raise UsageError(f"--max-seq {max_seq} is larger than max_position_embeddings ({cfg.max_positions}) of {of}")
-    cfg.check_kernel(f"preset {model}" if model in PRESETS else str(local_folder(model) / "config.json"))
+    cfg.check_kernel(of)
     return get_config(model, max_seq=max_seq)
 
 
@@ -420,7 +420,8 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--draws", type=positive_int, default=20000)
     b = sub.add_parser("build", help="compile only (no GPU): registers, spills, shared memory")
     b.add_argument("--model", default=DEFAULT_MODEL)
-    b.add_argument("--all-presets", action="store_true", help=f"build every preset the kernel runs ({', '.join(KERNEL_PRESETS)})")
+    b.add_argument("--all-presets", action="store_true",
+                   help=f"build every preset the kernel runs ({', '.join(KERNEL_PRESETS)})")
     b.add_argument("--max-seq", type=positive_int)
     b.add_argument("--threads", type=threads, default=512)
     b.add_argument("--target", choices=["cuda", "hip"],

@@ -34,29 +34,32 @@ class Injection:
         return self.block in stuck or re.search(rf"\bblock {self.block}\b", rec.error or "") is not None
 
 
+def _after_act(section: str, code: str) -> tuple[str, str]:
+    """(find, replace) that put `code` right after the section's `float* act = ...` line: where every weight
+    stage has its shared-memory pointer and nothing has run yet."""
+    line = f"    float* act = smem + WB_SMEM_{section.upper()}_ACT;"
+    return line, f"{line}\n{code}"
+
+
 INJECTIONS = (
     Injection("spin-on-flag", "o_proj_residual", "block 3 spins on a flag nobody sets, outside any barrier",
-              "    float* act = smem + WB_SMEM_O_PROJ_RESIDUAL_ACT;",
-              "    float* act = smem + WB_SMEM_O_PROJ_RESIDUAL_ACT;\n"
-              "    if (wb_bid() == 3) { volatile int* never = (volatile int*)act; if (wb_tid() == 0) *never = 0;\n"
-              "                         while (*never == 0) { } }", "hang", 3),
+              *_after_act("o_proj_residual",
+                          "    if (wb_bid() == 3) { volatile int* never = (volatile int*)act; if (wb_tid() == 0) "
+                          "*never = 0;\n                         while (*never == 0) { } }"), "hang", 3),
     Injection("barrier-skipped", "grid_sync", "block 5 skips the barrier after gate_up_silu of layer 1",
               "    __shared__ int stop;\n    wb_syncthreads();",
               "    __shared__ int stop;\n    if (wb_bid() == 5 && stage == ST_GATE_UP_SILU && layer == 1) return false;\n"
               "    wb_syncthreads();", "hang", 5),
-    Injection("trap", "gate_up_silu", "block 7 executes a trap", "    float* act = smem + WB_SMEM_GATE_UP_SILU_ACT;",
-              "    float* act = smem + WB_SMEM_GATE_UP_SILU_ACT;\n    if (wb_bid() == 7 && wb_tid() == 0) __trap();",
-              "fault", 7),
+    Injection("trap", "gate_up_silu", "block 7 executes a trap",
+              *_after_act("gate_up_silu", "    if (wb_bid() == 7 && wb_tid() == 0) __trap();"), "fault", 7),
     # through a null pointer, not far past a buffer: a far address can land in another allocation and not fault
     Injection("illegal-address", "down_residual", "block 9 writes through a null pointer",
-              "    float* act = smem + WB_SMEM_DOWN_RESIDUAL_ACT;",
-              "    float* act = smem + WB_SMEM_DOWN_RESIDUAL_ACT;\n"
-              "    if (wb_bid() == 9 && wb_tid() == 0) { volatile float* null = x + (0 - (long long)(size_t)x / 4); "
-              "*null = 1.f; }", "fault", 9),
+              *_after_act("down_residual", "    if (wb_bid() == 9 && wb_tid() == 0) { volatile float* null = x + "
+                                           "(0 - (long long)(size_t)x / 4); *null = 1.f; }"), "fault", 9),
     Injection("shared-out-of-bounds", "lm_head", "block 11 writes 16 MB past its shared memory",
-              "    float* act = smem + WB_SMEM_LM_HEAD_ACT;",
-              "    float* act = smem + WB_SMEM_LM_HEAD_ACT;\n"
-              "    if (wb_bid() == 11 && wb_tid() == 0) ((volatile float*)smem)[1 << 22] = 1.f;", "fault", 11),
+              *_after_act("lm_head",
+                          "    if (wb_bid() == 11 && wb_tid() == 0) ((volatile float*)smem)[1 << 22] = 1.f;"),
+              "fault", 11),
     Injection("sampler-loops", "sampling", "the sampler never returns (block 0 spins)",
               "    // max logit and greedy argmax from the LM head's per-block partials",
               "    if (wb_tid() == 0) { volatile int spin = 1; while (spin) { } }\n"

@@ -454,12 +454,6 @@ class WorkerBackend:
             _, self.info = self.worker.call("at", str(paths.kernels_dir()), "build", builds, texts)
         self.restart_s = time.perf_counter() - self._recover_t0
 
-    def ensure_ready(self) -> float | None:
-        """Wait for a worker started after a failure to hold the last good kernels → seconds since the failure."""
-        if self._restore:
-            self._restored()
-        return self.restart_s
-
     def build(self, builds: dict, overrides: dict) -> float:
         wall, info = self._call("build", builds, overrides)
         self.info = info

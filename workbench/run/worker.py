@@ -23,6 +23,7 @@ lives on.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import pickle
@@ -252,7 +253,7 @@ class Worker:
         self.proc = self.conn = None
         self._starting = False
         self.starts = 0
-        self.calls: list[CallTime] = []       # the last calls' wall time here and service time there
+        self.calls: collections.deque[CallTime] = collections.deque(maxlen=32)   # the last calls, timed both sides
         self.last_failure: WorkerFailure | None = None
 
     # -- the shared block --
@@ -396,7 +397,7 @@ class Worker:
                     if kind == "ok":
                         result, inner = payload
                         name = args[1] if method == "at" and len(args) > 1 else method
-                        self.calls = self.calls[-31:] + [CallTime(name, time.perf_counter() - t0, inner)]
+                        self.calls.append(CallTime(name, time.perf_counter() - t0, inner))
                         return result
                     if kind == "fault":
                         self._reap()
