@@ -32,14 +32,21 @@ from .model.config import ModelConfig
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
-    """One block per SM, all resident (cooperative launch), `threads` per block."""
+    """One block per SM, all resident (cooperative launch), `threads` per block. With `stream`, the block's last
+    warp is the weight streamer (see `streams`) and the stages run on the others."""
     grid: int = 132
     threads: int = 512
     attn_min_chunk: int = 32        # fewest cache positions per attention split
+    stream: bool = False
 
     def max_splits(self, cfg: ModelConfig) -> int:
         """Attention splits each kv head's positions over at most this many blocks (≈ one block per SM)."""
         return max(1, self.grid // cfg.n_kv_heads)
+
+    @property
+    def consumer_warps(self) -> int:
+        """The warps that run the stages (NVIDIA's 32-lane warps: streaming is an sm_90 build)."""
+        return self.threads // 32 - (1 if self.stream else 0)
 
 
 MAX_WARPS = 32                      # warps in a 1024-thread block at the narrowest warp (32 lanes, NVIDIA)
@@ -288,7 +295,7 @@ TOKEN_STAGES = tuple(s.name for s in STAGES if s.scope == "token")
 
 # The kernel's library headers (not stages: the building blocks the sections share), pasted before the sections in
 # this order; the sections follow in decode order, then the generated decode step, then kernels/monokernel.cuh.
-LIBRARY = ("grid_sync", "matvec", "instrument")
+LIBRARY = ("grid_sync", "stream", "matvec", "instrument")
 FILES = LIBRARY + STAGE_NAMES + ("monokernel",)
 
 
@@ -470,13 +477,128 @@ def smem_regions(cfg: ModelConfig, launch: Launch = Launch()) -> dict[str, dict[
     return out
 
 
-def smem_floats(cfg: ModelConfig, launch: Launch = Launch()) -> int:
+def _stage_floats(cfg: ModelConfig, launch: Launch = Launch()) -> int:
     return max((sum(n for _, n in r.values()) for r in smem_regions(cfg, launch).values()), default=0)
 
 
+def smem_floats(cfg: ModelConfig, launch: Launch = Launch()) -> int:
+    """The largest stage's layout (the stream's partials and ring follow it)."""
+    return _stage_floats(cfg, launch)
+
+
 def smem_bytes(cfg: ModelConfig, launch: Launch = Launch()) -> int:
-    """The dynamic shared memory a block is launched with: the largest stage's layout."""
-    return 4 * smem_floats(cfg, launch)
+    """The dynamic shared memory a block is launched with: the largest stage's layout, then with streaming the
+    partial sums and the weight ring."""
+    if not launch.stream:
+        return 4 * smem_floats(cfg, launch)
+    return ring_offset(cfg, launch) + RING_ALIGN + ring_slots(cfg, launch) * launch.consumer_warps * SLOT_BYTES
+
+
+# ---- the weight stream: what the block's streamer copies into its shared-memory ring ------------------------
+# Every stage that reads a weight matrix row by row (a Use of a weight with `rows`) is a stream: each block takes
+# the contiguous units [b·n/G, (b+1)·n/G) of it, and those units' rows, cut into pieces of at most SLOT_BYTES, are
+# the block's items, in address order. The streamer (the block's last warp) copies the items of every stream of
+# the step, in decode order, a page of one item per consumer warp at a time, into a ring of RING_SLOTS pages as fast
+# as pages free up, never waiting on an activation. The consumer side (kernels/lib/stream.cuh, matvec.cuh) walks
+# the same pages in the same order: both derive them from this table and the section's own unit count.
+SLOT_BYTES = 4096                   # one bulk copy: a row of up to 2,048 bf16, or a piece of a longer row
+SMEM_LIMIT = 232448                 # shared memory a block may have on sm_90 (227 KB, opt-in)
+STATIC_SMEM = 4096                  # kept free for the kernel's static __shared__ (2.4 KB today: barrier words, mbarriers, stamps)
+MAX_RING_SLOTS = 4                  # pages in the ring
+RING_ALIGN = 128                    # the ring's slots start on this boundary of shared memory (stream.cuh)
+
+
+def pieces(k: int, slot_bytes: int = SLOT_BYTES) -> int:
+    """How many pieces a row of k bf16 is cut into: the fewest, each within a slot, that split the row evenly into
+    whole 16-byte loads. kernels/lib/stream.cuh has the same rule (wb_pieces), checked against this by the header."""
+    n = max(1, -(-2 * k // slot_bytes))
+    while k % n or (k // n) % 8:
+        n += 1
+    return n
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    stage: str
+    buffer: str
+    units: int                      # the stage's units
+    rows: int                       # rows of the matrix per unit
+    k: int                          # elements per row
+    scope: str                      # "layer" or "token", as the stage
+
+    @property
+    def pieces(self) -> int:
+        return pieces(self.k)
+
+    @property
+    def piece(self) -> int:
+        """Elements per item."""
+        return self.k // self.pieces
+
+    def items(self, launch: "Launch", block: int) -> int:
+        n = self.units
+        return ((block + 1) * n // launch.grid - block * n // launch.grid) * self.rows * self.pieces
+
+    def max_items(self, launch: "Launch") -> int:
+        return max(self.items(launch, b) for b in range(launch.grid))
+
+    @property
+    def combines(self) -> bool:
+        """Whether a unit spans several items (so several warps): their partial sums meet in shared memory."""
+        return self.rows * self.pieces > 1
+
+
+def streams(cfg: ModelConfig, launch: "Launch" = None) -> tuple[Stream, ...]:
+    """The weight streams of one step, in the plan's stage order (a layer stage's stream repeats per layer)."""
+    launch = launch or Launch()
+    out = []
+    for s in STAGES:
+        for u in s.reads:
+            b = BUFFERS[u.buffer]
+            if b.kind != "weight" or u.rows is None:
+                continue
+            k = b.layer_shape(cfg, launch)[-1]
+            n = s.units(cfg, launch)
+            (lo, hi), = u.rows(cfg, 0)
+            per = hi - lo
+            if lo != 0 or per % k or any(u.rows(cfg, x) != ((x * per, (x + 1) * per),) for x in (1, n - 1)):
+                raise ValueError(f"stage {s.name}: a unit of {u.buffer} must be whole adjacent rows, unit u at u·rows")
+            out.append(Stream(s.name, u.buffer, n, per // k, k, s.scope))
+    return tuple(out)
+
+
+def stream_stage(cfg: ModelConfig, stage_name: str) -> Stream | None:
+    return next((x for x in streams(cfg) if x.stage == stage_name), None)
+
+
+def partial_floats(cfg: ModelConfig, launch: "Launch" = None) -> int:
+    """One float per item of the largest stream whose units span several items (0 without streaming)."""
+    launch = launch or Launch()
+    if not launch.stream:
+        return 0
+    return _pad4(max((x.max_items(launch) for x in streams(cfg, launch) if x.combines), default=0))
+
+
+def ring_slots(cfg: ModelConfig, launch: "Launch" = None) -> int:
+    """Pages in the ring (a page: a slot per consumer warp): as many as fit beside the stages' shared memory,
+    up to MAX_RING_SLOTS."""
+    launch = launch or Launch()
+    if not launch.stream:
+        return 0
+    free = SMEM_LIMIT - STATIC_SMEM - ring_offset(cfg, launch) - RING_ALIGN
+    n = min(MAX_RING_SLOTS, free // (launch.consumer_warps * SLOT_BYTES))
+    if n < 1:
+        raise ValueError(f"{launch.threads} threads leave no room for the weight ring: {launch.consumer_warps} "
+                         f"consumer warps need {launch.consumer_warps * SLOT_BYTES} B beside the stages' "
+                         f"{ring_offset(cfg, launch)} B (fewer threads, or stream=False)")
+    return n
+
+
+def ring_offset(cfg: ModelConfig, launch: "Launch" = None) -> int:
+    """Byte offset of the ring in dynamic shared memory: after the stages' regions and the partials, 128-aligned."""
+    launch = launch or Launch()
+    n = 4 * (_stage_floats(cfg, launch) + partial_floats(cfg, launch))
+    return -(-n // 128) * 128
 
 
 # ---- bytes: what each stage must move from memory --------------------------------------------------------------
@@ -555,9 +677,10 @@ def dependencies(cfg: ModelConfig, launch: Launch = Launch()) -> dict:
 # ---- control: status words, error codes, the where word, the mapped host block ----------------------------------
 # The kernel publishes a stop's reason and place in `status` (mapped host memory: readable while it runs and after
 # it is gone); the host reads the same names.
-STATUS_WORDS = ("code", "stage", "layer", "step", "block", "epoch", "missing_block", "missing_where", "n_missing")
+STATUS_WORDS = ("code", "stage", "layer", "step", "block", "epoch", "missing_block", "missing_where", "n_missing",
+                "stream_want", "stream_got")   # a stream error: the item the section asked for and the ring's (where-words)
 STATUS_LEN = 16
-ERRORS = ("ok", "hang", "aborted", "bad_token")
+ERRORS = ("ok", "hang", "aborted", "bad_token", "stream")
 # dev_flags[] (device memory, cheap to poll): the stop's reason (an ERRORS code: every block stops at its next
 # barrier), the previous step's decision that generation is done, and whether a barrier's hang report is taken.
 DEV_FLAGS = ("stop", "done", "reported")

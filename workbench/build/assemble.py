@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .. import paths, plan
 from ..model.config import ModelConfig
-from .header import Params, decode_step, plan_header  # noqa: F401  (Params: the host's mirror, used from here)
+from .header import Params, decode_step, plan_header, stream_step  # noqa: F401  (Params: the host's mirror, used from here)
 
 
 def threads_problem(n) -> str | None:
@@ -43,6 +43,8 @@ class BuildOptions:
     ptxas_opt: int = 3           # ptxas -O level (NVIDIA)
     fast_compile: str = "0"      # NVRTC -Ofc level: "0" (off), "min", "mid", "max": compile speed over code speed
     sampler: str = "full"        # "full": temperature, top-k, top-p; "greedy": argmax only (less code to compile)
+    stream: bool = False         # WB_STREAM: the block's last warp streams the weights into a shared-memory ring
+                                 # (sm_90; measured 6% slower than the register path so far, NOTES.md round 7)
 
     def __post_init__(self):
         if self.sampler not in ("full", "greedy"):
@@ -58,7 +60,8 @@ class BuildOptions:
 
     @property
     def launch(self) -> plan.Launch:
-        return plan.Launch(grid=self.grid, threads=self.threads, attn_min_chunk=self.attn_min_chunk)
+        return plan.Launch(grid=self.grid, threads=self.threads, attn_min_chunk=self.attn_min_chunk,
+                           stream=self.stream)
 
 
 def option_from_text(field: str, text: str):
@@ -99,7 +102,7 @@ def defines(cfg: ModelConfig, opt: BuildOptions) -> dict[str, str]:
     d = dict(cfg.defines())
     d.update(WB_THREADS=str(opt.threads), WB_TIMING=str(int(opt.timing)),
              WB_ATTN_MIN_CHUNK=str(opt.attn_min_chunk), WB_TAPS=str(int(opt.taps)),
-             WB_SAMPLER_FULL=str(int(opt.sampler == "full")))
+             WB_SAMPLER_FULL=str(int(opt.sampler == "full")), WB_STREAM=str(int(opt.stream)))
     d.update({k: str(v) for k, v in opt.defines})
     if opt.hang:
         stage, layer, block = opt.hang
@@ -168,7 +171,7 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
     paste("<generated: plan header>", plan_header(cfg, launch))
     for name in plan.LIBRARY + plan.STAGE_NAMES + ("<decode step>", "monokernel"):
         if name == "<decode step>":
-            paste("<generated: decode step>", decode_step(cfg, launch))
+            paste("<generated: decode step>", decode_step(cfg, launch) + stream_step(cfg, launch))
             continue
         path = section_path(name, variants.get(name))
         if name in overrides:

@@ -59,6 +59,9 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
     out.append(f"__device__ __forceinline__ u32 wb_where(int stage, int layer, int step, int waiting = 0) "
                f"{{ return {enc}; }}")
     out.append(f"constexpr u32 WB_WHERE_WAITING = 1u << {dict((n, sh) for n, sh, _ in shift)['waiting']};")
+    for n, sh, b in shift[:3]:
+        val = f"(int)((w >> {sh}) & {(1 << b) - 1}u)" + (" - 1" if n == "layer" else "")
+        out.append(f"__device__ __forceinline__ int wb_where_{n}(u32 w) {{ return {val}; }}")
     out.append(f"constexpr int WB_SLOTS = {plan.n_slots(cfg)};           // grid barriers per step")
     # taps
     out.append(f"constexpr int WB_TAP_STEP_FLOATS = {plan.tap_step_floats(cfg, launch)};   // one step's tap record")
@@ -72,6 +75,7 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
             out.append(f"constexpr int WB_SMEM_{_upper(st)}_{_upper(r)} = {off}, "
                        f"WB_SMEM_{_upper(st)}_{_upper(r)}_FLOATS = {n};")
     out.append(f"constexpr int WB_SMEM_FLOATS = {plan.smem_floats(cfg, launch)};   // the largest stage's layout")
+    out += stream_constants(cfg, launch)
     # per-layer slices
     for b in plan.BUFFERS.values():
         if b.per_layer:
@@ -80,6 +84,56 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
     values = [b.name for b in plan.BUFFERS.values() if b.kind == "value"]
     out.append("// what one step carries from stage to stage in registers (block 0's thread 0 holds the tokens)")
     out.append("struct WbStep { int step; int pos; " + " ".join(f"int {v};" for v in values) + " };")
+    return "\n".join(out) + "\n"
+
+
+def stream_constants(cfg: ModelConfig, launch: plan.Launch) -> list[str]:
+    """The weight ring's geometry (plan.ring_slots, plan.ring_offset): zeros in a build without streaming."""
+    on = launch.stream
+    step_shift = sum(b for n, b in plan.WHERE_FIELDS[:[n for n, _ in plan.WHERE_FIELDS].index("step")])
+    return [
+        "// the weight stream (plan.streams): the block's last warp copies weight rows into a ring of pages, a slot",
+        "// per consumer warp each; a page's tag is a where-word with its first item's index in place of the step",
+        f"constexpr int WB_CONSUMER_WARPS = {launch.consumer_warps if on else 0};",
+        f"constexpr int WB_RING_SLOTS = {plan.ring_slots(cfg, launch)}, WB_SLOT_BYTES = {plan.SLOT_BYTES}, "
+        f"WB_RING_OFFSET = {plan.ring_offset(cfg, launch) if on else 0}, WB_RING_ALIGN = {plan.RING_ALIGN};"
+        "   // pages; bytes",
+        f"constexpr int WB_SMEM_PARTIALS = {plan.smem_floats(cfg, launch)}, "
+        f"WB_SMEM_PARTIALS_FLOATS = {plan.partial_floats(cfg, launch)};   // a float per item of a combining stream",
+        f"constexpr int WB_TAG_ITEM_SHIFT = {step_shift};",
+        f"constexpr u32 WB_TAG_STAGE_LAYER = (1u << {step_shift}) - 1u;",
+    ]
+
+
+def stream_step(cfg: ModelConfig, launch: plan.Launch) -> str:
+    """The streaming warp's step: one call per weight stream, in the order the decode step reads them."""
+    if not launch.stream:
+        return ""
+    st = plan.streams(cfg, launch)
+    first = next(i for i, s in enumerate(plan.STAGES) if s.scope == "layer")
+    before = [x for x in st if x.scope == "token" and plan.STAGE_NAMES.index(x.stage) < first]
+    layer = [x for x in st if x.scope == "layer"]
+    after = [x for x in st if x.scope == "token" and plan.STAGE_NAMES.index(x.stage) > first]
+
+    def call(x: plan.Stream, indent: str) -> str:
+        b = plan.BUFFERS[x.buffer]
+        src = f"P->{x.buffer} + layer * WB_PER_LAYER_{_upper(x.buffer)}" if b.per_layer else f"P->{x.buffer}"
+        lay = "layer" if x.scope == "layer" else "-1"
+        return (f"{indent}if (st.stream<{x.k}, {x.rows}>(ST_{_upper(x.stage)}, {lay}, {src}, {x.units})) "
+                f"return true;   // {x.units:,} units of {x.rows} row(s) of {x.k}, {x.pieces} piece(s) a row")
+
+    out = ["// ---- the weight stream of one step, generated from workbench/plan.py (plan.streams) ----",
+           "#if WB_STREAMING"]
+    for x in st:
+        out.append(f"static_assert(wb_pieces({x.k}) == {x.pieces}, \"stream.cuh's wb_pieces and plan.pieces agree\");")
+    out.append("__device__ bool wb_stream_step(const Params* P, WbStreamer& st) {")
+    out += [call(x, "    ") for x in before]
+    if layer:
+        out.append("    for (int layer = 0; layer < WB_LAYERS; ++layer) {")
+        out += [call(x, "        ") for x in layer]
+        out.append("    }")
+    out += [call(x, "    ") for x in after]
+    out += ["    return false;", "}", "#endif"]
     return "\n".join(out) + "\n"
 
 
