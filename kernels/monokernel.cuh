@@ -5,6 +5,10 @@
 
 extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) wb_generate(const Params* __restrict__ P) {
     extern __shared__ __attribute__((aligned(16))) float smem[];
+#if WB_STREAMING
+    wb_stream_init(P);
+    if (wb_is_streamer()) { wb_stream_run(P); return; }    // the last warp: weights into the ring, until we leave
+#endif
     wb_grid_sync_init();
     WbStep s;
     s.token = P->tokens_in[0];
@@ -13,4 +17,7 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) wb_generate(const Pa
         s.pos = P->pos0 + s.step;
         if (wb_decode_step(P, s, smem)) break;
     }
+#if WB_STREAMING
+    wb_stream_finish();
+#endif
 }

@@ -33,6 +33,8 @@ typedef u16 bf16;   // bf16 kept as bits: no vendor header needed, identical on 
 struct float4 { float x, y, z, w; } __attribute__((aligned(16)));
 #endif
 #define WB_WARP 64
+// No bulk copy engine reachable from here: the weights are read by the stages themselves (WB_STREAM is ignored).
+#define WB_STREAMING 0
 __device__ __forceinline__ int wb_tid()   { return __builtin_amdgcn_workitem_id_x(); }
 __device__ __forceinline__ int wb_bid()   { return __builtin_amdgcn_workgroup_id_x(); }
 __device__ __forceinline__ int wb_ntid()  { return __builtin_amdgcn_workgroup_size_x(); }
@@ -40,6 +42,7 @@ __device__ __forceinline__ int wb_nbid()  { return __builtin_amdgcn_grid_size_x(
 __device__ __forceinline__ void wb_syncthreads() { __builtin_amdgcn_fence(__ATOMIC_RELEASE, "workgroup");
                                                    __builtin_amdgcn_s_barrier();
                                                    __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "workgroup"); }
+__device__ __forceinline__ void wb_syncblock() { wb_syncthreads(); }
 __device__ __forceinline__ void wb_syncwarp() { __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
                                                 __builtin_amdgcn_wave_barrier();
                                                 __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront"); }
@@ -101,11 +104,23 @@ __device__ __forceinline__ wb_u4 wb_ld_cg_u4(const void* p) {
 #define WB_INF __builtin_inff()
 #else  // ---------------------------------------------------------------------------------------------- NVIDIA
 #define WB_WARP 32
+// WB_STREAM: the block's last warp streams weights (kernels/lib/stream.cuh) and the stages run on the other warps.
+// The block the sections see is those warps: wb_ntid() counts them and wb_syncthreads() is a named barrier of
+// theirs (bar.sync 1), so the streaming warp, which never stops for an activation, is never waited for.
+#ifndef WB_STREAM
+#define WB_STREAM 0
+#endif
+#define WB_STREAMING WB_STREAM
 __device__ __forceinline__ int wb_tid()  { return threadIdx.x; }
 __device__ __forceinline__ int wb_bid()  { return blockIdx.x; }
-__device__ __forceinline__ int wb_ntid() { return blockDim.x; }
+__device__ __forceinline__ int wb_ntid() { return WB_STREAMING ? WB_THREADS - WB_WARP : blockDim.x; }
 __device__ __forceinline__ int wb_nbid() { return gridDim.x; }
-__device__ __forceinline__ void wb_syncthreads() { __syncthreads(); }
+__device__ __forceinline__ void wb_syncthreads() {
+    if (WB_STREAMING) asm volatile("bar.sync 1, %0;" :: "n"(WB_THREADS - WB_WARP) : "memory");
+    else __syncthreads();
+}
+// every thread of the block, the streaming warp included (only before it parts from the others)
+__device__ __forceinline__ void wb_syncblock() { __syncthreads(); }
 __device__ __forceinline__ void wb_syncwarp() { __syncwarp(); }
 __device__ __forceinline__ float wb_shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 __device__ __forceinline__ int   wb_shfl_xor(int v, int m)   { return __shfl_xor_sync(0xffffffffu, v, m); }
@@ -146,6 +161,48 @@ __device__ __forceinline__ float wb_fma(float a, float b, float c) { return fmaf
 __device__ __forceinline__ float4 wb_ld_cg_f4(const float* p) { return __ldcg((const float4*)p); }
 __device__ __forceinline__ float wb_ld_cg(const float* p) { return __ldcg(p); }
 __device__ __forceinline__ wb_u4 wb_ld_cg_u4(const void* p) { uint4 v = __ldcg((const uint4*)p); return wb_u4{v.x, v.y, v.z, v.w}; }
+// Bulk copies global → shared (sm_90's cp.async.bulk, the copy engine TMA uses, without a tensor map): issued by one
+// thread, they complete on a shared-memory mbarrier whose transaction count the issuer set, so the copy costs the
+// SM no registers and no load slots while its bytes are in flight.
+__device__ __forceinline__ u32 wb_smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void wb_mbar_init(u64* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(wb_smem_addr(bar)), "r"(count) : "memory");
+}
+// makes the initialised mbarriers visible to the copy engine (the async proxy)
+__device__ __forceinline__ void wb_mbar_init_fence() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+// the one arrival of the phase, with the bytes the phase's copy will bring
+__device__ __forceinline__ void wb_mbar_expect_tx(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(wb_smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void wb_mbar_arrive(u64* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(wb_smem_addr(bar)) : "memory");
+}
+// whether the phase of this parity has completed (try_wait: the thread may be suspended a while before it answers)
+__device__ __forceinline__ bool wb_mbar_test(u64* bar, u32 parity) {
+    u32 ok;
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(ok) : "r"(wb_smem_addr(bar)), "r"(parity) : "memory");
+    return ok != 0;
+}
+// weights are read once per token: the copy marks its lines first to go from L2, as the loads' no_allocate does in L1
+// the same without waiting (test_wait): for a warp whose lanes watch different mbarriers, where try_wait may hold
+// the whole warp until the slowest lane's phase completes or its time limit passes
+__device__ __forceinline__ bool wb_mbar_done(u64* bar, u32 parity) {
+    u32 ok;
+    asm volatile("{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(ok) : "r"(wb_smem_addr(bar)), "r"(parity) : "memory");
+    return ok != 0;
+}
+__device__ __forceinline__ void wb_bulk_g2s(void* dst, const void* src, u32 bytes, u64* bar) {
+    u64 policy;
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+                 :: "r"(wb_smem_addr(dst)), "l"(src), "r"(bytes), "r"(wb_smem_addr(bar)), "l"(policy) : "memory");
+}
+__device__ __forceinline__ bool wb_any(bool v) { return __any_sync(0xffffffffu, v); }
 #define WB_INF __int_as_float(0x7f800000)
 #endif
 

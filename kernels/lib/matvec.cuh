@@ -76,6 +76,88 @@ __device__ __forceinline__ void warp_rows_dot(const bf16* __restrict__ row0, lon
     for (int r = 0; r < NR; ++r) out[r] = wb_warp_sum(acc[r]);
 }
 
+#if WB_STREAMING
+// acc += one item (PIECE elements of a row, in a ring page) · act[0, PIECE). In each 256 elements, lane l takes
+// elements 4l .. 4l + 3 and 128 + 4l .. 128 + 4l + 3: its weights are two 8-byte reads and its activations two
+// 16-byte reads, each warp-wide read one contiguous span, so none of them has a bank conflict. (The register
+// path's 16-byte weight loads take act[8l .. 8l + 7] instead, which in shared memory is a 2-4-way conflict; from
+// the ring, where the copy engine's writes and the weight reads share the same shared-memory bandwidth, that cost
+// 20% of the stream's rate.)
+template <int PIECE>
+__device__ __forceinline__ float slot_dot(const u8* __restrict__ w, const float* __restrict__ act) {
+    constexpr int BLOCK = WB_WARP * 8, ITERS = (PIECE + BLOCK - 1) / BLOCK;
+    float acc = 0.f;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int k = it * BLOCK + h * (BLOCK / 2) + wb_lane() * 4;
+            if (PIECE % BLOCK == 0 || k < PIECE) {
+                const u64 wv = *(const u64*)(w + 2 * k);
+                const float4 a = *(const float4*)(act + k);
+                const u32 lo = (u32)wv, hi = (u32)(wv >> 32);
+                acc = wb_fma(bf16_lo(lo), a.x, acc); acc = wb_fma(bf16_hi(lo), a.y, acc);
+                acc = wb_fma(bf16_lo(hi), a.z, acc); acc = wb_fma(bf16_hi(hi), a.w, acc);
+            }
+        }
+    }
+    return acc;
+}
+
+// A weight stage: the block's `prologue` fills `act`, then its units (NR adjacent rows of K; the block's are the
+// contiguous [b·n/G, (b+1)·n/G)), each result handed by one warp to `done(unit, y[NR])`, the stage's epilogue. The
+// rows come from the ring (stream.cuh) as items, a page of W per round, item i to warp i mod W. A unit of one item
+// is finished by the warp that took it; a unit of several (row pairs, long rows in pieces) is summed from the
+// items' partial sums in shared memory once every warp is through, in a fixed order, so the result does not
+// depend on timing.
+template <int K, int NR, bool ACROSS_BLOCKS = false, typename Prologue, typename Done>
+__device__ __forceinline__ void for_warp_units(const bf16* __restrict__ W, int n_units, const float* act,
+                                               Prologue prologue, Done done) {
+    constexpr int PIECES = wb_pieces(K), PIECE = K / PIECES, PER_UNIT = NR * PIECES;
+    extern __shared__ __attribute__((aligned(16))) float wb_smem_floats[];
+    float* partial = wb_smem_floats + WB_SMEM_PARTIALS;
+    const int u0 = wb_block_unit(n_units, wb_bid()), u1 = wb_block_unit(n_units, wb_bid() + 1);
+    const int n_items = (u1 - u0) * PER_UNIT;
+    const bf16* src0 = W + (long long)u0 * NR * K;
+    u32 round = wb_rounds;                             // read before the prologue's barrier: thread 0 moves it on after
+    prologue();                                        // block-wide: every consumer thread takes part
+    const u32 tag = wb_stream_tag();
+    if (PER_UNIT > 1 && n_items > WB_SMEM_PARTIALS_FLOATS && wb_tid() == 0)   // a grid the build was not sized for
+        wb_stream_report(WB_ERR_STREAM, tag | ((u32)n_items << WB_TAG_ITEM_SHIFT), 0xfffffffeu);
+    for (int i0 = 0; i0 < n_items; i0 += WB_CONSUMER_WARPS, ++round) {
+        const int i = i0 + wb_warp();
+        const u8* w = wb_ring_take<PIECE>(round, tag, i0, src0 + (long long)i0 * PIECE);
+        float acc = 0.f;
+        if (i < n_items) acc = slot_dot<PIECE>(w, act + (i % PIECES) * PIECE);
+        wb_ring_release(round);
+        if (i >= n_items) continue;                    // the last page of the stage has fewer items than warps
+        const float y = wb_warp_sum(acc);
+        if (PER_UNIT == 1) {
+            float yy[NR];
+            yy[0] = y;
+            done(u0 + i, yy);
+        } else if (wb_lane() == 0 && i < WB_SMEM_PARTIALS_FLOATS) {
+            partial[i] = y;
+        }
+    }
+    if (wb_tid() == 0) wb_rounds = round;
+    if (PER_UNIT > 1) {
+        wb_syncthreads();                              // every item's partial sum is in
+        for (int u = u0 + wb_warp(); u < u1; u += WB_CONSUMER_WARPS) {
+            float y[NR];
+#pragma unroll
+            for (int r = 0; r < NR; ++r) {
+                const float* p = partial + (u - u0) * PER_UNIT + r * PIECES;
+                float s = p[0];
+                for (int q = 1; q < PIECES; ++q) s += p[q];
+                y[r] = s;
+            }
+            done(u, y);
+        }
+        wb_syncthreads();                              // the partials are free for the next stage
+    }
+}
+#else
 // A weight stage: the block's `prologue` fills `act`, then this warp's units (NR adjacent rows of K, dealt
 // round-robin, see grid_warp), each result handed to `done(unit, y[NR])`, the stage's epilogue.
 template <int K, int NR, bool ACROSS_BLOCKS = false, typename Prologue, typename Done>
@@ -88,6 +170,7 @@ __device__ __forceinline__ void for_warp_units(const bf16* __restrict__ W, int n
         done(u, y);
     }
 }
+#endif
 
 // Sum of one value per thread over the block; every thread gets the total. `red` holds one float per warp.
 __device__ __forceinline__ float block_sum(float v, float* red) {
