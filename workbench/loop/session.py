@@ -288,6 +288,10 @@ class Workbench:
             rec.status, rec.passed, rec.error = RUN_ERROR, False, f"{type(e).__name__}: {e}"
             rec.first_failure = f"the debug run stopped: {e}"
             rec.verify_s = time.perf_counter() - t0
+            where = getattr(e, "where", None)
+            if where is not None:                       # the kernel named the stage itself (a weight-stream report)
+                from ..check.stage_check import Failure
+                rec.failure = Failure(where[0], "-", where[1], where[2], -1, float("nan"), str(e))
             return None
         rec.verify_s = v.seconds
         if self.device == "cpu":

@@ -54,6 +54,15 @@ class NonFiniteLogits(KernelError):
     pass
 
 
+class StreamMismatch(KernelError):
+    """A stage's section took other weights from the ring than the plan streams to it (another matrix, another
+    number of units), or an item never arrived. `where` is (stage, layer, step), the stage the verdict names."""
+
+    def __init__(self, message: str, where: tuple | None = None):
+        super().__init__(message)
+        self.where = where
+
+
 @dataclasses.dataclass
 class Sampling:
     temperature: float = 0.0     # 0: greedy
@@ -511,4 +520,29 @@ class Monokernel:
             raise KernelAborted(f"kernel aborted: {why}; it stopped at step {int(w[M_PROGRESS])}")
         if code == ERROR["bad_token"]:
             raise NonFiniteLogits(f"no valid token at step {int(st[STATUS['step']])}: the logits are NaN or infinite")
+        if code == ERROR["stream"]:
+            raise stream_mismatch(self.cfg, self.launch, [int(v) for v in st])
         raise KernelError(f"kernel reported error code {code}")
+
+
+def stream_mismatch(cfg, launch: plan.Launch, st: list[int]) -> StreamMismatch:
+    """The kernel's stream report (status words, see kernels/lib/stream.cuh) as one line naming the stage."""
+    stage, layer, step, block = (st[STATUS[k]] for k in ("stage", "layer", "step", "block"))
+    name = plan.stage_name(stage)
+    where = plan.place(name, layer, step)
+    want, got = st[STATUS["stream_want"]] & 0xFFFFFFFF, st[STATUS["stream_got"]] & 0xFFFFFFFF
+    w = plan.decode_where(want)
+    item = w[2] if w else -1
+    s = plan.stream_stage(cfg, name)
+    declared = (f"the plan streams it {s.units:,} units of {s.rows} row(s) of {s.buffer} ({s.k} wide)"
+                if s is not None else "the plan streams it no weights")
+    if got == 0xFFFFFFFF:
+        why = f"its item {item} never arrived in the ring"
+    elif got == 0xFFFFFFFE:
+        why = f"its {item} items do not fit the partial sums the build reserved (a grid it was not built for)"
+    else:
+        g = plan.decode_where(got)
+        held = f"item {g[2]} of {g[0]}" + (f" of layer {g[1]}" if g and g[1] >= 0 else "") if g else "nothing"
+        why = (f"it asked the ring for its item {item} of those rows and found {held}, or rows from another "
+               f"address: the section reads other weights, or another number of units, than the plan declares")
+    return StreamMismatch(f"weight stream: {where}, block {block}: {why}; {declared}", (name, layer, step))

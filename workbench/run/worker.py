@@ -140,6 +140,8 @@ def _describe(e: BaseException) -> tuple:
     code = getattr(e, "status", None)
     name = type(e).__name__
     extra = {"code": code} if isinstance(code, int) else {}
+    if getattr(e, "where", None) is not None:
+        extra["where"] = tuple(e.where)
     if hasattr(e, "result"):
         try:
             pickle.dumps(e.result)
@@ -158,11 +160,13 @@ def _rebuild(desc: tuple) -> BaseException:
         return CompileError(extra["messages"], extra["log"])
     from .. import errors
     mine = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.UserError)]
-    cls = {c.__name__: c for c in (*mine, R.KernelError, R.KernelHang, R.KernelAborted, R.NonFiniteLogits,
+    cls = {c.__name__: c for c in (*mine, R.KernelError, R.KernelHang, R.KernelAborted, R.NonFiniteLogits, R.StreamMismatch,
                                    ValueError, TypeError, KeyError, FileNotFoundError)}.get(name)
     e = cls(message) if cls is not None else RemoteError(name, message, desc[3] if len(desc) > 3 else "")
     if "result" in extra:
         e.result = extra["result"]
+    if "where" in extra:
+        e.where = extra["where"]
     return e
 
 
