@@ -254,3 +254,46 @@ def test_generate_streams_whole_characters_through_a_splitting_tokenizer(tmp_pat
     text = cli("--model", str(with_text), "--prompt", prompt)
     print(f"prompt {prompt!r} → streamed {text!r}")
     assert text == "".join(stream_text(byte_bpe, tokens, prompt=ids))
+
+
+# ---- the weight stream (BuildOptions.stream): the same checks on the build whose weights come through the ring --
+
+@pytest.mark.parametrize("name", ["tiny", "llama-3.2-1b"])
+def test_the_stream_build_verifies_stage_by_stage(name):
+    import cupy as cp
+
+    from workbench.check.verify import verify, verify_stages
+    from workbench.model.weights import prepare, random_weights
+    from workbench.run.runtime import Monokernel
+    p = prepare(random_weights(get_config(name), fresh_seed(), xp=cp, progress=False), xp=cp, progress=False)
+    mk = Monokernel(p, BuildOptions(stream=True), max_steps=4400)
+    rep = verify(mk, prompt_len=6, max_new=12, seed=fresh_seed())
+    assert rep.passed, rep.summary()
+    taps = Monokernel(p, BuildOptions(stream=True, taps=True), max_steps=256)
+    table, _ = verify_stages(taps, thorough=name == "tiny", seed=fresh_seed())
+    print(table)
+    assert table.passed, table.summary()
+    assert max(table.positions) >= 4096
+
+
+def test_a_section_that_reads_other_rows_than_the_stream_is_named():
+    """o_proj with one unit too few: the blocks' ranges, and so the pages they ask for, no longer match the plan's."""
+    import cupy as cp
+
+    from workbench.build.assemble import section_path
+    from workbench.model.weights import prepare, random_weights
+    from workbench.run.runtime import Monokernel, StreamMismatch
+    p = prepare(random_weights(get_config("tiny"), fresh_seed(), xp=cp, progress=False), xp=cp, progress=False)
+    mk = Monokernel(p, BuildOptions(stream=True), max_steps=64)
+    text = section_path("o_proj_residual").read_text()
+    bad = text.replace("(wo, WB_D, act,", "(wo, WB_D - 1, act,")
+    assert bad != text
+    mk.reload(overrides={"o_proj_residual": bad})
+    t0 = time.perf_counter()
+    with pytest.raises(StreamMismatch) as e:
+        mk.generate([1, 2, 3], 4, eos=[])
+    print(e.value)
+    assert e.value.where[0] == "o_proj_residual" and e.value.where[1] == 0
+    assert time.perf_counter() - t0 < 5
+    mk.reload(overrides={})
+    assert len(mk.generate([1, 2, 3], 4, eos=[]).tokens) == 4

@@ -1,0 +1,112 @@
+"""The weight stream (BuildOptions.stream): its plan table, its shared-memory layout, its build, and the report
+of a section that reads other weights than the plan streams to it. The GPU side is in tests/test_gpu.py."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from workbench import plan
+from workbench.build.assemble import BuildOptions, assemble, smem_bytes
+from workbench.build.compile import compile_cubin, resource_usage
+from workbench.model.config import PRESETS, get_config
+from workbench.run.runtime import STATUS, StreamMismatch, stream_mismatch
+
+STREAM = BuildOptions(stream=True)
+
+
+def test_pieces_split_rows_into_whole_loads_within_a_slot():
+    for k in (264, 712, 2048, 3072, 4096, 8192, 9728, 14336, 896, 4864):
+        n = plan.pieces(k)
+        assert k % n == 0 and (k // n) % 8 == 0, k
+        assert 2 * (k // n) <= plan.SLOT_BYTES or k // n <= 8, k
+        # the fewest: one piece fewer either breaks a row unevenly or overflows the slot
+        assert n == 1 or any(cond for cond in (k % (n - 1) != 0, (k // (n - 1)) % 8 != 0,
+                                                 2 * (k // (n - 1)) > plan.SLOT_BYTES)), k
+    assert (plan.pieces(2048), plan.pieces(8192), plan.pieces(14336), plan.pieces(3072)) == (1, 4, 7, 2)
+
+
+def test_the_streams_are_the_weight_stages_in_decode_order():
+    cfg = get_config("llama-3.2-1b")
+    s = plan.streams(cfg)
+    assert [x.stage for x in s] == ["qkv_rope_append", "o_proj_residual", "gate_up_silu", "down_residual", "lm_head"]
+    assert [(x.buffer, x.rows, x.k) for x in s] == [("wqkv", 2, 2048), ("wo", 1, 2048), ("wgu", 2, 2048),
+                                                    ("wd", 1, 8192), ("lm_head", 1, 2048)]
+    # every block's items together are every row piece of the matrix, once
+    launch = plan.Launch(stream=True)
+    for x in s:
+        assert sum(x.items(launch, b) for b in range(launch.grid)) == x.units * x.rows * x.pieces
+        assert plan.stream_stage(cfg, x.stage) == x
+    assert plan.stream_stage(cfg, "attention_decode") is None
+    # the streamed bytes are the plan's weight bytes (the embedding row is read directly)
+    per_token = sum(x.units * x.rows * x.k * 2 * (cfg.n_layers if x.scope == "layer" else 1) for x in s)
+    assert per_token == plan.weight_bytes_per_token(cfg)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_the_ring_fits_beside_every_stage(name):
+    cfg = get_config(name)
+    launch = plan.Launch(stream=True)
+    pages = plan.ring_slots(cfg, launch)
+    assert 1 <= pages <= plan.MAX_RING_SLOTS
+    assert smem_bytes(cfg, STREAM) + plan.STATIC_SMEM <= plan.SMEM_LIMIT
+    # the partials hold a float per item of the largest stage whose units span several items
+    assert plan.partial_floats(cfg, launch) >= max(x.max_items(launch) for x in plan.streams(cfg) if x.combines)
+    # without the stream, nothing of it is laid out
+    assert plan.partial_floats(cfg, plan.Launch()) == 0 and plan.ring_slots(cfg, plan.Launch()) == 0
+    assert smem_bytes(cfg, BuildOptions()) == 4 * plan.smem_floats(cfg)
+
+
+def test_too_many_threads_for_the_ring_is_one_clear_error():
+    wide = dataclasses.replace(get_config("tiny"), intermediate=30000)      # 117 KB of activations in one stage
+    assert plan.ring_slots(wide, plan.Launch(threads=256, stream=True)) >= 1
+    with pytest.raises(ValueError, match="1024 threads leave no room for the weight ring: 31 consumer warps"):
+        plan.ring_slots(wide, plan.Launch(threads=1024, stream=True))
+
+
+def test_a_unit_that_is_not_whole_adjacent_rows_is_refused(monkeypatch):
+    odd = plan.Use("wo", rows=lambda c, r: ((2 * r * c.q_dim, (2 * r + 1) * c.q_dim),))   # every other row
+    patched = tuple(dataclasses.replace(s, reads=(plan.Use("o"), odd, plan.Use("x"))) if s.name == "o_proj_residual"
+                    else s for s in plan.STAGES)
+    monkeypatch.setattr(plan, "STAGES", patched)
+    with pytest.raises(ValueError, match="o_proj_residual: a unit of wo must be whole adjacent rows"):
+        plan.streams(get_config("tiny"))
+
+
+@pytest.mark.parametrize("name", ["tiny", "llama-3.2-1b"])
+def test_the_stream_build_compiles_without_spills(name):
+    asm = assemble(get_config(name), STREAM)
+    assert "wb_stream_step" in asm.source and "static_assert(wb_pieces(" in asm.source
+    (r,) = resource_usage(compile_cubin(asm)[0])
+    assert r.kernel == "wb_generate" and r.stack == 0, r
+    assert r.registers <= 128
+
+
+def test_the_plain_build_has_no_stream():
+    asm = assemble(get_config("tiny"))
+    assert "#define WB_STREAM 0" in asm.source
+    assert "if (st.stream<" not in asm.source
+
+
+def _status(cfg, stage, layer, step, block, want, got):
+    st = [0] * plan.STATUS_LEN
+    idx = plan.STAGE_NAMES.index(stage)
+    st[STATUS["code"]] = plan.ERRORS.index("stream")
+    st[STATUS["stage"]], st[STATUS["layer"]], st[STATUS["step"]], st[STATUS["block"]] = idx, layer, step, block
+    st[STATUS["stream_want"]], st[STATUS["stream_got"]] = want, got
+    return st
+
+
+def test_a_stream_report_names_the_stage_and_what_it_found():
+    cfg = get_config("llama-3.2-1b")
+    launch = plan.Launch(stream=True)
+    want = plan.where(plan.STAGE_NAMES.index("o_proj_residual"), 3, 15)
+    got = plan.where(plan.STAGE_NAMES.index("o_proj_residual"), 3, 0)
+    e = stream_mismatch(cfg, launch, _status(cfg, "o_proj_residual", 3, 7, 5, want, got))
+    assert isinstance(e, StreamMismatch) and e.where == ("o_proj_residual", 3, 7)
+    text = str(e)
+    assert text.startswith("weight stream: o_proj_residual of layer 3 at step 7, block 5: ")
+    assert "its item 15" in text and "found item 0 of o_proj_residual of layer 3" in text
+    assert "the plan streams it 2,048 units of 1 row(s) of wo (2048 wide)" in text
+    never = stream_mismatch(cfg, launch, _status(cfg, "lm_head", -1, 2, 0, plan.where(6, -1, 30), -1))
+    assert "its item 30 never arrived in the ring" in str(never) and never.where == ("lm_head", -1, 2)
