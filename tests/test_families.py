@@ -1,7 +1,9 @@
 """Model families beyond Llama, in the reference: Qwen3 (per-head RMSNorm on q and k before RoPE, each with its
 gain) and Qwen2 (biases on the q, k and v projections), each cross-checked against its own transformers class
 (Qwen3ForCausalLM, Qwen2ForCausalLM) in fp32 over a teacher-forced run, on save_pretrained checkpoints of awkward
-sizes. The kernel has no sections for them yet: every command that would build it says so in one line."""
+sizes. The kernel runs Qwen2 (its biases are one add per row in the QKV epilogue; verified on the GPU in
+tests/test_gpu.py); it has no section for Qwen3's norms yet, and every command that would build it says so in one
+line."""
 from __future__ import annotations
 
 import json
@@ -109,10 +111,9 @@ def test_random_weights_of_a_family_have_its_tensors():
     assert w2.tensors[layer_names(1, cfg2)["bv"]].shape == (cfg2.kv_dim,)
 
 
-@pytest.mark.parametrize("flag", ["qk_norm", "qkv_bias"])
-def test_the_kernel_refuses_what_it_has_no_section_for(flag):
+def test_the_kernel_refuses_what_it_has_no_section_for():
     from workbench.build.assemble import assemble
-    cfg = get_config("tiny").with_(**{flag: True})
+    cfg = get_config("tiny").with_(qk_norm=True)
     with pytest.raises(ConfigError, match="in the reference but the kernel has no section"):
         assemble(cfg)
     with pytest.raises(ConfigError, match="in the reference but the kernel has no section"):
@@ -131,6 +132,38 @@ def test_family_presets_have_their_models_shapes(name):
     cfg = PRESETS[name]
     assert round(cfg.n_params() / 1e9, 2 if PUBLISHED[name] < 1 or name.startswith("qwen2") else 1) == PUBLISHED[name]
     assert cfg.qk_norm == name.startswith("qwen3") and cfg.qkv_bias == name.startswith("qwen2")
-    assert name not in KERNEL_PRESETS and cfg.kernel_problems()
+    assert (name in KERNEL_PRESETS) == name.startswith("qwen2") and bool(cfg.kernel_problems()) == cfg.qk_norm
     if name.startswith("qwen3"):                     # heads of 128 whatever the width: 0.6b and 4b's q is wider
         assert cfg.head_dim == 128 and (cfg.q_dim != cfg.hidden) == (name in ("qwen3-0.6b", "qwen3-4b"))
+
+
+def test_qwen2_biases_are_prepared_in_the_kernels_row_order_and_come_back():
+    """prepare() puts the biases in Wqkv's rope-pair row order, unscaled (they follow the projection, so the
+    attention norm's gain is not folded into them); unprepare() gives back exactly the checkpoint's."""
+    from workbench.model.weights import qkv_row_order, to_f32, unprepare
+    cfg = get_config("tiny").with_(qkv_bias=True)
+    w = random_weights(cfg, 3, progress=False)
+    p = prepare(w, progress=False)
+    order = qkv_row_order(cfg)
+    for i in range(cfg.n_layers):
+        n = layer_names(i, cfg)
+        b = np.concatenate([to_f32(w.tensors[n[k]]) for k in ("bq", "bk", "bv")])
+        assert np.array_equal(p.bqkv[i], b[order])
+        back = unprepare(p)
+        assert all(np.array_equal(back.tensors[n[k]], to_f32(w.tensors[n[k]])) for k in ("bq", "bk", "bv"))
+    plain = prepare(random_weights(get_config("tiny"), 3, progress=False), progress=False)
+    assert plain.bqkv.shape == (2, get_config("tiny").qkv_rows) and not plain.bqkv.any()
+
+
+def test_qwen2_builds_and_reads_its_biases():
+    from workbench import plan
+    from workbench.build.assemble import assemble
+    from workbench.build.compile import compile_cubin, resource_usage
+    cfg = get_config("tiny").with_(qkv_bias=True)
+    asm = assemble(cfg)
+    assert "#define WB_QKV_BIAS 1" in asm.source and "P->bqkv + layer * WB_PER_LAYER_BQKV" in asm.source
+    (r,) = resource_usage(compile_cubin(asm)[0])
+    assert r.stack == 0
+    # the biases' bytes are the model's, and a Llama streams none
+    extra = plan.stage_weight_bytes(cfg, "qkv_rope_append") - plan.stage_weight_bytes(get_config("tiny"), "qkv_rope_append")
+    assert extra == 4 * cfg.qkv_rows

@@ -297,3 +297,54 @@ def test_a_section_that_reads_other_rows_than_the_stream_is_named():
     assert time.perf_counter() - t0 < 5
     mk.reload(overrides={})
     assert len(mk.generate([1, 2, 3], 4, eos=[]).tokens) == 4
+
+
+# ---- Qwen2: q/k/v biases, one add per row in the QKV epilogue ------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["qwen2-hd64-gqa", "qwen2-hd80-mha-untied"])
+def test_qwen2_checkpoints_verify_with_their_biases(hf_checkpoint, name):
+    """save_pretrained Qwen2 checkpoints (the reference matches Qwen2ForCausalLM on them, tests/test_families.py):
+    stage by stage and end to end; with the bias add left out of the section, qkv_rope_append is named."""
+    import cupy as cp
+    from test_families import FAMILIES
+
+    from workbench.build.assemble import section_path
+    from workbench.check.verify import verify, verify_stages
+    from workbench.model.weights import load_hf, prepare
+    from workbench.run.runtime import Monokernel
+    folder = hf_checkpoint(**{k: v for k, v in FAMILIES[name].items() if v is not None})
+    cfg = get_config(str(folder))
+    assert cfg.qkv_bias
+    p = prepare(load_hf(folder, cfg, progress=False), xp=cp, progress=False)
+    taps = Monokernel(p, BuildOptions(taps=True), max_steps=64)
+    table, _ = verify_stages(taps, seed=fresh_seed())
+    print(table.summary())
+    assert table.passed, table.summary()
+    rep = verify(Monokernel(p, BuildOptions(), max_steps=64), prompt_len=8, max_new=16, seed=fresh_seed())
+    print(rep.summary())
+    assert rep.passed, rep.summary()
+    text = section_path("qkv_rope_append").read_text()
+    bad = text.replace("WB_QKV_BIAS ? y[0] + bqkv[row] : y[0]", "y[0]")
+    assert bad != text
+    taps.reload(overrides={"qkv_rope_append": bad})
+    table, _ = verify_stages(taps, seed=fresh_seed())
+    f = table.first_failure
+    assert f is not None and f.stage == "qkv_rope_append", table.summary()
+
+
+def test_qwen2_5_shapes_verify():
+    """qwen2.5-0.5b's shapes (hidden 896: rows not a multiple of a warp's 256-element sweep; 7 query heads per kv
+    head; a 151,936-token vocabulary) with random weights and biases."""
+    import cupy as cp
+
+    from workbench.check.verify import verify, verify_stages
+    from workbench.model.weights import prepare, random_weights
+    from workbench.run.runtime import Monokernel
+    cfg = get_config("qwen2.5-0.5b", max_seq=4352)
+    p = prepare(random_weights(cfg, fresh_seed(), xp=cp, progress=False), xp=cp, progress=False)
+    assert float(cp.abs(p.bqkv).max()) > 0
+    table, _ = verify_stages(Monokernel(p, BuildOptions(taps=True), max_steps=256), seed=fresh_seed())
+    print(table.summary())
+    assert table.passed, table.summary()
+    rep = verify(Monokernel(p, BuildOptions(), max_steps=64), prompt_len=6, max_new=12, seed=fresh_seed())
+    assert rep.passed, rep.summary()

@@ -93,6 +93,8 @@ BUFFERS: dict[str, Buffer] = {b.name: b for b in [
     _b("embed", "bf16", lambda c, l: (c.vocab, c.hidden), "weight", "token embeddings [V, D]"),
     _b("wqkv", "bf16", lambda c, l: (c.n_layers, c.qkv_rows, c.hidden), "weight",
        "Wq, Wk, Wv stacked [L, Q+2KV, D]: rope pairs side by side, attention-norm gain folded in", True),
+    _b("bqkv", "f32", lambda c, l: (c.n_layers, c.qkv_rows), "weight",
+       "q, k, v biases [L, Q+2KV] in Wqkv's row order (Qwen2); zeros, and never read, for a model without", True),
     _b("wo", "bf16", lambda c, l: (c.n_layers, c.hidden, c.q_dim), "weight", "attention output [L, D, Q]", True),
     _b("wgu", "bf16", lambda c, l: (c.n_layers, 2 * c.intermediate, c.hidden), "weight",
        "gate row j then up row j [L, 2F, D], MLP-norm gain folded in", True),
@@ -135,6 +137,10 @@ class Use:
     buffer: str
     rows: Callable | None = None
     positions: str | None = None
+    when: Callable | None = None        # cfg → whether the stage reads it for this model (None: always)
+
+    def active(self, cfg: ModelConfig) -> bool:
+        return self.when is None or bool(self.when(cfg))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,13 +225,15 @@ STAGES: tuple[Stage, ...] = (
           reference=ref.embedding_io, tolerances={"x": ref.EXACT}),
     Stage("qkv_rope_append", "layer", "q, k, v = rope(Wq·n(x)), rope(Wk·n(x)), Wv·n(x); K[pos], V[pos] = k, v",
           reads=(Use("x"), Use("wqkv", rows=lambda c, u: ((2 * u * c.hidden, (2 * u + 2) * c.hidden),)),
+                 Use("bqkv", when=lambda c: c.qkv_bias),
                  Use("rope_cos", positions="pos"), Use("rope_sin", positions="pos")),
           writes=(Use("q", rows=_qkv_write("q")), Use("k_cache", rows=_qkv_write("k"), positions="pos"),
                   Use("v_cache", rows=_qkv_write("v"), positions="pos")),
           units=lambda c, l: c.qkv_rows // 2, unit="a row pair (a rope pair of q or k, two dims of v)",
           taps=("q", "k_cache", "v_cache"),
           smem=lambda c, l: {"act": _act(c), "red": RED}, extra_args=("layer", "s.pos", "smem"),
-          doc="n = RMSNorm without its gain (folded into Wqkv)", reference=ref.qkv_rope_append_io,
+          doc="n = RMSNorm without its gain (folded into Wqkv); + bqkv before RoPE for a model with biases (Qwen2)",
+          reference=ref.qkv_rope_append_io,
           tolerances={"q": ref.FP32, "k_cache": ref.KV_BF16, "v_cache": ref.KV_BF16}),
     Stage("attention_decode", "layer", "o = softmax(q·Kᵀ/√hd)·V over positions 0..pos, per query head",
           reads=(Use("q", rows=lambda c, h: _head_rows(c, h * c.group, c.group)),
@@ -609,7 +617,7 @@ def stage_weight_bytes(cfg: ModelConfig, stage_name: str) -> int:
     total = 0
     for u in s.reads:
         b = BUFFERS[u.buffer]
-        if b.kind != "weight":
+        if b.kind != "weight" or not u.active(cfg):
             continue
         if b.per_layer:
             total += b.nbytes(cfg) // cfg.n_layers
@@ -780,7 +788,7 @@ def describe(cfg: ModelConfig, launch: Launch = Launch()) -> str:
     lines = [f"decode step of {cfg.name}: {len(STAGES)} stages, {n_slots(cfg)} grid barriers per token"]
     for s in STAGES:
         wb = stage_weight_bytes(cfg, s.name)
-        reads = ", ".join(u.buffer + (f"[{u.positions}]" if u.positions else "") for u in s.reads)
+        reads = ", ".join(u.buffer + (f"[{u.positions}]" if u.positions else "") for u in s.reads if u.active(cfg))
         writes = ", ".join(u.buffer + (f"[{u.positions}]" if u.positions else "") for u in s.writes)
         lines.append(f"  {s.name:16s} {s.scope:5s} {s.math}")
         lines.append(f"  {'':16s}       reads {reads} → writes {writes}; {s.units(cfg, launch):,} units "

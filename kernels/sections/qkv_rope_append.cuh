@@ -1,11 +1,13 @@
-// q, k, v = Wqkv · rmsnorm(x); RoPE on q and k; k and v appended to the layer's bf16 KV cache at `pos`.
+// q, k, v = Wqkv · rmsnorm(x) (+ bqkv, Qwen2); RoPE on q and k; k and v appended to the layer's bf16 KV cache at
+// `pos`.
 //
 // The attention norm's gain is folded into Wqkv, so the block only divides x by its RMS. Wqkv rows come in
 // rotate-half pairs (i, i + hd/2) side by side, so the warp that computes a pair also rotates it: no exchange
 // between warps, and q/k never round-trip through memory unrotated.
 #pragma once
 
-WB_SECTION void stage_qkv_rope_append(const float* x, const bf16* __restrict__ wqkv, const float* __restrict__ rope_cos,
+WB_SECTION void stage_qkv_rope_append(const float* x, const bf16* __restrict__ wqkv, const float* __restrict__ bqkv,
+                                      const float* __restrict__ rope_cos,
                                       const float* __restrict__ rope_sin, int layer, int pos, float* smem, float* q,
                                       bf16* k_cache, bf16* v_cache) {
     constexpr int HALF = WB_HEAD_DIM / 2;
@@ -20,9 +22,11 @@ WB_SECTION void stage_qkv_rope_append(const float* x, const bf16* __restrict__ w
     const long long kv_base = (long long)pos * WB_HEAD_DIM;                 // cache [Hkv, max_seq, hd], row pos
     auto prologue = [&] { load_rms_normalized(act, x, WB_D, red); };
     // fewer row pairs than warps (1,536 for 2,112 on 1B shapes): dealt across blocks, so that every SM loads a share
-    for_warp_units<WB_D, 2, true>(wqkv, PAIRS, act, prologue, [&](int u, const float* r) {
+    for_warp_units<WB_D, 2, true>(wqkv, PAIRS, act, prologue, [&](int u, const float* y) {
         if (wb_lane() != 0) return;
         const int row = 2 * u;
+        // the biases in Wqkv's row order, added before RoPE as HF does (a model without them compiles this away)
+        const float r[2] = {WB_QKV_BIAS ? y[0] + bqkv[row] : y[0], WB_QKV_BIAS ? y[1] + bqkv[row + 1] : y[1]};
         if (row < Q_DIM + KV_DIM) {                            // q or k: rotate the pair (p, p + hd/2)
             const int rr = row < Q_DIM ? row : row - Q_DIM;
             const int head = rr / WB_HEAD_DIM, p = (rr % WB_HEAD_DIM) / 2;

@@ -85,6 +85,9 @@ class PreparedView:
             self._tensors = {"wq": qkv[:c.q_dim], "wk": qkv[c.q_dim:c.q_dim + c.kv_dim], "wv": qkv[c.q_dim + c.kv_dim:],
                              "wo": self._f(self.p.wo[layer]), "wg": gu[:, 0], "wu": gu[:, 1],
                              "wd": self._f(self.p.wd[layer]), "attn_norm": ones, "mlp_norm": ones}
+            if c.qkv_bias:                              # fp32 already, in wqkv's row order
+                b = xp.asarray(self.p.bqkv[layer], dtype=self.dtype)[self._inv]
+                self._tensors.update(bq=b[:c.q_dim], bk=b[c.q_dim:c.q_dim + c.kv_dim], bv=b[c.q_dim + c.kv_dim:])
             self._layer = layer
         return self._tensors[name]
 

@@ -159,8 +159,6 @@ class ModelConfig:
         if self.qk_norm:
             out.append("per-head q/k norms (qk_norm, Qwen3-style) are in the reference but the kernel has no section "
                        "for them yet")
-        if self.qkv_bias:
-            out.append("q/k/v biases (Qwen2-style) are in the reference but the kernel has no section for them yet")
         return out
 
     def check_kernel(self, source: str | None = None):
@@ -187,8 +185,12 @@ class ModelConfig:
         return self.n_heads // self.n_kv_heads
 
     def layer_weight_bytes(self, bytes_per=2) -> int:
+        """A layer's matrices at `bytes_per`, plus its q/k/v biases, which the kernel keeps in fp32."""
         D, F = self.hidden, self.intermediate
-        return bytes_per * (self.qkv_rows * D + D * self.q_dim + 2 * F * D + D * F)
+        return bytes_per * (self.qkv_rows * D + D * self.q_dim + 2 * F * D + D * F) + self._bias_params() * 4
+
+    def _bias_params(self) -> int:
+        return self.qkv_rows if self.qkv_bias else 0
 
     def weight_bytes_per_token(self, bytes_per=2) -> int:
         """Weight bytes one decode step must stream: every layer plus the LM head (the embedding row is negligible)."""
@@ -200,8 +202,9 @@ class ModelConfig:
 
     def n_params(self) -> int:
         embed = self.vocab * self.hidden
-        return self.weight_bytes_per_token(1) + (0 if self.tie_embeddings else embed) + \
-            self.n_layers * 2 * self.hidden + self.hidden
+        matrices = self.n_layers * (self.layer_weight_bytes(1) - 4 * self._bias_params()) + embed
+        return matrices + (0 if self.tie_embeddings else embed) + \
+            self.n_layers * (2 * self.hidden + self._bias_params()) + self.hidden
 
     def with_(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
@@ -218,6 +221,7 @@ class ModelConfig:
             "WB_VOCAB": str(self.vocab),
             "WB_MAX_SEQ": str(self.max_seq),
             "WB_RMS_EPS": f"{float(self.rms_eps)!r}f",
+            "WB_QKV_BIAS": str(int(self.qkv_bias)),
         }
 
     @classmethod
@@ -376,8 +380,8 @@ def _qwen(name, hidden, n_layers, n_heads, n_kv_heads, head_dim, intermediate, t
                        tie_embeddings=tied, max_seq=min(mpe, 8192), max_positions=mpe, bos_token_id=151643, **kw)
 
 
-# Qwen3 and Qwen2.5 at the shapes of their config.json files. The reference runs them; the kernel has no section
-# for Qwen3's q/k norms or Qwen2's biases yet (ModelConfig.kernel_problems), so KERNEL_PRESETS leaves them out.
+# Qwen3 and Qwen2.5 at the shapes of their config.json files. The reference runs them all; the kernel has no
+# section for Qwen3's q/k norms yet (ModelConfig.kernel_problems), so KERNEL_PRESETS leaves those out.
 PRESETS.update({
     "qwen3-0.6b": _qwen("qwen3-0.6b", 1024, 28, 16, 8, 128, 3072, True, 40960, qk_norm=True, eos_token_ids=(151645,)),
     "qwen3-1.7b": _qwen("qwen3-1.7b", 2048, 28, 16, 8, 128, 6144, True, 40960, qk_norm=True, eos_token_ids=(151645,)),

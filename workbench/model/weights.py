@@ -331,6 +331,7 @@ class Prepared:
     lm_head: object
     rope_cos: object
     rope_sin: object
+    bqkv: object = None                # [L, q_dim+2·kv_dim] fp32 in wqkv's row order (zeros without biases)
     xp: object = np
     source: str = ""
 
@@ -366,11 +367,14 @@ def prepare(w: Weights, xp=None, progress: bool = True) -> Prepared:
     wo = xp.empty((L, D, cfg.q_dim), dtype=xp.uint16)
     wgu = xp.empty((L, 2 * F, D), dtype=xp.uint16)
     wd = xp.empty((L, D, F), dtype=xp.uint16)
+    bqkv = xp.zeros((L, cfg.qkv_rows), dtype=xp.float32)
     for i in _progress(range(L), "preparing layers", progress and L > 4):
-        n = layer_names(i)
+        n = layer_names(i, cfg)
         g = dev(n["attn_norm"])
         qkv = xp.concatenate([dev(n["wq"]), dev(n["wk"]), dev(n["wv"])])[order]
         wqkv[i] = to_bf16(qkv * g[None, :], xp)
+        if cfg.qkv_bias:                   # added after the projection: nothing of the norm's gain is folded in
+            bqkv[i] = xp.concatenate([dev(n["bq"]), dev(n["bk"]), dev(n["bv"])])[order]
         wo[i] = to_bf16(dev(n["wo"]), xp)
         g = dev(n["mlp_norm"])
         gu = xp.stack([dev(n["wg"]), dev(n["wu"])], axis=1).reshape(2 * F, D)
@@ -379,7 +383,7 @@ def prepare(w: Weights, xp=None, progress: bool = True) -> Prepared:
     embed = to_bf16(dev("model.embed_tokens.weight"), xp)
     lm_head = to_bf16(dev(w.lm_head_name()) * dev("model.norm.weight")[None, :], xp)
     cos, sin = rope_tables(cfg)
-    return Prepared(cfg, embed, wqkv, wo, wgu, wd, lm_head, xp.asarray(cos), xp.asarray(sin), xp, w.source)
+    return Prepared(cfg, embed, wqkv, wo, wgu, wd, lm_head, xp.asarray(cos), xp.asarray(sin), bqkv, xp, w.source)
 
 
 def unprepare(p: Prepared, xp=np) -> Weights:
@@ -395,9 +399,12 @@ def unprepare(p: Prepared, xp=np) -> Weights:
     t = {"model.embed_tokens.weight": host(p.embed), "model.norm.weight": ones, "lm_head.weight": host(p.lm_head)}
     F = cfg.intermediate
     for i in range(cfg.n_layers):
-        n = layer_names(i)
+        n = layer_names(i, cfg)
         qkv = host(p.wqkv[i])[xp.asarray(inv)]
         gu = host(p.wgu[i]).reshape(F, 2, cfg.hidden)
+        if cfg.qkv_bias:
+            b = host(p.bqkv[i])[xp.asarray(inv)]
+            t.update({n["bq"]: b[:cfg.q_dim], n["bk"]: b[cfg.q_dim:cfg.q_dim + cfg.kv_dim], n["bv"]: b[cfg.q_dim + cfg.kv_dim:]})
         t.update({n["attn_norm"]: ones, n["mlp_norm"]: ones,
                   n["wq"]: qkv[:cfg.q_dim], n["wk"]: qkv[cfg.q_dim:cfg.q_dim + cfg.kv_dim],
                   n["wv"]: qkv[cfg.q_dim + cfg.kv_dim:], n["wo"]: host(p.wo[i]),
