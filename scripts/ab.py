@@ -26,7 +26,8 @@ from workbench.build.assemble import BuildOptions  # noqa: E402
 from workbench.model.config import get_config  # noqa: E402
 from workbench.model.weights import prepare, random_weights  # noqa: E402
 from workbench.run.runtime import Monokernel  # noqa: E402
-from workbench.measure.timing import barrier_cost, format_table, stage_table  # noqa: E402
+from workbench.measure.timing import (barrier_cost, boundary_table, format_boundaries,  # noqa: E402
+                                      format_table, stage_table)
 from workbench.check.verify import verify  # noqa: E402
 
 KERNELS = paths.kernels_dir()                        # this checkout's kernels/
@@ -78,7 +79,8 @@ def main():
             mkt = Monokernel(p, BuildOptions(threads=a.threads, defines=defines, variants=variants, timing=True,
                                              **fields), max_steps=4400)
             r = mkt.generate([1], 48, eos=[], timing_steps=48)
-            row["stages"] = format_table(stage_table(cfg, r.timing, 0))
+            row["stages"] = format_table(stage_table(cfg, r.timing, 0)) + "\n" + \
+                format_boundaries(boundary_table(cfg, r.timing))
             row["barrier"] = barrier_cost(r.timing)
             row["stages"] += f"\nbarrier: {row['barrier']}"
             del mkt

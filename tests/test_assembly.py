@@ -136,6 +136,31 @@ def test_timing_table_on_a_synthetic_trace():
     assert rows["lm_head"].work_us == pytest.approx(0.5) and rows["lm_head"].wait_us == pytest.approx(0.5)
 
 
+
+def test_boundary_table_separates_stragglers_from_slow_releases():
+    from workbench.measure.timing import boundary_table, format_boundaries, slot_names
+    cfg = get_config("tiny")
+    names = slot_names(cfg)
+    S, G, n = len(names), 4, 3
+    t = np.zeros((n, S, G, 2), np.uint64)
+    now = 1_000_000
+    for i in range(n):
+        for s in range(S):
+            late = 2000 if names[s][0] == "o_proj_residual" else 0     # one block straggles in o_proj
+            slow = 3000 if names[s][0] == "gate_up_silu" else 800      # gate_up's barrier releases slowly
+            arrivals = [now + 500 + 100 * b + (late if b == G - 1 else 0) for b in range(G)]
+            last = max(arrivals)
+            for b in range(G):
+                t[i, s, b] = (arrivals[b], last + slow - 100 * (G - 1 - b))
+            now = last + slow
+    rows = {r.stage: r for r in boundary_table(cfg, t)}
+    o, gu, down = rows["o_proj_residual"], rows["gate_up_silu"], rows["down_residual"]
+    assert o.first_arrival_us == pytest.approx(0.5) and o.last_arrival_us == pytest.approx(2.5 + 0.3)
+    assert gu.last_arrival_us == pytest.approx(0.8) and gu.last_leave_us == pytest.approx(3.0)
+    assert gu.first_leave_us == pytest.approx(2.7) and down.last_leave_us == pytest.approx(0.8)
+    assert "first in" in format_boundaries(list(rows.values())).splitlines()[0]
+
+
 def test_greedy_sampler_build_leaves_the_sampler_out():
     cfg = get_config("tiny")
     full, greedy = assemble(cfg), assemble(cfg, BuildOptions(sampler="greedy"))

@@ -142,3 +142,47 @@ def barrier_cost(t: np.ndarray, skip_first: int = 1) -> dict:
     last_out = leave.max(axis=2) - last_in
     return {"first_out_ns": float(np.median(first_out)), "last_out_ns": float(np.median(last_out)),
             "barriers_per_token": int(t.shape[1])}
+
+
+@dataclasses.dataclass
+class BoundaryRow:
+    """How one slot label's barrier plays out, in µs after the previous barrier's release (means over its layers
+    and the recorded steps): when the first and the last block arrived, and how long after the last arrival the
+    first and the last block left. A late last arrival is a straggling block (its data came late); a long release
+    is the barrier itself slowed (its atomics queued behind other traffic)."""
+    stage: str
+    first_arrival_us: float
+    last_arrival_us: float
+    first_leave_us: float      # after the last arrival
+    last_leave_us: float
+
+
+def boundary_table(cfg: ModelConfig, t: np.ndarray, skip_first: int = 1,
+                   names: list[tuple[str, int]] | None = None) -> list[BoundaryRow]:
+    """One row per slot label, in slot order, from the stamps [steps, slots, blocks, 2] (see `spans`)."""
+    names = names or slot_names(cfg)
+    if t.shape[1] != len(names):
+        raise ValueError(f"stamps have {t.shape[1]} slots per step, the layout {len(names)}")
+    arrive, leave = t[..., 0].astype(np.int64), t[..., 1].astype(np.int64)
+    release = leave.max(axis=2)
+    prev = np.empty_like(release)
+    prev[:, 1:] = release[:, :-1]
+    prev[1:, 0] = release[:-1, -1]
+    prev[0, 0] = arrive[0, 0].min()
+    last_in = arrive.max(axis=2)
+    parts = (arrive.min(axis=2) - prev, last_in - prev, leave.min(axis=2) - last_in, release - last_in)
+    rows = []
+    for label in slot_labels(cfg, names):
+        idx = [i for i, (s, _) in enumerate(names) if s == label]
+        rows.append(BoundaryRow(label, *(float(p[skip_first:, idx].mean() / 1e3) for p in parts)))
+    return rows
+
+
+def format_boundaries(rows: list[BoundaryRow]) -> str:
+    w = max([18] + [len(r.stage) for r in rows])
+    out = [f"{'stage':{w}s} {'first in':>9s} {'last in':>9s} {'first out':>10s} {'last out':>9s}   "
+           "(µs: arrivals after the previous release, departures after the last arrival)"]
+    for r in rows:
+        out.append(f"{r.stage:{w}s} {r.first_arrival_us:9.2f} {r.last_arrival_us:9.2f} {r.first_leave_us:10.2f} "
+                   f"{r.last_leave_us:9.2f}")
+    return "\n".join(out)
