@@ -188,8 +188,7 @@ __device__ __forceinline__ bool wb_mbar_test(u64* bar, u32 parity) {
     return ok != 0;
 }
 // weights are read once per token: the copy marks its lines first to go from L2, as the loads' no_allocate does in L1
-// the same without waiting (test_wait): for a warp whose lanes watch different mbarriers, where try_wait may hold
-// the whole warp until the slowest lane's phase completes or its time limit passes
+// the same without waiting (test_wait): for the streamer, which polls its own stop flag between tries
 __device__ __forceinline__ bool wb_mbar_done(u64* bar, u32 parity) {
     u32 ok;
     asm volatile("{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
@@ -202,7 +201,6 @@ __device__ __forceinline__ void wb_bulk_g2s(void* dst, const void* src, u32 byte
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
                  :: "r"(wb_smem_addr(dst)), "l"(src), "r"(bytes), "r"(wb_smem_addr(bar)), "l"(policy) : "memory");
 }
-__device__ __forceinline__ bool wb_any(bool v) { return __any_sync(0xffffffffu, v); }
 #define WB_INF __int_as_float(0x7f800000)
 #endif
 

@@ -113,12 +113,13 @@ __device__ __forceinline__ float slot_dot(const u8* __restrict__ w, const float*
 template <int K, int NR, bool ACROSS_BLOCKS = false, typename Prologue, typename Done>
 __device__ __forceinline__ void for_warp_units(const bf16* __restrict__ W, int n_units, const float* act,
                                                Prologue prologue, Done done) {
-    constexpr int PIECES = wb_pieces(K), PIECE = K / PIECES, PER_UNIT = NR * PIECES;
+    using B = WbBlockItems<K, NR>;
+    constexpr int PIECES = B::PIECES, PIECE = B::PIECE, PER_UNIT = B::PER_UNIT;
     extern __shared__ __attribute__((aligned(16))) float wb_smem_floats[];
     float* partial = wb_smem_floats + WB_SMEM_PARTIALS;
-    const int u0 = wb_block_unit(n_units, wb_bid()), u1 = wb_block_unit(n_units, wb_bid() + 1);
-    const int n_items = (u1 - u0) * PER_UNIT;
-    const bf16* src0 = W + (long long)u0 * NR * K;
+    const B items(W, n_units);
+    const int u0 = items.u0, u1 = items.u1, n_items = items.n;
+    const bf16* src0 = items.src0;
     u32 round = wb_rounds;                             // read before the prologue's barrier: thread 0 moves it on after
     prologue();                                        // block-wide: every consumer thread takes part
     const u32 tag = wb_stream_tag();

@@ -27,6 +27,18 @@ constexpr int wb_pieces(int k) {
 // The block's units of a stage: [b·n/G, (b+1)·n/G), contiguous, so its rows are one span of the matrix.
 __device__ __forceinline__ int wb_block_unit(int n_units, int b) { return (int)((long long)b * n_units / wb_nbid()); }
 
+// This block's items of a stream of n_units units of NR rows of K from W: the one account of them that the
+// streamer and the consumers (for_warp_units) both walk, so that they agree item for item.
+template <int K, int NR>
+struct WbBlockItems {
+    static constexpr int PIECES = wb_pieces(K), PIECE = K / PIECES, PER_UNIT = NR * PIECES;
+    int u0, u1, n;                                 // units [u0, u1); n items, item i at src0 + i·PIECE
+    const bf16* src0;
+    __device__ __forceinline__ WbBlockItems(const bf16* W, int n_units)
+        : u0(wb_block_unit(n_units, wb_bid())), u1(wb_block_unit(n_units, wb_bid() + 1)),
+          n((u1 - u0) * PER_UNIT), src0(W + (long long)u0 * NR * K) {}
+};
+
 #if WB_STREAMING
 static_assert(WB_CONSUMER_WARPS >= 1 && WB_CONSUMER_WARPS <= WB_WARP, "a page holds one item per consumer warp");
 static_assert(WB_RING_SLOTS >= 1 && WB_SLOT_BYTES % 16 == 0 && WB_RING_OFFSET % 16 == 0, "bulk copies move 16-byte units");
@@ -78,11 +90,12 @@ struct WbStreamer {
     // Copy this block's items of a stream, n_units units of NR rows of K from W, a page per round.
     template <int K, int NR>
     __device__ __forceinline__ bool stream(int stage, int layer, const bf16* __restrict__ W, int n_units) {
-        constexpr int PIECE = K / wb_pieces(K);
+        using B = WbBlockItems<K, NR>;
+        constexpr int PIECE = B::PIECE;
         static_assert(PIECE * 2 <= WB_SLOT_BYTES && PIECE % 8 == 0, "an item fits a slot in whole 16-byte units");
-        const int u0 = wb_block_unit(n_units, wb_bid()), u1 = wb_block_unit(n_units, wb_bid() + 1);
-        const int n_items = (u1 - u0) * NR * wb_pieces(K);
-        const bf16* src0 = W + (long long)u0 * NR * K;
+        const B items(W, n_units);
+        const int n_items = items.n;
+        const bf16* src0 = items.src0;
         for (int i0 = 0; i0 < n_items; i0 += WB_CONSUMER_WARPS, ++issued) {
             const int slot = issued % WB_RING_SLOTS;
             // a fresh mbarrier counts its phase "−1" as complete: the first pass over the pages needs no release
