@@ -2,6 +2,7 @@
 printed so a failure can be replayed."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -200,27 +201,33 @@ def _hf_checkpoint(tmp_path, head_dim, n_heads, n_kv, hidden=None):
     return tmp_path
 
 
+def _verified(p, opt: BuildOptions = BuildOptions(), thorough: bool = False, prompt_len: int = 8, max_new: int = 16):
+    """Prepared weights `p` verified stage by stage (a taps build of `opt`), then end to end (`opt` itself); both
+    must pass. Returns the taps build and its table."""
+    from workbench.check.verify import verify, verify_stages
+    from workbench.run.runtime import Monokernel
+    taps = Monokernel(p, dataclasses.replace(opt, taps=True), max_steps=256)
+    table, _ = verify_stages(taps, thorough=thorough, seed=fresh_seed())
+    print(table.summary())
+    assert table.passed, table.summary()
+    rep = verify(Monokernel(p, opt, max_steps=64), prompt_len=prompt_len, max_new=max_new, seed=fresh_seed())
+    print(rep.summary())
+    assert rep.passed, rep.summary()
+    return taps, table
+
+
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 112, 128])
 @pytest.mark.parametrize("kind", ["mha", "gqa2"])
 def test_head_dims_verify(tmp_path, head_dim, kind):
     """head_dim 96 once generated garbage (lanes per position 12, xor shuffles that assume a power of two)."""
     import cupy as cp
 
-    from workbench.check.verify import verify, verify_stages
     from workbench.model.config import get_config as cfg_of
     from workbench.model.weights import load_hf, prepare
-    from workbench.run.runtime import Monokernel
     n_heads, n_kv = (4, 4) if kind == "mha" else (4, 2)
     folder = _hf_checkpoint(tmp_path, head_dim, n_heads, n_kv)
     cfg = cfg_of(str(folder), max_seq=4352)
-    p = prepare(load_hf(folder, cfg, progress=False), xp=cp, progress=False)
-    taps = Monokernel(p, BuildOptions(taps=True), max_steps=256)
-    table, _ = verify_stages(taps, seed=fresh_seed())
-    print(table.summary())
-    assert table.passed, table.summary()
-    rep = verify(Monokernel(p, BuildOptions(), max_steps=64), prompt_len=8, max_new=16, seed=fresh_seed())
-    print(rep.summary())
-    assert rep.passed, rep.summary()
+    _verified(prepare(load_hf(folder, cfg, progress=False), xp=cp, progress=False))
 
 
 def test_generate_streams_whole_characters_through_a_splitting_tokenizer(tmp_path, hf_checkpoint, byte_bpe):
@@ -262,17 +269,9 @@ def test_generate_streams_whole_characters_through_a_splitting_tokenizer(tmp_pat
 def test_the_stream_build_verifies_stage_by_stage(name):
     import cupy as cp
 
-    from workbench.check.verify import verify, verify_stages
     from workbench.model.weights import prepare, random_weights
-    from workbench.run.runtime import Monokernel
     p = prepare(random_weights(get_config(name), fresh_seed(), xp=cp, progress=False), xp=cp, progress=False)
-    mk = Monokernel(p, BuildOptions(stream=True), max_steps=4400)
-    rep = verify(mk, prompt_len=6, max_new=12, seed=fresh_seed())
-    assert rep.passed, rep.summary()
-    taps = Monokernel(p, BuildOptions(stream=True, taps=True), max_steps=256)
-    table, _ = verify_stages(taps, thorough=name == "tiny", seed=fresh_seed())
-    print(table)
-    assert table.passed, table.summary()
+    _, table = _verified(p, BuildOptions(stream=True), thorough=name == "tiny", prompt_len=6, max_new=12)
     assert max(table.positions) >= 4096
 
 
@@ -309,20 +308,12 @@ def test_qwen2_checkpoints_verify_with_their_biases(hf_checkpoint, name):
     from test_families import FAMILIES
 
     from workbench.build.assemble import section_path
-    from workbench.check.verify import verify, verify_stages
+    from workbench.check.verify import verify_stages
     from workbench.model.weights import load_hf, prepare
-    from workbench.run.runtime import Monokernel
     folder = hf_checkpoint(**{k: v for k, v in FAMILIES[name].items() if v is not None})
     cfg = get_config(str(folder))
     assert cfg.qkv_bias
-    p = prepare(load_hf(folder, cfg, progress=False), xp=cp, progress=False)
-    taps = Monokernel(p, BuildOptions(taps=True), max_steps=64)
-    table, _ = verify_stages(taps, seed=fresh_seed())
-    print(table.summary())
-    assert table.passed, table.summary()
-    rep = verify(Monokernel(p, BuildOptions(), max_steps=64), prompt_len=8, max_new=16, seed=fresh_seed())
-    print(rep.summary())
-    assert rep.passed, rep.summary()
+    taps, _ = _verified(prepare(load_hf(folder, cfg, progress=False), xp=cp, progress=False))
     text = section_path("qkv_rope_append").read_text()
     bad = text.replace("WB_QKV_BIAS ? y[0] + bqkv[row] : y[0]", "y[0]")
     assert bad != text
@@ -337,14 +328,8 @@ def test_qwen2_5_shapes_verify():
     head; a 151,936-token vocabulary) with random weights and biases."""
     import cupy as cp
 
-    from workbench.check.verify import verify, verify_stages
     from workbench.model.weights import prepare, random_weights
-    from workbench.run.runtime import Monokernel
     cfg = get_config("qwen2.5-0.5b", max_seq=4352)
     p = prepare(random_weights(cfg, fresh_seed(), xp=cp, progress=False), xp=cp, progress=False)
     assert float(cp.abs(p.bqkv).max()) > 0
-    table, _ = verify_stages(Monokernel(p, BuildOptions(taps=True), max_steps=256), seed=fresh_seed())
-    print(table.summary())
-    assert table.passed, table.summary()
-    rep = verify(Monokernel(p, BuildOptions(), max_steps=64), prompt_len=6, max_new=12, seed=fresh_seed())
-    assert rep.passed, rep.summary()
+    _verified(p, prompt_len=6, max_new=12)

@@ -485,13 +485,9 @@ def smem_regions(cfg: ModelConfig, launch: Launch = Launch()) -> dict[str, dict[
     return out
 
 
-def _stage_floats(cfg: ModelConfig, launch: Launch = Launch()) -> int:
-    return max((sum(n for _, n in r.values()) for r in smem_regions(cfg, launch).values()), default=0)
-
-
 def smem_floats(cfg: ModelConfig, launch: Launch = Launch()) -> int:
     """The largest stage's layout (the stream's partials and ring follow it)."""
-    return _stage_floats(cfg, launch)
+    return max((sum(n for _, n in r.values()) for r in smem_regions(cfg, launch).values()), default=0)
 
 
 def smem_bytes(cfg: ModelConfig, launch: Launch = Launch()) -> int:
@@ -605,7 +601,7 @@ def ring_slots(cfg: ModelConfig, launch: "Launch" = None) -> int:
 def ring_offset(cfg: ModelConfig, launch: "Launch" = None) -> int:
     """Byte offset of the ring in dynamic shared memory: after the stages' regions and the partials, 128-aligned."""
     launch = launch or Launch()
-    n = 4 * (_stage_floats(cfg, launch) + partial_floats(cfg, launch))
+    n = 4 * (smem_floats(cfg, launch) + partial_floats(cfg, launch))
     return -(-n // 128) * 128
 
 
@@ -718,11 +714,19 @@ def mapped_words(max_tokens: int) -> int:
     return mapped_offset("tokens_out") + max_tokens
 
 
-def where(stage_index: int, layer: int, step: int, waiting: bool = False) -> int:
-    v, shift = 0, 0
-    for (name, bits), val in zip(WHERE_FIELDS, (stage_index, layer + 1, step, int(waiting))):
-        v |= (val & ((1 << bits) - 1)) << shift
+def where_layout() -> list[tuple[str, int, int]]:
+    """(field, shift, bits) of the where word, low bits first."""
+    out, shift = [], 0
+    for name, bits in WHERE_FIELDS:
+        out.append((name, shift, bits))
         shift += bits
+    return out
+
+
+def where(stage_index: int, layer: int, step: int, waiting: bool = False) -> int:
+    v = 0
+    for (_, shift, bits), val in zip(where_layout(), (stage_index, layer + 1, step, int(waiting))):
+        v |= (val & ((1 << bits) - 1)) << shift
     return v
 
 
@@ -732,11 +736,7 @@ def decode_where(w: int) -> tuple[str, int, int, bool] | None:
     if w == -1:
         return None
     w &= 0xFFFFFFFF
-    vals, shift = [], 0
-    for _, bits in WHERE_FIELDS:
-        vals.append((w >> shift) & ((1 << bits) - 1))
-        shift += bits
-    st, layer, step, waiting = vals
+    st, layer, step, waiting = ((w >> shift) & ((1 << bits) - 1) for _, shift, bits in where_layout())
     return stage_name(st), layer - 1, step, bool(waiting)
 
 

@@ -47,11 +47,7 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
     out.append("// status[] (mapped host memory): a stop's reason and place, read by the host after `code`")
     out.append("enum WbStatus { " + ", ".join(f"WB_STATUS_{_upper(w)} = {i}" for i, w in enumerate(plan.STATUS_WORDS))
                + f", WB_STATUS_WORDS = {plan.STATUS_LEN} }};")
-    shift = []
-    s = 0
-    for name, bits in plan.WHERE_FIELDS:
-        shift.append((name, s, bits))
-        s += bits
+    shift = plan.where_layout()
     enc = " | ".join(f"((u32)({'layer + 1' if n == 'layer' else n}) & {(1 << b) - 1}u) << {sh}"
                      for n, sh, b in shift)
     out.append("// where a block is (its stage, layer + 1, step, waiting at the barrier after it): written at every stage")
@@ -90,7 +86,7 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
 def stream_constants(cfg: ModelConfig, launch: plan.Launch) -> list[str]:
     """The weight ring's geometry (plan.ring_slots, plan.ring_offset): zeros in a build without streaming."""
     on = launch.stream
-    step_shift = sum(b for n, b in plan.WHERE_FIELDS[:[n for n, _ in plan.WHERE_FIELDS].index("step")])
+    step_shift = next(sh for n, sh, _ in plan.where_layout() if n == "step")
     return [
         "// the weight stream (plan.streams): the block's last warp copies weight rows into a ring of pages, a slot",
         "// per consumer warp each; a page's tag is a where-word with its first item's index in place of the step",

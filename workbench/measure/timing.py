@@ -75,15 +75,21 @@ class StageRow:
     tbps: float                # bytes / span
 
 
-def spans(t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """span [steps, slots], work and wait [steps, slots, blocks] in ns. Step 0's slot 0 starts at the first
-    arrival (the kernel's start is not stamped)."""
+def _releases(t: np.ndarray):
+    """arrive, leave [steps, slots, blocks], and each barrier's release and the one before it [steps, slots], ns.
+    Step 0's slot 0 starts at the first arrival (the kernel's start is not stamped)."""
     arrive, leave = t[..., 0].astype(np.int64), t[..., 1].astype(np.int64)
     release = leave.max(axis=2)                              # when the last block left: the barrier's release
     prev = np.empty_like(release)
     prev[:, 1:] = release[:, :-1]
     prev[1:, 0] = release[:-1, -1]
     prev[0, 0] = arrive[0, 0].min()
+    return arrive, leave, release, prev
+
+
+def spans(t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """span [steps, slots], work and wait [steps, slots, blocks] in ns."""
+    arrive, leave, release, prev = _releases(t)
     span = release - prev
     start = np.empty_like(leave)                             # each block starts a slot when it left the last one
     start[:, 1:] = leave[:, :-1]
@@ -163,12 +169,7 @@ def boundary_table(cfg: ModelConfig, t: np.ndarray, skip_first: int = 1,
     names = names or slot_names(cfg)
     if t.shape[1] != len(names):
         raise ValueError(f"stamps have {t.shape[1]} slots per step, the layout {len(names)}")
-    arrive, leave = t[..., 0].astype(np.int64), t[..., 1].astype(np.int64)
-    release = leave.max(axis=2)
-    prev = np.empty_like(release)
-    prev[:, 1:] = release[:, :-1]
-    prev[1:, 0] = release[:-1, -1]
-    prev[0, 0] = arrive[0, 0].min()
+    arrive, leave, release, prev = _releases(t)
     last_in = arrive.max(axis=2)
     parts = (arrive.min(axis=2) - prev, last_in - prev, leave.min(axis=2) - last_in, release - last_in)
     rows = []

@@ -542,7 +542,7 @@ def stream_mismatch(cfg, launch: plan.Launch, st: list[int]) -> StreamMismatch:
         why = f"its {item} items do not fit the partial sums the build reserved (a grid it was not built for)"
     else:
         g = plan.decode_where(got)
-        held = f"item {g[2]} of {g[0]}" + (f" of layer {g[1]}" if g and g[1] >= 0 else "") if g else "nothing"
+        held = "nothing" if g is None else f"item {g[2]} of {g[0]}" + (f" of layer {g[1]}" if g[1] >= 0 else "")
         why = (f"it asked the ring for its item {item} of those rows and found {held}, or rows from another "
                f"address: the section reads other weights, or another number of units, than the plan declares")
     return StreamMismatch(f"weight stream: {where}, block {block}: {why}; {declared}", (name, layer, step))
