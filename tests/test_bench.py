@@ -1,6 +1,9 @@
 """The bench's table without a GPU: its default positions, and both rooflines in every row of the table."""
 from __future__ import annotations
 
+import numpy as np
+import pytest
+
 from workbench.measure.bench import Row, bench_positions, format_rows
 
 
@@ -19,3 +22,30 @@ def test_the_table_shows_both_rooflines():
     assert " %roof " in header and " %w roof " in header
     assert "weights + KV-cache" in legend
     assert line.split()[:2] == ["monokernel", "32768"] and line.split()[-2:] == ["71.3", "44.6"]
+
+
+@pytest.mark.parametrize("family", ["llama", "qk_norm", "qkv_bias"])
+def test_the_torch_baseline_does_the_kernels_math(family):
+    """The gpt-fast-style model the bench times against (uncompiled, on the CPU, in bf16 as the bench runs it)
+    gives the reference's logits token by token, with the family's own step (Qwen3's q/k norms, Qwen2's biases);
+    without that step it would be far off, so a baseline that skipped it would be caught here, not flattered."""
+    import torch
+
+    from workbench.check.reference import forward
+    from workbench.measure.baselines import gpt_fast_model, tensors_from_weights
+    from workbench.model.config import get_config
+    from workbench.model.weights import random_weights
+    cfg = get_config("tiny").with_(**({} if family == "llama" else {family: True}))
+    w = random_weights(cfg, 5, progress=False)
+    tokens = [3, 17, 250, 9, 600, 41]
+    ref = forward(w, tokens, dtype=np.float64)
+    model = gpt_fast_model(cfg, tensors_from_weights(w, "cpu", torch.bfloat16), "cpu", 16)
+    with torch.no_grad():
+        ours = np.stack([model(torch.tensor([[t]]), torch.tensor([i]))[0, -1].float().numpy()
+                         for i, t in enumerate(tokens)])
+    # bf16 weights, activations and cache against fp64: a few 1e-3 of the logits' spread, measured ~1e-2 at worst
+    err = np.abs(ours - ref).max(axis=1) / ref.std(axis=1)
+    assert err.max() < 0.05, err
+    if family != "llama":
+        plain = forward(w.__class__(cfg.with_(**{family: False}), w.tensors, w.xp), tokens, dtype=np.float64)
+        assert (np.abs(plain - ref).max(axis=1) / ref.std(axis=1)).max() > 0.2

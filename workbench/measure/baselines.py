@@ -76,7 +76,8 @@ def _to_torch(a):
 
 
 def gpt_fast_model(cfg, tensors: dict, device, max_seq: int):
-    """A gpt-fast-style Llama (static KV cache) on HF-named bf16 tensors."""
+    """A gpt-fast-style Llama (static KV cache) on HF-named bf16 tensors, with the family's own steps when the config
+    has them (Qwen2's q/k/v biases, Qwen3's per-head q/k norms), so that it does the kernel's math."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -93,6 +94,10 @@ def gpt_fast_model(cfg, tensors: dict, device, max_seq: int):
             self.wo, self.w1, self.w3, self.w2 = (g("self_attn.o_proj.weight"), g("mlp.gate_proj.weight"),
                                                   g("mlp.up_proj.weight"), g("mlp.down_proj.weight"))
             self.n1, self.n2 = g("input_layernorm.weight"), g("post_attention_layernorm.weight")
+            self.bqkv = nn.Parameter(torch.cat([tensors[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]).to(
+                device, torch.bfloat16), requires_grad=False) if cfg.qkv_bias else None
+            self.qn, self.kn = ((g("self_attn.q_norm.weight"), g("self_attn.k_norm.weight")) if cfg.qk_norm
+                                else (None, None))
             shape = (1, cfg.n_kv_heads, max_seq, cfg.head_dim)
             self.register_buffer("k_cache", torch.zeros(shape, dtype=torch.bfloat16, device=device))
             self.register_buffer("v_cache", torch.zeros(shape, dtype=torch.bfloat16, device=device))
@@ -123,8 +128,10 @@ def gpt_fast_model(cfg, tensors: dict, device, max_seq: int):
             hd, nh, nkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
             for L in self.layers:
                 h = self.rms(x, L.n1)
-                q, k, v = F.linear(h, L.wqkv).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
+                q, k, v = F.linear(h, L.wqkv, L.bqkv).split([nh * hd, nkv * hd, nkv * hd], dim=-1)
                 q, k, v = q.view(1, 1, nh, hd), k.view(1, 1, nkv, hd), v.view(1, 1, nkv, hd)
+                if L.qn is not None:
+                    q, k = self.rms(q, L.qn), self.rms(k, L.kn)
 
                 def rope(a):
                     a1, a2 = a.float().chunk(2, -1)
