@@ -57,6 +57,7 @@ __device__ __forceinline__ int wb_shfl_xor(int v, int m) {
 __device__ __forceinline__ float wb_shfl(float v, int src) {
     return __builtin_bit_cast(float, __builtin_amdgcn_ds_bpermute(src << 2, __builtin_bit_cast(int, v)));
 }
+__device__ __forceinline__ int wb_shfl(int v, int src) { return __builtin_amdgcn_ds_bpermute(src << 2, v); }
 __device__ __forceinline__ void wb_fence_gpu()    { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, "agent"); }
 __device__ __forceinline__ void wb_fence_system() { __builtin_amdgcn_fence(__ATOMIC_SEQ_CST, ""); }
 __device__ __forceinline__ u32 wb_atomic_add(u32* p, u32 v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_ACQ_REL, __HIP_MEMORY_SCOPE_AGENT); }
@@ -125,6 +126,7 @@ __device__ __forceinline__ void wb_syncwarp() { __syncwarp(); }
 __device__ __forceinline__ float wb_shfl_xor(float v, int m) { return __shfl_xor_sync(0xffffffffu, v, m); }
 __device__ __forceinline__ int   wb_shfl_xor(int v, int m)   { return __shfl_xor_sync(0xffffffffu, v, m); }
 __device__ __forceinline__ float wb_shfl(float v, int src)   { return __shfl_sync(0xffffffffu, v, src); }
+__device__ __forceinline__ int   wb_shfl(int v, int src)     { return __shfl_sync(0xffffffffu, v, src); }
 __device__ __forceinline__ void wb_fence_gpu()    { __threadfence(); }
 __device__ __forceinline__ void wb_fence_system() { __threadfence_system(); }
 __device__ __forceinline__ u32 wb_atomic_add(u32* p, u32 v) { return atomicAdd(p, v); }

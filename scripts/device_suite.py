@@ -129,7 +129,7 @@ def main():
         R["smoke"] = run("smoke", [PY, "-c", SMOKE], out, 240)
     if "mutants" in a.only:
         R["mutants"] = run("mutants", [PY, "scripts/mutation_suite.py", "--model", "llama-3.2-1b", "--json",
-                                       str(out / "mutants.json")], out, 420)
+                                       str(out / "mutants.json")], out, 480)
     if "failures" in a.only:
         R["failures"] = run("failures", [PY, "scripts/failure_suite.py", "--model", "llama-3.2-1b", "--json",
                                          str(out / "failures.json")], out, 360)

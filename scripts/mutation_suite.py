@@ -4,8 +4,10 @@ loop named and how long each verdict took, and the score.
 
     python scripts/mutation_suite.py [--model llama-3.2-1b] [--only NAME ...] [--json out.json]
 
-It works on a private copy of kernels/, so the checkout's files are never touched. Exits 1 unless every mutant is
-caught and named.
+Every model's mutants run on --model; a family's own (Qwen3's q/k norm, Qwen2's biases) on its preset
+(mutants.FAMILY_MODELS), unless --model is of that family already. It works on a private copy of kernels/, so the
+checkout's files are never touched. Exits 1 unless every mutant is caught and named and each model's unmutated
+kernel passes after its mutants.
 """
 from __future__ import annotations
 
@@ -21,7 +23,40 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from workbench import paths  # noqa: E402
-from workbench.check.mutants import MUTANTS, by_name, run_suite, table  # noqa: E402
+from workbench.check.mutants import FAMILY_MODELS, MUTANTS, by_name, for_model, run_suite, table  # noqa: E402
+from workbench.model.config import get_config  # noqa: E402
+
+
+def groups(model: str, mutants) -> dict[str, list]:
+    """{model: its mutants}: those --model compiles on it, each family's other mutants on the family's preset."""
+    out = {model: for_model(get_config(model), mutants)}
+    for flag, family_model in FAMILY_MODELS.items():
+        rest = [m for m in mutants if m.needs == flag and m not in out[model]]
+        if rest:
+            out.setdefault(family_model, []).extend(rest)
+    return out
+
+
+def run_model(model: str, mutants, log) -> tuple[list, bool]:
+    """The mutants on one model's workbench, on a private copy of the kernels: (outcomes, unmutated passes after)."""
+    from workbench.loop.session import Workbench
+    work = Path(tempfile.mkdtemp(prefix="wb-mutants-"))
+    shutil.copytree(paths.kernels_dir(), work / "kernels", ignore=shutil.ignore_patterns(".history"))
+    try:
+        with paths.use_kernels_dir(work / "kernels"):
+            wb = Workbench(model, activate=False, history_dir=work / "history")
+            log(f"{model}: {wb.last.report()}")
+            if not wb.last.passed:
+                log(f"{model}: the unmutated kernel does not pass: no point in mutating it\n{wb.last.stages}")
+                wb.close()
+                return [], False
+            outcomes = run_suite(wb, mutants, log=log)
+            after = wb.reload(trigger="manual")
+            log(f"{model}: after the suite: {after.report()}")
+            wb.close()
+            return outcomes, bool(after.passed)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def main(argv=None) -> int:
@@ -30,36 +65,33 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", help="mutant names (default: all)")
     ap.add_argument("--json", help="write every outcome here")
     a = ap.parse_args(argv)
-    from workbench.loop.session import Workbench
     mutants = [by_name(n) for n in a.only] if a.only else list(MUTANTS)
-    work = Path(tempfile.mkdtemp(prefix="wb-mutants-"))
-    shutil.copytree(paths.kernels_dir(), work / "kernels", ignore=shutil.ignore_patterns(".history"))
     t0 = time.perf_counter()
-    with paths.use_kernels_dir(work / "kernels"):
-        wb = Workbench(a.model, activate=False, history_dir=work / "history")
-        print(wb.last.report(), flush=True)
-        if not wb.last.passed:
-            print("the unmutated kernel does not pass: no point in mutating it", file=sys.stderr)
-            print(wb.last.stages)
+    results, all_after = [], True
+    for model, ms in groups(a.model, mutants).items():
+        if not ms:
+            continue
+        outcomes, after = run_model(model, ms, log=lambda s: print(s, flush=True))
+        results += [(model, o) for o in outcomes]
+        all_after &= after
+        if not outcomes:
             return 1
-        outcomes = run_suite(wb, mutants, log=lambda s: print(s, flush=True))
-        after = wb.reload(trigger="manual")
-        print("after the suite:", after.report())
-        wb.close()
-    shutil.rmtree(work, ignore_errors=True)
+    outcomes = [o for _, o in results]
     print(table(outcomes))
     caught = sum(o.caught for o in outcomes)
     secs = sorted(o.seconds for o in outcomes)
-    print(f"{a.model}: {caught}/{len(outcomes)} caught and named; edit → verdict median {secs[len(secs) // 2]:.2f} s "
+    models = ", ".join(sorted({m for m, _ in results}))
+    print(f"{models}: {caught}/{len(outcomes)} caught and named; edit → verdict median {secs[len(secs) // 2]:.2f} s "
           f"(min {secs[0]:.2f}, max {secs[-1]:.2f}); suite {time.perf_counter() - t0:.0f} s; unmutated after: "
-          f"{'PASS' if after.passed else 'FAIL'}")
+          f"{'PASS' if all_after else 'FAIL'}")
     if a.json:
         Path(a.json).write_text(json.dumps({
-            "model": a.model, "caught": caught, "total": len(outcomes), "after_passed": after.passed,
-            "outcomes": [{**dataclasses.asdict(o.mutant), "status": o.status, "named": o.named, "caught": o.caught,
-                          "seconds": o.seconds, "compile_s": o.compile_s, "verify_s": o.verify_s,
-                          "first_failure": o.first_failure} for o in outcomes]}, indent=1))
-    return 0 if caught == len(outcomes) and after.passed else 1
+            "model": a.model, "caught": caught, "total": len(outcomes), "after_passed": all_after,
+            "outcomes": [{**dataclasses.asdict(o.mutant), "model": model, "status": o.status, "named": o.named,
+                          "caught": o.caught, "seconds": o.seconds, "compile_s": o.compile_s,
+                          "verify_s": o.verify_s, "first_failure": o.first_failure} for model, o in results]},
+            indent=1))
+    return 0 if caught == len(outcomes) and all_after else 1
 
 
 if __name__ == "__main__":

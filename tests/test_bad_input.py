@@ -208,8 +208,6 @@ LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_fr
     ({"bos_token_id": 5000}, "{path}: bos_token_id 5000 is outside the vocabulary (vocab_size 1003)"),
     ({"model_type": "gpt2"}, "{path}: model_type 'gpt2' is not a Llama-family decoder this kernel implements"),
     ({"model_type": 7}, "{path}: model_type must be a string, got 7"),
-    ({"model_type": "qwen3"}, "{path}: per-head q/k norms (qk_norm, Qwen3-style) are in the reference but the "
-                              "kernel has no section for them yet"),
     ({"hidden_act": "gelu"}, "{path}: hidden_act 'gelu': only silu is implemented"),
     ({"attention_bias": True}, "{path}: attention/MLP biases are not implemented (the q/k/v biases of qwen2 are)"),
 ])

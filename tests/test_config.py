@@ -49,17 +49,19 @@ def test_published_parameter_counts():
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_weight_bytes_agree_with_tensor_shapes(name):
     """The streamed bytes are every matrix once in bf16, the LM head included (the embedding is only read a row at a
-    time, so an untied embedding does not count), and Qwen2's q/k/v biases in fp32; norm gains are folded into the
-    matrices."""
+    time, so an untied embedding does not count), and in fp32 Qwen2's q/k/v biases and Qwen3's q/k norm gains; the
+    other norm gains are folded into the matrices."""
     cfg = get_config(name)
     shapes = expected_shapes(cfg)
     streamed = [shape for name, shape in shapes.items() if len(shape) == 2 and name != "model.embed_tokens.weight"]
     if cfg.tie_embeddings:
         streamed.append((cfg.vocab, cfg.hidden))                # the LM head reads the embedding matrix
     biases = sum(s[0] for n, s in shapes.items() if n.endswith(".bias"))
-    assert (biases > 0) == cfg.qkv_bias
-    assert cfg.weight_bytes_per_token() == 2 * sum(rows * cols for rows, cols in streamed) + 4 * biases
-    assert cfg.weight_bytes_per_token(1) * 2 == cfg.weight_bytes_per_token() + 4 * biases
+    qk_gains = sum(s[0] for n, s in shapes.items() if n.endswith(("q_norm.weight", "k_norm.weight")))
+    assert (biases > 0) == cfg.qkv_bias and (qk_gains > 0) == cfg.qk_norm
+    fp32 = biases + qk_gains
+    assert cfg.weight_bytes_per_token() == 2 * sum(rows * cols for rows, cols in streamed) + 4 * fp32
+    assert cfg.weight_bytes_per_token(1) * 2 == cfg.weight_bytes_per_token() + 4 * fp32
 
 
 def test_n_params_matches_transformers():
@@ -154,6 +156,7 @@ def test_defines():
     assert cfg.defines() == {
         "WB_D": "264", "WB_LAYERS": "2", "WB_HEADS": "6", "WB_KV_HEADS": "2", "WB_HEAD_DIM": "32",
         "WB_FF": "712", "WB_VOCAB": "1003", "WB_MAX_SEQ": "4352", "WB_RMS_EPS": "1e-05f", "WB_QKV_BIAS": "0",
+        "WB_QK_NORM": "0",
     }
     big = get_config("llama-3.2-1b", max_seq=4096).defines()
     assert big["WB_MAX_SEQ"] == "4096" and big["WB_VOCAB"] == "128256" and big["WB_KV_HEADS"] == "8"

@@ -1,9 +1,8 @@
 """Model families beyond Llama, in the reference: Qwen3 (per-head RMSNorm on q and k before RoPE, each with its
 gain) and Qwen2 (biases on the q, k and v projections), each cross-checked against its own transformers class
 (Qwen3ForCausalLM, Qwen2ForCausalLM) in fp32 over a teacher-forced run, on save_pretrained checkpoints of awkward
-sizes. The kernel runs Qwen2 (its biases are one add per row in the QKV epilogue; verified on the GPU in
-tests/test_gpu.py); it has no section for Qwen3's norms yet, and every command that would build it says so in one
-line."""
+sizes. The kernel runs both (Qwen2's biases are one add per row in the QKV epilogue, Qwen3's norms are finished
+by each head's last row pair; verified on the GPU in tests/test_gpu.py)."""
 from __future__ import annotations
 
 import json
@@ -15,7 +14,7 @@ from test_reference import N_TOKENS, hf_logits, rel_err
 
 from workbench.check.reference import forward
 from workbench.check.stages import head_rmsnorm, qkv_rope_append
-from workbench.model.config import ConfigError, get_config
+from workbench.model.config import get_config
 from workbench.model.weights import expected_shapes, layer_names, load_hf, prepare, random_weights
 
 
@@ -111,14 +110,38 @@ def test_random_weights_of_a_family_have_its_tensors():
     assert w2.tensors[layer_names(1, cfg2)["bv"]].shape == (cfg2.kv_dim,)
 
 
-def test_the_kernel_refuses_what_it_has_no_section_for():
-    from workbench.build.assemble import assemble
+def test_qwen3_gains_are_prepared_as_they_are_and_come_back():
+    """prepare() keeps the q/k norm gains apart (they follow a norm of the projection's output: nothing to fold them
+    into), q's then k's per layer; unprepare() gives back exactly the checkpoint's; a Llama gets ones."""
+    from workbench.model.weights import to_f32, unprepare
     cfg = get_config("tiny").with_(qk_norm=True)
-    with pytest.raises(ConfigError, match="in the reference but the kernel has no section"):
-        assemble(cfg)
-    with pytest.raises(ConfigError, match="in the reference but the kernel has no section"):
-        prepare(random_weights(cfg, 1, progress=False), progress=False)
-    assert get_config("tiny").kernel_problems() == []
+    w = random_weights(cfg, 3, progress=False)
+    p = prepare(w, progress=False)
+    back = unprepare(p)
+    for i in range(cfg.n_layers):
+        n = layer_names(i, cfg)
+        for j, k in enumerate(("q_norm", "k_norm")):
+            assert np.array_equal(p.qk_gain[i, j], to_f32(w.tensors[n[k]]))
+            assert np.array_equal(back.tensors[n[k]], to_f32(w.tensors[n[k]]))
+    plain = prepare(random_weights(get_config("tiny"), 3, progress=False), progress=False)
+    assert plain.qk_gain.shape == (2, 2, get_config("tiny").head_dim) and (plain.qk_gain == 1).all()
+
+
+def test_qwen3_builds_and_reads_its_gains():
+    """The Qwen3 build compiles the per-head norm in (its gains, the raw heads and their arrival counters are the
+    stage's arguments) without local memory; a Llama build compiles it away."""
+    from workbench import plan
+    from workbench.build.assemble import assemble
+    from workbench.build.compile import compile_cubin, resource_usage
+    cfg = get_config("tiny").with_(qk_norm=True)
+    asm = assemble(cfg)
+    assert "#define WB_QK_NORM 1" in asm.source and "P->qk_gain + layer * WB_PER_LAYER_QK_GAIN" in asm.source
+    assert "P->qk_raw, P->qk_count" in asm.source
+    assert "#define WB_QK_NORM 0" in assemble(get_config("tiny")).source
+    (r,) = resource_usage(compile_cubin(asm)[0])
+    assert r.stack == 0
+    extra = plan.stage_weight_bytes(cfg, "qkv_rope_append") - plan.stage_weight_bytes(get_config("tiny"), "qkv_rope_append")
+    assert extra == 4 * 2 * cfg.head_dim
 
 
 # parameters published for each model (its model card), billions
@@ -128,11 +151,10 @@ PUBLISHED = {"qwen3-0.6b": 0.6, "qwen3-1.7b": 1.7, "qwen3-4b": 4.0, "qwen3-8b": 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
 def test_family_presets_have_their_models_shapes(name):
-    from workbench.model.config import KERNEL_PRESETS, PRESETS
+    from workbench.model.config import PRESETS
     cfg = PRESETS[name]
     assert round(cfg.n_params() / 1e9, 2 if PUBLISHED[name] < 1 or name.startswith("qwen2") else 1) == PUBLISHED[name]
     assert cfg.qk_norm == name.startswith("qwen3") and cfg.qkv_bias == name.startswith("qwen2")
-    assert (name in KERNEL_PRESETS) == name.startswith("qwen2") and bool(cfg.kernel_problems()) == cfg.qk_norm
     if name.startswith("qwen3"):                     # heads of 128 whatever the width: 0.6b and 4b's q is wider
         assert cfg.head_dim == 128 and (cfg.q_dim != cfg.hidden) == (name in ("qwen3-0.6b", "qwen3-4b"))
 

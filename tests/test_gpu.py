@@ -298,29 +298,51 @@ def test_a_section_that_reads_other_rows_than_the_stream_is_named():
     assert len(mk.generate([1, 2, 3], 4, eos=[]).tokens) == 4
 
 
-# ---- Qwen2: q/k/v biases, one add per row in the QKV epilogue ------------------------------------------------------
+# ---- the families' own steps in the QKV epilogue: Qwen3's per-head q/k norm, Qwen2's biases ------------------------
 
-@pytest.mark.parametrize("name", ["qwen2-hd64-gqa", "qwen2-hd80-mha-untied"])
-def test_qwen2_checkpoints_verify_with_their_biases(hf_checkpoint, name):
-    """save_pretrained Qwen2 checkpoints (the reference matches Qwen2ForCausalLM on them, tests/test_families.py):
-    stage by stage and end to end; with the bias add left out of the section, qkv_rope_append is named."""
+FAMILY_CHECKPOINTS = ["qwen3-hd128-gqa", "qwen3-hd64-mha-untied", "qwen3-hd96-gqa3", "qwen2-hd64-gqa",
+                      "qwen2-hd80-mha-untied"]          # tests/test_families.py's FAMILIES
+
+
+@pytest.mark.parametrize("name", FAMILY_CHECKPOINTS)
+def test_family_checkpoints_verify_and_their_steps_mutants_are_named(hf_checkpoint, name):
+    """save_pretrained checkpoints of awkward sizes (the reference matches Qwen3ForCausalLM and Qwen2ForCausalLM on
+    them, tests/test_families.py): stage by stage and end to end; each mutant of the family's own step
+    (check.mutants, `needs`) is named qkv_rope_append."""
     import cupy as cp
     from test_families import FAMILIES
 
     from workbench.build.assemble import section_path
+    from workbench.check.mutants import MUTANTS
     from workbench.check.verify import verify_stages
     from workbench.model.weights import load_hf, prepare
+    assert set(FAMILY_CHECKPOINTS) == set(FAMILIES)
     folder = hf_checkpoint(**{k: v for k, v in FAMILIES[name].items() if v is not None})
     cfg = get_config(str(folder))
-    assert cfg.qkv_bias
     taps, _ = _verified(prepare(load_hf(folder, cfg, progress=False), xp=cp, progress=False))
-    text = section_path("qkv_rope_append").read_text()
-    bad = text.replace("WB_QKV_BIAS ? y[0] + bqkv[row] : y[0]", "y[0]")
-    assert bad != text
-    taps.reload(overrides={"qkv_rope_append": bad})
-    table, _ = verify_stages(taps, seed=fresh_seed())
-    f = table.first_failure
-    assert f is not None and f.stage == "qkv_rope_append", table.summary()
+    own = [m for m in MUTANTS if m.needs and getattr(cfg, m.needs)]
+    assert own, name
+    for m in own:
+        taps.reload(overrides={m.section: m.apply(section_path(m.section).read_text())})
+        table, _ = verify_stages(taps, seed=fresh_seed())
+        f = table.first_failure
+        assert f is not None and f.stage == m.expect, (m.name, table.summary())
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3-8b"])
+def test_qwen3_shapes_verify(name):
+    """qwen3-0.6b's shapes (16 heads of 128 on a hidden size of 1,024: q twice as wide as x) and qwen3-8b's, with
+    random weights and gains, positions to 4,097; 0.6b also through the weight stream."""
+    import cupy as cp
+
+    from workbench.model.weights import prepare, random_weights
+    cfg = get_config(name, max_seq=4352)
+    p = prepare(random_weights(cfg, fresh_seed(), xp=cp, progress=False), xp=cp, progress=False)
+    assert float(cp.abs(p.qk_gain - 1).max()) > 0
+    _, table = _verified(p, prompt_len=6, max_new=12)
+    assert max(table.positions) >= 4096
+    if name == "qwen3-0.6b":
+        _verified(p, BuildOptions(stream=True), prompt_len=6, max_new=12)
 
 
 def test_qwen2_5_shapes_verify():

@@ -8,7 +8,7 @@ import pytest
 from workbench import plan
 from workbench.build.assemble import BuildOptions, assemble, section_path
 from workbench.build.compile import compile_cubin
-from workbench.check.mutants import MUTANTS, by_name
+from workbench.check.mutants import FAMILY_MODELS, MUTANTS, by_name, for_model
 from workbench.model.config import get_config
 
 
@@ -27,7 +27,16 @@ def test_each_mutant_applies_and_compiles(m):
     mutated = m.apply(text)
     assert mutated != text
     opt = BuildOptions(taps=True, fast_compile="min", sampler="full" if m.section == "sampling" else "greedy")
-    compile_cubin(assemble(get_config("tiny"), opt, overrides={m.section: mutated}))
+    cfg = get_config("tiny").with_(**({m.needs: True} if m.needs else {}))   # a family's code compiled in
+    compile_cubin(assemble(cfg, opt, overrides={m.section: mutated}))
+
+
+def test_each_familys_mutants_run_on_a_model_of_that_family():
+    for m in MUTANTS:
+        if m.needs:
+            cfg = get_config(FAMILY_MODELS[m.needs])
+            assert getattr(cfg, m.needs) and m in for_model(cfg), m.name
+            assert m not in for_model(get_config("llama-3.2-1b")), m.name
 
 
 def test_a_mutant_that_no_longer_applies_says_so():

@@ -13,7 +13,7 @@ from workbench.build import compile as C
 from workbench.cli import main
 from workbench.build.assemble import BuildOptions, assemble, section_path
 from workbench.paths import kernels_dir
-from workbench.model.config import KERNEL_PRESETS, PRESETS, get_config
+from workbench.model.config import PRESETS, get_config
 
 
 def _clang_missing() -> str | None:
@@ -33,11 +33,15 @@ needs_clang = pytest.mark.skipif(_clang_missing() is not None,
 # the H200, NOTES.md round 7); the fix, a group taken a few heads at a time, waits for a GPU to verify it. strict: the
 # marker goes when the spills do.
 SPILLS_IN_ATTENTION = {"qwen2.5-0.5b", "qwen2.5-1.5b"}
+# qwen3-4b (hidden 2,560, 36 layers; with or without its q/k norms) keeps the step's token in 8 B of stack across
+# the out-of-line sampling and publish calls: one store a step, outside every stage's loop. Strict as above.
+SPILLS_ACROSS_CALLS = {"qwen3-4b"}
+SPILLS = {**{p: "attention's per-head sums spill with 6-7 query heads per kv head" for p in SPILLS_IN_ATTENTION},
+          **{p: "the step's token kept in 8 B of stack across the sampling and publish calls" for p in SPILLS_ACROSS_CALLS}}
 
 
-@pytest.mark.parametrize("preset", [pytest.param(p, marks=pytest.mark.xfail(
-    strict=True, reason="attention's per-head sums spill with 6-7 query heads per kv head"))
-    if p in SPILLS_IN_ATTENTION else p for p in KERNEL_PRESETS])
+@pytest.mark.parametrize("preset", [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=SPILLS[p]))
+                                    if p in SPILLS else p for p in PRESETS])
 def test_every_preset_compiles_for_sm90_without_spills(preset):
     cubin, _ = C.compile_cubin(assemble(get_config(preset)), arch="sm_90")
     (r,) = C.resource_usage(cubin)
@@ -46,7 +50,7 @@ def test_every_preset_compiles_for_sm90_without_spills(preset):
 
 
 @needs_clang
-@pytest.mark.parametrize("preset", list(KERNEL_PRESETS))
+@pytest.mark.parametrize("preset", list(PRESETS))
 def test_every_preset_compiles_for_gfx942(preset):
     text, _ = C.compile_hip(assemble(get_config(preset)), arch="gfx942")
     (r,) = C.amdgpu_resources(text)
@@ -148,9 +152,9 @@ def test_cli_all_presets_builds_each(monkeypatch, capsys):
     monkeypatch.setattr(C, "compile_cubin", fake)
     monkeypatch.setattr(C, "resource_usage", lambda cubin: [C.Resources("wb_generate", 100, 0, 0, 0)])
     assert main(["build", "--all-presets", "--no-spills"]) == 0
-    assert len(seen) == len(KERNEL_PRESETS)
-    assert sorted(seen) == sorted(str(PRESETS[n].vocab) for n in KERNEL_PRESETS)
-    assert [l.split()[0] for l in capsys.readouterr().out.splitlines()] == list(KERNEL_PRESETS)
+    assert len(seen) == len(PRESETS)
+    assert sorted(seen) == sorted(str(PRESETS[n].vocab) for n in PRESETS)
+    assert [l.split()[0] for l in capsys.readouterr().out.splitlines()] == list(PRESETS)
 
 
 # ---- machine code of one section ----------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from .errors import NoDeviceError, UsageError, UserError
-from .model.config import DEFAULT_MODEL, KERNEL_PRESETS, PRESETS, ModelConfig, get_config, local_folder
+from .model.config import DEFAULT_MODEL, PRESETS, ModelConfig, get_config, local_folder
 
 # -- argument types: argparse reports an ArgumentTypeError as "argument --x: <message>" ---------------------------
 
@@ -111,7 +111,6 @@ def _config(model: str, max_seq: int | None) -> ModelConfig:
     of = f"preset {model}" if model in PRESETS else str(local_folder(model) / "config.json")
     if max_seq is not None and cfg.max_positions is not None and max_seq > cfg.max_positions:
         raise UsageError(f"--max-seq {max_seq} is larger than max_position_embeddings ({cfg.max_positions}) of {of}")
-    cfg.check_kernel(of)
     return get_config(model, max_seq=max_seq)
 
 
@@ -171,7 +170,7 @@ def _check_build(args):
         raise UsageError(f"--dump {args.dump} needs --target {'hip' if args.dump == 'amdgcn' else 'cuda'}")
     if args.section and not args.dump:
         raise UsageError("--section goes with --dump ptx|sass|amdgcn")
-    for name in (list(KERNEL_PRESETS) if args.all_presets else [args.model]):
+    for name in (list(PRESETS) if args.all_presets else [args.model]):
         _config(name, args.max_seq)
 
 
@@ -326,7 +325,7 @@ def cmd_build(args) -> int:
     from .build.assemble import BuildOptions, assemble, smem_bytes
     target = args.target or ("hip" if args.dump == "amdgcn" else "cuda")
     arch = args.arch or {"cuda": "sm_90", "hip": "gfx942"}[target]
-    names = list(KERNEL_PRESETS) if args.all_presets else [args.model]
+    names = list(PRESETS) if args.all_presets else [args.model]
     opt = BuildOptions(threads=args.threads, timing=args.timing)
     failed = False
     for name in names:
@@ -421,7 +420,7 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="compile only (no GPU): registers, spills, shared memory")
     b.add_argument("--model", default=DEFAULT_MODEL)
     b.add_argument("--all-presets", action="store_true",
-                   help=f"build every preset the kernel runs ({', '.join(KERNEL_PRESETS)})")
+                   help=f"build every preset the kernel runs ({', '.join(PRESETS)})")
     b.add_argument("--max-seq", type=positive_int)
     b.add_argument("--threads", type=threads, default=512)
     b.add_argument("--target", choices=["cuda", "hip"],

@@ -95,6 +95,8 @@ BUFFERS: dict[str, Buffer] = {b.name: b for b in [
        "Wq, Wk, Wv stacked [L, Q+2KV, D]: rope pairs side by side, attention-norm gain folded in", True),
     _b("bqkv", "f32", lambda c, l: (c.n_layers, c.qkv_rows), "weight",
        "q, k, v biases [L, Q+2KV] in Wqkv's row order (Qwen2); zeros, and never read, for a model without", True),
+    _b("qk_gain", "f32", lambda c, l: (c.n_layers, 2, c.head_dim), "weight",
+       "per-head q norm gain, then k norm gain [L, 2, hd] (Qwen3); ones, and never read, for a model without", True),
     _b("wo", "bf16", lambda c, l: (c.n_layers, c.hidden, c.q_dim), "weight", "attention output [L, D, Q]", True),
     _b("wgu", "bf16", lambda c, l: (c.n_layers, 2 * c.intermediate, c.hidden), "weight",
        "gate row j then up row j [L, 2F, D], MLP-norm gain folded in", True),
@@ -119,6 +121,9 @@ BUFFERS: dict[str, Buffer] = {b.name: b for b in [
     _b("attn_part", "f32", lambda c, l: (c.n_heads, l.max_splits(c), c.head_dim + 2), "scratch",
        "per (query head, split): max, sum, unnormalised output, merged by the last split's block"),
     _b("attn_count", "u32", lambda c, l: (c.n_kv_heads,), "scratch", "splits of each kv head done"),
+    _b("qk_raw", "f32", lambda c, l: (c.q_dim + c.kv_dim,), "scratch",
+       "q heads then k heads before their per-head norm and RoPE (Qwen3), finished by each head's last row pair"),
+    _b("qk_count", "u32", lambda c, l: (c.n_heads + c.n_kv_heads,), "scratch", "row pairs of each q and k head done"),
     _b("blk_max", "f32", lambda c, l: (l.grid,), "scratch", "each block's largest logit (lm_head → sampling)"),
     _b("blk_arg", "i32", lambda c, l: (l.grid,), "scratch", "the index of that logit, lowest on ties"),
     # values one block hands on in registers (no Params field)
@@ -225,14 +230,16 @@ STAGES: tuple[Stage, ...] = (
           reference=ref.embedding_io, tolerances={"x": ref.EXACT}),
     Stage("qkv_rope_append", "layer", "q, k, v = rope(Wq·n(x)), rope(Wk·n(x)), Wv·n(x); K[pos], V[pos] = k, v",
           reads=(Use("x"), Use("wqkv", rows=lambda c, u: ((2 * u * c.hidden, (2 * u + 2) * c.hidden),)),
-                 Use("bqkv", when=lambda c: c.qkv_bias),
+                 Use("bqkv", when=lambda c: c.qkv_bias), Use("qk_gain", when=lambda c: c.qk_norm),
                  Use("rope_cos", positions="pos"), Use("rope_sin", positions="pos")),
           writes=(Use("q", rows=_qkv_write("q")), Use("k_cache", rows=_qkv_write("k"), positions="pos"),
-                  Use("v_cache", rows=_qkv_write("v"), positions="pos")),
+                  Use("v_cache", rows=_qkv_write("v"), positions="pos"),
+                  Use("qk_raw", when=lambda c: c.qk_norm), Use("qk_count", when=lambda c: c.qk_norm)),
           units=lambda c, l: c.qkv_rows // 2, unit="a row pair (a rope pair of q or k, two dims of v)",
           taps=("q", "k_cache", "v_cache"),
           smem=lambda c, l: {"act": _act(c), "red": RED}, extra_args=("layer", "s.pos", "smem"),
-          doc="n = RMSNorm without its gain (folded into Wqkv); + bqkv before RoPE for a model with biases (Qwen2)",
+          doc="n = RMSNorm without its gain (folded into Wqkv); + bqkv before RoPE for a model with biases (Qwen2); "
+              "each q and k head RMS-normalised with its gain before RoPE (Qwen3: qk_gain)",
           reference=ref.qkv_rope_append_io,
           tolerances={"q": ref.FP32, "k_cache": ref.KV_BF16, "v_cache": ref.KV_BF16}),
     Stage("attention_decode", "layer", "o = softmax(q·Kᵀ/√hd)·V over positions 0..pos, per query head",
@@ -789,7 +796,7 @@ def describe(cfg: ModelConfig, launch: Launch = Launch()) -> str:
     for s in STAGES:
         wb = stage_weight_bytes(cfg, s.name)
         reads = ", ".join(u.buffer + (f"[{u.positions}]" if u.positions else "") for u in s.reads if u.active(cfg))
-        writes = ", ".join(u.buffer + (f"[{u.positions}]" if u.positions else "") for u in s.writes)
+        writes = ", ".join(u.buffer + (f"[{u.positions}]" if u.positions else "") for u in s.writes if u.active(cfg))
         lines.append(f"  {s.name:16s} {s.scope:5s} {s.math}")
         lines.append(f"  {'':16s}       reads {reads} → writes {writes}; {s.units(cfg, launch):,} units "
                      f"({s.unit}); {wb / 1e6:.1f} MB of weights" + (f"; taps {', '.join(s.taps)}" if s.taps else ""))

@@ -3,7 +3,8 @@ pin on the right stage. A verifier is proven by the mutants it catches.
 
 Each `Mutant` replaces one piece of text of one section file (its `find`, which must occur exactly `count` times)
 and names the stage whose verdict must fail first (`expect`: for an edit of a library file, the first stage in
-decode order that runs the edited code). `sampling` marks a mutant that only a sampler run with a temperature
+decode order that runs the edited code). A mutant of a family's own step (`needs`: the config flag, e.g. Qwen3's
+qk_norm) runs on a model of that family (FAMILY_MODELS), since any other compiles that code away. `sampling` marks a mutant that only a sampler run with a temperature
 exposes, which the loop does when the sampling section is the one edited. `run_suite` (GPU) applies them one by
 one through the real edit path (Workbench.edit + reload), records what the loop named and how long the verdict
 took, and undoes each; `scripts/mutation_suite.py` runs it and prints the table. Without a GPU,
@@ -24,6 +25,7 @@ class Mutant:
     replace: str
     expect: str                # the stage the verdict must name
     count: int = 1             # occurrences of `find` replaced (all of them)
+    needs: str | None = None   # the ModelConfig flag of the family whose code it mutates (None: every model's)
 
     def apply(self, text: str) -> str:
         n = text.count(self.find)
@@ -55,6 +57,16 @@ MUTANTS: tuple[Mutant, ...] = (
       "k[p] = (bf16)(wb_float_as_u32(lo) >> 16);", "qkv_rope_append"),
     M("q-scale-1e-4", "qkv_rope_append", "q's first halves 1e-4 too large", "q[head * WB_HEAD_DIM + p] = lo;",
       "q[head * WB_HEAD_DIM + p] = lo * 1.0001f;", "qkv_rope_append"),
+    # qkv_rope_append, Qwen3's per-head q/k norm, and Qwen2's biases
+    M("qk-norm-k-takes-q-gain", "qkv_rope_append", "k heads normalised with q's gain",
+      "qk_gain + WB_HEAD_DIM, cs, sn,", "qk_gain, cs, sn,", "qkv_rope_append", needs="qk_norm"),
+    M("qk-norm-scale-1e-4", "qkv_rope_append", "the per-head RMS 1e-4 too large (q and k 1e-4 too small)",
+      "wb_warp_sum(ss) / (float)WB_HEAD_DIM + WB_RMS_EPS", "wb_warp_sum(ss) / (float)WB_HEAD_DIM * 1.0002f + WB_RMS_EPS",
+      "qkv_rope_append", needs="qk_norm"),
+    M("qk-norm-last-pair-unwritten", "qkv_rope_append", "each q and k head's last rope pair is never written",
+      "if (p >= HALF) continue;", "if (p >= HALF - 1) continue;", "qkv_rope_append", needs="qk_norm"),
+    M("qkv-bias-dropped", "qkv_rope_append", "the bias of each pair's first row is not added",
+      "WB_QKV_BIAS ? y[0] + bqkv[row] : y[0]", "y[0]", "qkv_rope_append", needs="qkv_bias"),
     M("v-dims-swapped", "qkv_rope_append", "v's two dims of a pair swapped",
       "v[rr % WB_HEAD_DIM] = f32_to_bf16(r[0]);\n            v[rr % WB_HEAD_DIM + 1] = f32_to_bf16(r[1]);",
       "v[rr % WB_HEAD_DIM] = f32_to_bf16(r[1]);\n            v[rr % WB_HEAD_DIM + 1] = f32_to_bf16(r[0]);",
@@ -122,6 +134,15 @@ MUTANTS: tuple[Mutant, ...] = (
     M("streams-wrong-token", "publish", "streams token + 1 (feeds the right one)",
       "P->tokens_out[g] = next;", "P->tokens_out[g] = next + 1;", "publish"),
 )
+
+
+# the model each family's mutants run on: random weights at its real shapes
+FAMILY_MODELS = {"qk_norm": "qwen3-0.6b", "qkv_bias": "qwen2.5-0.5b"}
+
+
+def for_model(cfg, mutants=MUTANTS) -> list[Mutant]:
+    """The mutants whose code this model compiles: every model's, and its own family's."""
+    return [m for m in mutants if m.needs is None or getattr(cfg, m.needs)]
 
 
 def by_name(name: str) -> Mutant:

@@ -88,6 +88,9 @@ class PreparedView:
             if c.qkv_bias:                              # fp32 already, in wqkv's row order
                 b = xp.asarray(self.p.bqkv[layer], dtype=self.dtype)[self._inv]
                 self._tensors.update(bq=b[:c.q_dim], bk=b[c.q_dim:c.q_dim + c.kv_dim], bv=b[c.q_dim + c.kv_dim:])
+            if c.qk_norm:                               # fp32 already: applied, not folded
+                g = xp.asarray(self.p.qk_gain[layer], dtype=self.dtype)
+                self._tensors.update(q_norm=g[0], k_norm=g[1])
             self._layer = layer
         return self._tensors[name]
 

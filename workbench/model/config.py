@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
-__all__ = ["ConfigError", "RopeScaling", "ModelConfig", "PRESETS", "KERNEL_PRESETS", "DEFAULT_MODEL", "get_config",
+__all__ = ["ConfigError", "RopeScaling", "ModelConfig", "PRESETS", "DEFAULT_MODEL", "get_config",
            "local_folder"]
 
 
@@ -153,20 +153,6 @@ class ModelConfig:
         if problems:
             raise ConfigError(f"model config {self.name!r}: " + "; ".join(problems))
 
-    def kernel_problems(self) -> list[str]:
-        """What of this model the reference computes but the kernel has no section for yet (empty: it runs)."""
-        out = []
-        if self.qk_norm:
-            out.append("per-head q/k norms (qk_norm, Qwen3-style) are in the reference but the kernel has no section "
-                       "for them yet")
-        return out
-
-    def check_kernel(self, source: str | None = None):
-        """ConfigError (naming `source`, else the model) if the kernel cannot run this model."""
-        problems = self.kernel_problems()
-        if problems:
-            raise ConfigError(f"{source or f'model {self.name!r}'}: " + "; ".join(problems))
-
     # derived sizes
     @property
     def q_dim(self) -> int:
@@ -185,12 +171,13 @@ class ModelConfig:
         return self.n_heads // self.n_kv_heads
 
     def layer_weight_bytes(self, bytes_per=2) -> int:
-        """A layer's matrices at `bytes_per`, plus its q/k/v biases, which the kernel keeps in fp32."""
+        """A layer's matrices at `bytes_per`, plus the vectors the kernel reads in fp32 (Qwen2's q/k/v biases, Qwen3's
+        q/k norm gains)."""
         D, F = self.hidden, self.intermediate
-        return bytes_per * (self.qkv_rows * D + D * self.q_dim + 2 * F * D + D * F) + self._bias_params() * 4
+        return bytes_per * (self.qkv_rows * D + D * self.q_dim + 2 * F * D + D * F) + self._fp32_params() * 4
 
-    def _bias_params(self) -> int:
-        return self.qkv_rows if self.qkv_bias else 0
+    def _fp32_params(self) -> int:
+        return (self.qkv_rows if self.qkv_bias else 0) + (2 * self.head_dim if self.qk_norm else 0)
 
     def weight_bytes_per_token(self, bytes_per=2) -> int:
         """Weight bytes one decode step must stream: every layer plus the LM head (the embedding row is negligible)."""
@@ -202,9 +189,9 @@ class ModelConfig:
 
     def n_params(self) -> int:
         embed = self.vocab * self.hidden
-        matrices = self.n_layers * (self.layer_weight_bytes(1) - 4 * self._bias_params()) + embed
+        matrices = self.n_layers * (self.layer_weight_bytes(1) - 4 * self._fp32_params()) + embed
         return matrices + (0 if self.tie_embeddings else embed) + \
-            self.n_layers * (2 * self.hidden + self._bias_params()) + self.hidden
+            self.n_layers * (2 * self.hidden + self._fp32_params()) + self.hidden
 
     def with_(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
@@ -222,6 +209,7 @@ class ModelConfig:
             "WB_MAX_SEQ": str(self.max_seq),
             "WB_RMS_EPS": f"{float(self.rms_eps)!r}f",
             "WB_QKV_BIAS": str(int(self.qkv_bias)),
+            "WB_QK_NORM": str(int(self.qk_norm)),
         }
 
     @classmethod
@@ -380,8 +368,7 @@ def _qwen(name, hidden, n_layers, n_heads, n_kv_heads, head_dim, intermediate, t
                        tie_embeddings=tied, max_seq=min(mpe, 8192), max_positions=mpe, bos_token_id=151643, **kw)
 
 
-# Qwen3 and Qwen2.5 at the shapes of their config.json files. The reference runs them all; the kernel has no
-# section for Qwen3's q/k norms yet (ModelConfig.kernel_problems), so KERNEL_PRESETS leaves those out.
+# Qwen3 and Qwen2.5 at the shapes of their config.json files.
 PRESETS.update({
     "qwen3-0.6b": _qwen("qwen3-0.6b", 1024, 28, 16, 8, 128, 3072, True, 40960, qk_norm=True, eos_token_ids=(151645,)),
     "qwen3-1.7b": _qwen("qwen3-1.7b", 2048, 28, 16, 8, 128, 6144, True, 40960, qk_norm=True, eos_token_ids=(151645,)),
@@ -392,8 +379,6 @@ PRESETS.update({
     "qwen2.5-1.5b": _qwen("qwen2.5-1.5b", 1536, 28, 12, 2, 128, 8960, True, 131072, qkv_bias=True,
                           eos_token_ids=(151643,)),
 })
-# the presets the kernel builds (every one the reference runs, less those with a step it has no section for)
-KERNEL_PRESETS = tuple(n for n, c in PRESETS.items() if not c.kernel_problems())
 DEFAULT_MODEL = "llama-3.2-1b"
 
 

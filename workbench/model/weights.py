@@ -332,6 +332,7 @@ class Prepared:
     rope_cos: object
     rope_sin: object
     bqkv: object = None                # [L, q_dim+2·kv_dim] fp32 in wqkv's row order (zeros without biases)
+    qk_gain: object = None             # [L, 2, hd] fp32: q's then k's per-head norm gain (ones without, Qwen3)
     xp: object = np
     source: str = ""
 
@@ -355,7 +356,6 @@ def prepare(w: Weights, xp=None, progress: bool = True) -> Prepared:
     """Repack and fold, once at load. Gains are folded in fp32 and the product rounded to bf16 once:
     W·(g⊙x̂) = (W·diag g)·x̂ is exact in real arithmetic; the rounding of the product is the only change."""
     cfg, src = w.cfg, w.xp
-    cfg.check_kernel(w.source or None)
     xp = xp or src
     L, D, F = cfg.n_layers, cfg.hidden, cfg.intermediate
 
@@ -368,6 +368,7 @@ def prepare(w: Weights, xp=None, progress: bool = True) -> Prepared:
     wgu = xp.empty((L, 2 * F, D), dtype=xp.uint16)
     wd = xp.empty((L, D, F), dtype=xp.uint16)
     bqkv = xp.zeros((L, cfg.qkv_rows), dtype=xp.float32)
+    qk_gain = xp.ones((L, 2, cfg.head_dim), dtype=xp.float32)
     for i in _progress(range(L), "preparing layers", progress and L > 4):
         n = layer_names(i, cfg)
         g = dev(n["attn_norm"])
@@ -375,6 +376,8 @@ def prepare(w: Weights, xp=None, progress: bool = True) -> Prepared:
         wqkv[i] = to_bf16(qkv * g[None, :], xp)
         if cfg.qkv_bias:                   # added after the projection: nothing of the norm's gain is folded in
             bqkv[i] = xp.concatenate([dev(n["bq"]), dev(n["bk"]), dev(n["bv"])])[order]
+        if cfg.qk_norm:                    # applied after a norm of the projection's output: nothing to fold into
+            qk_gain[i] = xp.stack([dev(n["q_norm"]), dev(n["k_norm"])])
         wo[i] = to_bf16(dev(n["wo"]), xp)
         g = dev(n["mlp_norm"])
         gu = xp.stack([dev(n["wg"]), dev(n["wu"])], axis=1).reshape(2 * F, D)
@@ -383,7 +386,8 @@ def prepare(w: Weights, xp=None, progress: bool = True) -> Prepared:
     embed = to_bf16(dev("model.embed_tokens.weight"), xp)
     lm_head = to_bf16(dev(w.lm_head_name()) * dev("model.norm.weight")[None, :], xp)
     cos, sin = rope_tables(cfg)
-    return Prepared(cfg, embed, wqkv, wo, wgu, wd, lm_head, xp.asarray(cos), xp.asarray(sin), bqkv, xp, w.source)
+    return Prepared(cfg, embed, wqkv, wo, wgu, wd, lm_head, xp.asarray(cos), xp.asarray(sin), bqkv, qk_gain, xp,
+                    w.source)
 
 
 def unprepare(p: Prepared, xp=np) -> Weights:
@@ -405,6 +409,9 @@ def unprepare(p: Prepared, xp=np) -> Weights:
         if cfg.qkv_bias:
             b = host(p.bqkv[i])[xp.asarray(inv)]
             t.update({n["bq"]: b[:cfg.q_dim], n["bk"]: b[cfg.q_dim:cfg.q_dim + cfg.kv_dim], n["bv"]: b[cfg.q_dim + cfg.kv_dim:]})
+        if cfg.qk_norm:
+            g = host(p.qk_gain[i])
+            t.update({n["q_norm"]: g[0], n["k_norm"]: g[1]})
         t.update({n["attn_norm"]: ones, n["mlp_norm"]: ones,
                   n["wq"]: qkv[:cfg.q_dim], n["wk"]: qkv[cfg.q_dim:cfg.q_dim + cfg.kv_dim],
                   n["wv"]: qkv[cfg.q_dim + cfg.kv_dim:], n["wo"]: host(p.wo[i]),

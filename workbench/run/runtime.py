@@ -408,7 +408,10 @@ class Monokernel:
                 self.logits_hist[:len(record)].fill(cp.nan)          # poison: an unwritten logit cannot pass
             if n_draws:
                 self.draws[:n_draws * max(1, len(record))].fill(-1)
-            for buf in (self.bar_count, self.arrive, self.where_dev, self.dev_flags, self.attn_count):
+            # the control words, and the plan's arrival counters (its u32 scratch), which the last arrival resets:
+            # a run that stopped mid-stage must not leave the next one counting from where it was
+            counters = [self.buffers[n] for n, b in plan.BUFFERS.items() if b.kind == "scratch" and b.dtype == "u32"]
+            for buf in (self.bar_count, self.arrive, self.where_dev, self.dev_flags, *counters):
                 buf.fill(0)
             for name, b in plan.BUFFERS.items():                      # poison: what a step must write, as NaN
                 if b.kind == "activation":
