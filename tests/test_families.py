@@ -2,7 +2,8 @@
 gain) and Qwen2 (biases on the q, k and v projections), each cross-checked against its own transformers class
 (Qwen3ForCausalLM, Qwen2ForCausalLM) in fp32 over a teacher-forced run, on save_pretrained checkpoints of awkward
 sizes. The kernel runs both (Qwen2's biases are one add per row in the QKV epilogue, Qwen3's norms are finished
-by each head's last row pair; verified on the GPU in tests/test_gpu.py)."""
+by each head's last row pair; verified on the GPU in tests/test_gpu.py). Also Llama's relatives that need no new
+step (SmolLM2, Llama 2): presets at their shapes."""
 from __future__ import annotations
 
 import json
@@ -142,6 +143,34 @@ def test_qwen3_builds_and_reads_its_gains():
     assert r.stack == 0
     extra = plan.stage_weight_bytes(cfg, "qkv_rope_append") - plan.stage_weight_bytes(get_config("tiny"), "qkv_rope_append")
     assert extra == 4 * 2 * cfg.head_dim
+
+
+# Llama's relatives: parameter counts as their model cards and checkpoints give them, exactly
+RELATIVES = {"smollm2-135m": 134_515_008, "smollm2-1.7b": 1_711_376_384, "llama-2-7b": 6_738_415_616}
+
+
+@pytest.mark.parametrize("name", list(RELATIVES))
+def test_llamas_relatives_are_their_models(name):
+    from workbench.model.config import PRESETS
+    cfg = PRESETS[name]
+    assert cfg.n_params() == RELATIVES[name]
+    assert not (cfg.qk_norm or cfg.qkv_bias) and cfg.rope_scaling is None
+    assert cfg.max_seq <= cfg.max_positions
+
+
+def test_llamas_relatives_shapes_match_transformers(hf_checkpoint, rng):
+    """SmolLM2-135M's head layout (9 query heads on 3 kv heads, head_dim 64) at a small width, as a
+    LlamaForCausalLM checkpoint (HF wants the width a multiple of the heads: 216 = 9 · 24, heads of 64 apart from
+    it): the reference matches it over a teacher-forced run."""
+    folder = hf_checkpoint(hidden_size=216, num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
+                           head_dim=64, intermediate_size=344, vocab_size=613, max_position_embeddings=64,
+                           rope_theta=100000.0, tie_word_embeddings=True, rms_norm_eps=1e-5)
+    cfg = get_config(folder)
+    assert (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_scaling) == (9, 3, 64, None)
+    w = load_hf(folder, progress=False)
+    tokens = [int(t) for t in rng.integers(0, cfg.vocab, N_TOKENS)]
+    assert rel_err(forward(w, tokens, kv_bf16=False, dtype=np.float32), hf_logits(folder, cfg, tokens,
+                                                                                    torch.float32)).max() < 1e-5
 
 
 # parameters published for each model (its model card), billions

@@ -368,6 +368,23 @@ def _qwen(name, hidden, n_layers, n_heads, n_kv_heads, head_dim, intermediate, t
                        tie_embeddings=tied, max_seq=min(mpe, 8192), max_positions=mpe, bos_token_id=151643, **kw)
 
 
+# Llama's relatives that need nothing new, each a check of the shapes it brings (config.json values):
+# * SmolLM2 (HuggingFaceTB), the Llama architecture at small sizes: 135M has 9 query heads on 3 kv heads (groups of
+#   3) and a hidden size of 576, a multiple of neither 256 nor 128; 1.7B is multi-head (32 kv heads).
+# * Llama 2: multi-head, no RoPE scaling, a 32,000-token vocabulary, an intermediate size (11,008) that is no
+#   multiple of 256, and a 4,096-token context.
+PRESETS.update({
+    "smollm2-135m": ModelConfig("smollm2-135m", hidden=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64,
+                                intermediate=1536, vocab=49152, rope_theta=100000.0, tie_embeddings=True,
+                                max_seq=8192, bos_token_id=1, eos_token_ids=(2,), max_positions=8192),
+    "smollm2-1.7b": ModelConfig("smollm2-1.7b", hidden=2048, n_layers=24, n_heads=32, n_kv_heads=32, head_dim=64,
+                                intermediate=8192, vocab=49152, rope_theta=130000.0, tie_embeddings=True,
+                                max_seq=8192, bos_token_id=1, eos_token_ids=(2,), max_positions=8192),
+    "llama-2-7b": ModelConfig("llama-2-7b", hidden=4096, n_layers=32, n_heads=32, n_kv_heads=32, head_dim=128,
+                              intermediate=11008, vocab=32000, rope_theta=10000.0, tie_embeddings=False,
+                              max_seq=4096, bos_token_id=1, eos_token_ids=(2,), max_positions=4096),
+})
+
 # Qwen3 and Qwen2.5 at the shapes of their config.json files.
 PRESETS.update({
     "qwen3-0.6b": _qwen("qwen3-0.6b", 1024, 28, 16, 8, 128, 3072, True, 40960, qk_norm=True, eos_token_ids=(151645,)),
