@@ -104,13 +104,13 @@ def test_bad_arguments(capsys, argv, message):
     (["verify", "--model", "tiny", "--prompt-len", "4000", "--tokens", "400"],
      "--prompt-len 4000 and --tokens 400 need 4399 positions, but the KV cache of tiny holds 4352 (--max-seq)"),
     (["generate", "--model", "no-such-model"],
-     "'no-such-model' is neither a preset (llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, tiny, qwen3-0.6b, "
-     "qwen3-1.7b, qwen3-4b, qwen3-8b, qwen2.5-0.5b, qwen2.5-1.5b) nor a folder with "
-     "config.json"),
+     "'no-such-model' is neither a preset (llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, tiny, smollm2-135m, "
+     "smollm2-1.7b, llama-2-7b, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen2.5-0.5b, qwen2.5-1.5b) nor a "
+     "folder with config.json"),
     (["bench", "--model", "no-such-model"],
-     "'no-such-model' is neither a preset (llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, tiny, qwen3-0.6b, "
-     "qwen3-1.7b, qwen3-4b, qwen3-8b, qwen2.5-0.5b, qwen2.5-1.5b) nor a folder with "
-     "config.json"),
+     "'no-such-model' is neither a preset (llama-3.2-1b, llama-3.2-3b, llama-3.1-8b, tiny, smollm2-135m, "
+     "smollm2-1.7b, llama-2-7b, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, qwen2.5-0.5b, qwen2.5-1.5b) nor a "
+     "folder with config.json"),
     (["generate", "--model", "tiny", "--prompt", "hello"],
      "--prompt needs a tokenizer.json in a weights folder (these weights are random) and the tokenizers package; "
      "give --prompt-ids instead"),
