@@ -3,7 +3,8 @@ position, plus the per-stage table of each from a timing build.
 
     python scripts/ab.py --model llama-3.2-1b --variant base: --variant fenced:WB_BAR_FENCES=1 ...
 
-A variant is NAME:DEFINE=VALUE,DEFINE=VALUE or NAME:@section=variant (a kernels/sections/NAME@VARIANT.cuh file) or
+A variant is NAME:DEFINE=VALUE,DEFINE=VALUE or NAME:@section=variant (a kernels/sections/NAME@VARIANT.cuh file, or
+NAME@VARIANT.ptx for a variant named ptx..., a stage written in PTX: e.g. ptx:@embedding=ptx) or
 NAME:opt.FIELD=VALUE (a BuildOptions field, e.g. opt.attn_min_chunk=64) or NAME:dir=PATH (the kernels/ tree of
 another commit, e.g. from `git archive`); items mix freely.
 """

@@ -355,3 +355,16 @@ def test_qwen2_5_shapes_verify():
     p = prepare(random_weights(cfg, fresh_seed(), xp=cp, progress=False), xp=cp, progress=False)
     assert float(cp.abs(p.bqkv).max()) > 0
     _verified(p, prompt_len=6, max_new=12)
+
+
+# ---- sections written in PTX (workbench.build.ptx) ------------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_ptx_embedding_verifies(stream):
+    """kernels/sections/embedding@ptx.ptx spliced in for the C++ body: stage by stage (embedding is checked
+    exactly) and end to end, on the register path and on the stream build (whose stages have one warp fewer)."""
+    import cupy as cp
+
+    from workbench.model.weights import prepare, random_weights
+    p = prepare(random_weights(get_config("tiny"), fresh_seed(), xp=cp, progress=False), xp=cp, progress=False)
+    _verified(p, BuildOptions(variants=(("embedding", "ptx"),), stream=stream), prompt_len=6, max_new=12)

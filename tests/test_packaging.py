@@ -28,7 +28,8 @@ DIST = "monokernel-workbench"
 def _repo_sources() -> set[str]:
     """The kernel sources of the repository, relative to kernels/ (the edit history left out)."""
     kdir = REPO / "kernels"
-    return {p.relative_to(kdir).as_posix() for p in kdir.rglob("*.cuh") if ".history" not in p.parts}
+    return {p.relative_to(kdir).as_posix() for pattern in ("*.cuh", "*.ptx") for p in kdir.rglob(pattern)
+            if ".history" not in p.parts}
 
 
 # ---- offline: the source checkout and the workspace rules ---------------------------------------------------------
@@ -184,7 +185,7 @@ def test_wheel_contents(installed):
     assert f"{DIST} = workbench.cli:main" in entry
     # the kernel sources, as data, all of them and no edit history
     shipped = {n.removeprefix("workbench/_kernels/") for n in names if n.startswith("workbench/_kernels/")}
-    assert {n for n in shipped if n.endswith(".cuh")} == _repo_sources()
+    assert {n for n in shipped if n.endswith((".cuh", ".ptx"))} == _repo_sources()
     assert not [n for n in names if ".history" in n]
     # every module of the package is in the wheel (pyproject's package list is written out by hand)
     modules = {p.relative_to(REPO).as_posix() for p in (REPO / "workbench").rglob("*.py")

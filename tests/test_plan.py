@@ -185,7 +185,7 @@ def test_no_other_module_lists_the_stages():
 
 def test_no_kernel_file_restates_the_step():
     """The kernel files use the generated constants: no stage enum, no slot count, no 'five per layer'."""
-    for path in sorted((ROOT / "kernels").rglob("*.cuh")):
+    for path in sorted([*(ROOT / "kernels").rglob("*.cuh"), *(ROOT / "kernels").rglob("*.ptx")]):
         text = path.read_text()
         assert not re.search(r"enum\s+Stage\b", text), path
         assert not re.search(r"\bST_[A-Z_]+\s*=", text), path
@@ -194,7 +194,8 @@ def test_no_kernel_file_restates_the_step():
 
 
 def test_the_stage_files_are_the_plan():
-    """kernels/sections/ holds exactly one file per stage of the plan (plus variants NAME@VARIANT.cuh)."""
+    """kernels/sections/ holds exactly one file per stage of the plan (plus variants NAME@VARIANT.cuh, and
+    NAME@ptx....ptx for a stage's variant in PTX)."""
     files = {p.stem for p in (ROOT / "kernels" / "sections").glob("*.cuh") if "@" not in p.stem}
     assert files == set(plan.STAGE_NAMES)
     lib = {p.stem for p in (ROOT / "kernels" / "lib").glob("*.cuh") if "@" not in p.stem}

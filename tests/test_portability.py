@@ -233,7 +233,7 @@ def _literals(text: str):
             yield n, int(m[1]), line[:m.start()]
 
 
-KERNEL_FILES = sorted(kernels_dir().rglob("*.cuh"))
+KERNEL_FILES = sorted([*kernels_dir().rglob("*.cuh"), *kernels_dir().rglob("*.ptx")])
 WARP_FILES = [p for p in KERNEL_FILES if p.name != "portability.cuh"]   # the one place WB_WARP is defined
 
 

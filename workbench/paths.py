@@ -94,9 +94,9 @@ def use_kernels_dir(path: str | Path):
 
 
 def _only_sources(folder: str, names: list[str]) -> set[str]:
-    """copytree's ignore: the .cuh files and their folders, not the history, caches or Python files."""
+    """copytree's ignore: the .cuh and .ptx files and their folders, not the history, caches or Python files."""
     def source(name: str) -> bool:
-        return name.endswith(".cuh") or os.path.isdir(os.path.join(folder, name))
+        return name.endswith((".cuh", ".ptx")) or os.path.isdir(os.path.join(folder, name))
     return {n for n in names if n in (".history", "__pycache__") or not source(n)}
 
 

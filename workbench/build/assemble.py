@@ -20,6 +20,7 @@ from pathlib import Path
 from .. import paths, plan
 from ..model.config import ModelConfig
 from .header import Params, decode_step, plan_header, stream_step  # noqa: F401  (Params: the host's mirror, used from here)
+from .ptx import PtxBody, constants as ptx_constants, cpp_params, is_ptx_variant
 
 
 def threads_problem(n) -> str | None:
@@ -85,7 +86,8 @@ FILES = plan.FILES
 
 def section_path(name: str, variant: str | None = None) -> Path:
     """The file of a kernel section: kernels/lib/NAME.cuh for the library, kernels/sections/NAME.cuh for a stage,
-    kernels/monokernel.cuh for the kernel entry; NAME@VARIANT.cuh beside it for a named variant."""
+    kernels/monokernel.cuh for the kernel entry; NAME@VARIANT.cuh beside it for a named variant, NAME@VARIANT.ptx
+    for a stage's variant written in PTX (a variant named ptx..., see workbench.build.ptx)."""
     if name not in FILES:
         raise ValueError(f"unknown section {name!r}; sections: {', '.join(FILES)}")
     k = paths.kernels_dir()
@@ -94,6 +96,10 @@ def section_path(name: str, variant: str | None = None) -> Path:
             raise ValueError("kernels/monokernel.cuh has no variants")
         return k / "monokernel.cuh"
     folder = k / "lib" if name in plan.LIBRARY else paths.sections_dir()
+    if is_ptx_variant(variant):
+        if name not in plan.STAGE_NAMES:
+            raise ValueError(f"{name} is not a stage: only a stage's function can be written in PTX")
+        return folder / f"{name}@{variant}.ptx"
     return folder / (f"{name}@{variant}.cuh" if variant else f"{name}.cuh")
 
 
@@ -117,12 +123,17 @@ class Assembled:
     pieces: list
     key: str
     flags: tuple = ()      # compiler options the build asks for beyond the common ones (NVRTC)
+    ptx_bodies: tuple = ()  # PtxBody per stage whose variant is written in PTX (spliced in before ptxas)
+    ptxas_opt: int = 3
 
     def text_of(self, path: str) -> str | None:
         """The text that was compiled for a section file (an unsaved edit included)."""
         for _, p, text in self.pieces:
             if p == path:
                 return text
+        for b in self.ptx_bodies:
+            if b.display == path:
+                return b.text
         return None
 
     def locate(self, line: int) -> tuple[str, int]:
@@ -165,6 +176,8 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
         out.extend(_clean(text, where or Path(display)).splitlines())
 
     kernels = paths.kernels_dir()
+    build_defines = defines(cfg, opt)
+    bodies = []
     paste(_display(kernels / "portability.cuh"), (kernels / "portability.cuh").read_text())
     launch = opt.launch
     paste("<generated: plan header>", plan_header(cfg, launch))
@@ -173,6 +186,17 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
             paste("<generated: decode step>", decode_step(cfg, launch) + stream_step(cfg, launch))
             continue
         path = section_path(name, variants.get(name))
+        if is_ptx_variant(variants.get(name)):
+            # the C++ section declares the function (and is compiled); the .ptx file is its body
+            if name not in overrides and not path.exists():
+                raise FileNotFoundError(f"section {name!r}: {_display(path)} does not exist")
+            cpp = section_path(name)
+            cpp_text = cpp.read_text()
+            bodies.append(PtxBody(name, _display(path), overrides[name] if name in overrides else path.read_text(),
+                                  cpp_params(cpp_text, f"stage_{name}"),
+                                  ptx_constants(build_defines, opt.threads, opt.stream)))
+            paste(_display(cpp), cpp_text, cpp)
+            continue
         if name in overrides:
             paste(_display(path), overrides[name], path)
             continue
@@ -182,8 +206,9 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
     source = "\n".join(out) + "\n"
     flags = (() if opt.ptxas_opt == 3 else (f"--ptxas-options=-O{opt.ptxas_opt}",)) + \
         (() if opt.fast_compile == "0" else (f"-Ofc={opt.fast_compile}",))
-    key = hashlib.sha256((source + " ".join(flags)).encode()).hexdigest()[:16]
-    return Assembled(source, pieces, key, flags)
+    key = hashlib.sha256((source + " ".join(flags) + "".join(b.display + b.text for b in bodies)).encode()
+                         ).hexdigest()[:16]
+    return Assembled(source, pieces, key, flags, tuple(bodies), opt.ptxas_opt)
 
 
 def smem_bytes(cfg: ModelConfig, opt: BuildOptions = BuildOptions()) -> int:

@@ -119,9 +119,38 @@ def compile_nvidia(asm: Assembled, arch: str = "sm_90") -> tuple[bytes, str, str
             raise compile_error(log, asm)
         cubin = get(nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN, prog)
         ptx = get(nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX, prog).decode(errors="replace").rstrip("\x00")
-        return cubin, ptx, log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
+    if asm.ptx_bodies:                     # stages written in PTX: their bodies in place, then ptxas
+        ptx, spans = spliced_ptx(ptx, asm)
+        cubin, more = ptxas(ptx, asm, spans, arch)
+        log += more
+    return cubin, ptx, log
+
+
+def spliced_ptx(ptx: str, asm: Assembled) -> tuple[str, list]:
+    """The module's PTX with the build's PTX sections in place → (ptx, spans: where each section's lines are)."""
+    from .ptx import splice
+    try:
+        return splice(ptx, asm.ptx_bodies)
+    except ValueError as e:
+        raise CompileError([(asm.ptx_bodies[0].display, 0, "error", str(e), "")], str(e)) from None
+
+
+def ptxas(ptx: str, asm: Assembled, spans: list, arch: str = "sm_90") -> tuple[bytes, str]:
+    """Spliced PTX → (cubin, log) with ptxas at the build's -O level and with line info, as NVRTC runs it; a message
+    about a line of a PTX section is raised (CompileError) at that line of its .ptx file."""
+    from .ptx import ptxas_messages
+    with tempfile.TemporaryDirectory(prefix="wb-ptxas-") as d:
+        src, out = Path(d) / "monokernel.ptx", Path(d) / "monokernel.cubin"
+        src.write_text(ptx)
+        r = subprocess.run([cuda_tool("ptxas"), f"-arch={arch}", f"-O{asm.ptxas_opt}", "-lineinfo", str(src),
+                            "-o", str(out)], capture_output=True, text=True)
+        log = r.stdout + r.stderr
+        if r.returncode != 0:
+            msgs = ptxas_messages(log, spans, asm.ptx_bodies) or [("ptxas", 0, "error", log.strip(), "")]
+            raise CompileError(msgs, log)
+        return out.read_bytes(), log
 
 
 def compile_cubin(asm: Assembled, arch: str = "sm_90") -> tuple[bytes, str]:
@@ -137,7 +166,7 @@ def compile_ptx(asm: Assembled, arch: str = "sm_90") -> tuple[str, str]:
 
 
 def cuda_tool(name: str) -> str:
-    """nvdisasm/cuobjdump from the PyPI wheels, else from PATH."""
+    """nvdisasm/cuobjdump/ptxas from the PyPI wheels, else from PATH."""
     for base in map(Path, sys.path):
         p = base / "nvidia" / "cu13" / "bin" / name
         if p.is_file():
@@ -461,8 +490,9 @@ def _same_file(debug_path: str, display: str) -> bool:
 
 def section_file(asm: Assembled, section: str) -> str:
     """The display path of a section of the assembled source: 'qkv_rope_append' (or a variant's full name
-    'name@variant'), 'monokernel', 'portability', or a path as shown in messages."""
-    paths = [p for _, p, _ in asm.pieces]
+    'name@variant'), 'monokernel', 'portability', or a path as shown in messages. A stage written in PTX is its
+    .ptx file (the C++ section only declares it)."""
+    paths = _displays(asm)
     for p in paths:
         stem = Path(p).stem
         if section in (p, stem, stem.split("@")[0]):
@@ -471,8 +501,13 @@ def section_file(asm: Assembled, section: str) -> str:
     raise ValueError(f"no section {section!r} in the assembled source (sections: {', '.join(names)})")
 
 
+def _displays(asm: Assembled) -> list[str]:
+    """The files of the build: its PTX sections first, then the pieces of the C++ source."""
+    return [b.display for b in asm.ptx_bodies] + [p for _, p, _ in asm.pieces]
+
+
 def _display_chain(asm: Assembled, chain: tuple) -> list:
-    displays = [p for _, p, _ in asm.pieces]
+    displays = _displays(asm)
     out = []
     for f, n in chain:
         out.append((next((p for p in displays if _same_file(f, p)), f), n))

@@ -21,10 +21,11 @@ from .. import paths
 
 def watched_files() -> list[Path]:
     """The kernel sources as they are now: every stage section and library file (variants included) plus
-    monokernel.cuh and portability.cuh. Hidden files (editors' and atomic writes' temporaries) are left out."""
+    monokernel.cuh and portability.cuh, and the stages written in PTX. Hidden files (editors' and atomic writes'
+    temporaries) are left out."""
     k = paths.kernels_dir()
-    files = [p for folder in (paths.sections_dir(), k / "lib") for p in folder.glob("*.cuh")
-             if not p.name.startswith((".", "~")) and "~" not in p.name]
+    files = [p for folder in (paths.sections_dir(), k / "lib") for pattern in ("*.cuh", "*.ptx")
+             for p in folder.glob(pattern) if not p.name.startswith((".", "~")) and "~" not in p.name]
     files += [paths.kernels_dir() / "monokernel.cuh", paths.kernels_dir() / "portability.cuh"]
     return sorted(p for p in files if p.is_file())
 

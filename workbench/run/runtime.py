@@ -255,6 +255,8 @@ class Monokernel:
 
     def _compile(self, asm: Assembled):
         cp = self.cp
+        if asm.ptx_bodies:
+            return self._load_spliced(asm)
         try:
             mod = cp.RawModule(code=asm.source, options=(*NVRTC_OPTIONS, *asm.flags), backend="nvrtc")
             fn = mod.get_function("wb_generate")
@@ -262,6 +264,26 @@ class Monokernel:
         except cp.cuda.compiler.CompileException as e:
             log = str(e)
             raise compile_error(log, asm) from None
+        return mod, fn
+
+    def _load_spliced(self, asm: Assembled):
+        """A build with stages written in PTX (workbench.build.ptx): NVRTC's PTX of the module with their bodies in
+        place, through ptxas (its messages at the .ptx files' lines) to a cubin, which the driver loads."""
+        import os
+        import tempfile
+
+        from ..build.compile import compile_nvidia
+        cp = self.cp
+        cubin, _, _ = compile_nvidia(asm, arch=f"sm_{cp.cuda.Device().compute_capability}")
+        fd, path = tempfile.mkstemp(suffix=".cubin", prefix="wb-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(cubin)
+            mod = cp.RawModule(path=path)
+            fn = mod.get_function("wb_generate")
+            fn.kernel                       # loaded now, while the file exists
+        finally:
+            os.unlink(path)
         return mod, fn
 
     def resources(self) -> dict:

@@ -1,0 +1,142 @@
+"""Sections written in assembly, without a GPU: a stage's body in PTX (kernels/sections/NAME@ptx*.ptx) spliced into
+the module's PTX and assembled by ptxas, its messages at the .ptx file's lines and its SASS listed by them; the
+AMDGCN inline-asm variant compiled for gfx942. Running and verifying them needs a GPU (tests/test_gpu.py)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from workbench.build import compile as C
+from workbench.build.assemble import BuildOptions, assemble, section_path
+from workbench.build.ptx import cpp_params, is_ptx_variant
+from workbench.model.config import get_config
+from workbench.plan import STAGE_NAMES
+from test_portability import needs_clang
+
+PTX = BuildOptions(variants=(("embedding", "ptx"),))
+EMBED_PTX = "kernels/sections/embedding@ptx.ptx"
+
+
+def _ptxas_found() -> bool:
+    try:
+        C.cuda_tool("ptxas")
+        return True
+    except FileNotFoundError:
+        return False
+
+
+needs_ptxas = pytest.mark.skipif(not _ptxas_found(), reason="no ptxas (CUDA toolkit or the nvidia-cuda-nvcc wheel)")
+
+
+def _under(listing: str, head: str, comment: str) -> str:
+    """The machine code listed under every heading line that contains `head` (a listing is headed by source
+    lines, each run of instructions under the line it came from)."""
+    out, inside = [], False
+    for line in listing.splitlines():
+        if line.startswith(comment):
+            inside = head in line
+        elif inside:
+            out.append(line)
+    return "\n".join(out)
+
+
+def test_a_ptx_variant_is_a_ptx_file_of_a_stage():
+    assert is_ptx_variant("ptx") and is_ptx_variant("ptx_fast") and not is_ptx_variant("fast")
+    assert section_path("embedding", "ptx").name == "embedding@ptx.ptx"
+    with pytest.raises(ValueError, match="only a stage's function"):
+        section_path("matvec", "ptx")
+
+
+def test_parameters_are_named_as_the_cpp_declaration_names_them():
+    assert cpp_params(section_path("embedding").read_text(), "stage_embedding") == ("token", "embed", "x")
+    for name in STAGE_NAMES:                           # every stage could be written in PTX
+        assert cpp_params(section_path(name).read_text(), f"stage_{name}")
+    with pytest.raises(ValueError, match="must define it"):
+        cpp_params("void other() {}", "stage_embedding")
+
+
+@needs_ptxas
+def test_the_ptx_embedding_assembles_and_its_sass_is_listed_by_its_lines():
+    asm = assemble(get_config("tiny"), PTX)
+    assert [b.display for b in asm.ptx_bodies] == [EMBED_PTX] and asm.key != assemble(get_config("tiny")).key
+    cubin, ptx, _ = C.compile_nvidia(asm)
+    (r,) = C.resource_usage(cubin)
+    assert r.stack == 0
+    # the body is in place, its parameters and constants resolved, its comments gone, each instruction at its line
+    body = ptx[ptx.index(".func _Z15stage_embedding"):]
+    body = body[:body.index("\n}\n")]
+    assert "[_Z15stage_embeddingiPKtPf_param_1]" in body and "[embed]" not in body
+    assert not re.search(r"(?<![$\w])WB_D\b", body) and ", 264;" in body and "//" not in body
+    line = next(n for n, l in enumerate(section_path("embedding", "ptx").read_text().splitlines(), 1)
+                if "ld.global.nc.u16" in l)
+    sass = C.dump_section(asm, "sass", "embedding")
+    assert "LDG.E.U16" in _under(sass, f"embedding@ptx.ptx:{line} ", "//")     # the load it made, under its line
+
+
+@needs_ptxas
+@pytest.mark.parametrize("find, replace, says", [
+    ("ld.global.nc.u16", "ld.global.nc.u17", "Unknown modifier '.u17'"),
+    ("shl.b32 \t%r4, %r3, 16;", "shl.b32 \t%r4, %r9, 16;", "Unknown symbol '%r9'"),
+    ("[embed]", "[embedding]", "embedding"),                     # not a parameter of stage_embedding
+])
+def test_an_assembler_error_is_reported_at_the_ptx_line(find, replace, says):
+    text = section_path("embedding", "ptx").read_text()
+    bad = text.replace(find, replace)
+    assert bad != text
+    line = next(n for n, l in enumerate(bad.splitlines(), 1) if replace in l)
+    with pytest.raises(C.CompileError) as e:
+        C.compile_nvidia(assemble(get_config("tiny"), PTX, overrides={"embedding": bad}))
+    hits = [m for m in e.value.messages if m[0] == EMBED_PTX and m[1] == line]
+    assert hits and any(says in m[3] for m in hits), e.value.messages
+    assert replace in hits[0][4]                                 # the user's own line, as written
+    assert f"{EMBED_PTX}:{line}: error" in str(e.value)
+
+
+@needs_ptxas
+def test_the_stream_builds_stage_threads_leave_out_the_streaming_warp():
+    asm = assemble(get_config("tiny"), BuildOptions(variants=(("embedding", "ptx"),), stream=True))
+    assert dict(asm.ptx_bodies[0].constants)["WB_STAGE_THREADS"] == "480"
+    _, ptx, _ = C.compile_nvidia(asm)
+    assert "add.s32 \t%r2, %r2, 480;" in ptx
+
+
+@needs_clang
+def test_the_amdgcn_variant_compiles_for_gfx942_with_its_instruction():
+    asm = assemble(get_config("tiny"), BuildOptions(variants=(("embedding", "gcn"),)))
+    listing = C.dump_section(asm, "amdgcn", "embedding")
+    line = next(n for n, l in enumerate(section_path("embedding", "gcn").read_text().splitlines(), 1)
+                if "asm volatile" in l)
+    assert "v_lshlrev_b32" in _under(listing, f"embedding@gcn.cuh:{line} ", ";")
+
+
+@needs_ptxas
+def test_the_loop_builds_a_ptx_section_and_keeps_a_wrong_edit_where_it_was(tmp_path):
+    """Through a CPU-mode Workbench: the PTX variant builds; an edit of the .ptx that does not assemble is a
+    compile error at its line, the last good build stays, and the text stays on disk until undone."""
+    from test_session import copy_kernels
+
+    from workbench.loop import session
+    mp = pytest.MonkeyPatch()
+    try:
+        copy_kernels(tmp_path, mp)
+        mp.setattr(session, "_ACTIVE", None)
+        wb = session.Workbench("tiny", device="cpu", activate=False)
+        try:
+            rec = wb.use_variant("embedding", "ptx")
+            assert rec.status == session.NO_GPU and rec.variants == (("embedding", "ptx"),), rec.report()
+            good = dict(wb.backend.cubins)
+            path = session.section_file("embedding", "ptx")
+            text = path.read_text()
+            bad = text.replace("ld.global.nc.u16", "ld.global.nc.u17")
+            line = next(n for n, l in enumerate(bad.splitlines(), 1) if ".u17" in l)
+            wb.edit("embedding", bad, variant="ptx")
+            rec = wb.reload(trigger="edit", section="embedding", variant="ptx")
+            assert rec.status == session.COMPILE_ERROR
+            assert any(m[0] == EMBED_PTX and m[1] == line for m in rec.messages), rec.messages
+            assert wb.backend.cubins == good and path.read_text() == bad
+            assert wb.undo("embedding", "ptx").status == session.NO_GPU and path.read_text() == text
+        finally:
+            wb.close()
+    finally:
+        mp.undo()
