@@ -140,3 +140,14 @@ def test_the_loop_builds_a_ptx_section_and_keeps_a_wrong_edit_where_it_was(tmp_p
             wb.close()
     finally:
         mp.undo()
+
+
+@needs_ptxas
+def test_build_dumps_a_ptx_sections_sass_and_refuses_it_for_amd(capsys):
+    from workbench.cli import main
+    assert main(["build", "--model", "tiny", "--variant", "embedding=ptx", "--dump", "sass", "--section",
+                 "embedding"]) == 0
+    out = capsys.readouterr().out
+    assert "// embedding@ptx.ptx:" in out and "LDG.E.U16" in out
+    assert main(["build", "--model", "tiny", "--variant", "embedding=ptx", "--target", "hip"]) == 1
+    assert "a section written in PTX is NVIDIA's" in capsys.readouterr().err

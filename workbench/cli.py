@@ -72,6 +72,18 @@ def threads(text: str) -> int:
     return n
 
 
+def section_variant(text: str) -> tuple[str, str]:
+    from .build.assemble import section_path
+    name, sep, variant = text.partition("=")
+    if not sep or not name or not variant:
+        raise argparse.ArgumentTypeError(f"{text!r} is not SECTION=VARIANT (e.g. embedding=ptx)")
+    try:
+        section_path(name, variant)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name, variant
+
+
 def token_ids(text: str) -> list[int]:
     ids = []
     for part in text.split(","):
@@ -170,6 +182,11 @@ def _check_build(args):
         raise UsageError(f"--dump {args.dump} needs --target {'hip' if args.dump == 'amdgcn' else 'cuda'}")
     if args.section and not args.dump:
         raise UsageError("--section goes with --dump ptx|sass|amdgcn")
+    from .build.assemble import _display, section_path
+    for name, variant in args.variant:
+        path = section_path(name, variant)
+        if not path.is_file():
+            raise UsageError(f"--variant {name}={variant}: {_display(path)} does not exist")
     for name in (list(PRESETS) if args.all_presets else [args.model]):
         _config(name, args.max_seq)
 
@@ -326,7 +343,7 @@ def cmd_build(args) -> int:
     target = args.target or ("hip" if args.dump == "amdgcn" else "cuda")
     arch = args.arch or {"cuda": "sm_90", "hip": "gfx942"}[target]
     names = list(PRESETS) if args.all_presets else [args.model]
-    opt = BuildOptions(threads=args.threads, timing=args.timing)
+    opt = BuildOptions(threads=args.threads, timing=args.timing, variants=tuple(args.variant))
     failed = False
     for name in names:
         cfg = get_config(name, max_seq=args.max_seq)
@@ -433,6 +450,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="print the machine code instead (PTX, SASS: cuda; AMDGCN: hip), headed by source lines")
     b.add_argument("--section", help="with --dump: only the code of this section (e.g. qkv_rope_append, "
                                      "matvec, monokernel, portability), what is inlined into it included")
+    b.add_argument("--variant", action="append", default=[], type=section_variant, metavar="SECTION=VARIANT",
+                   help="build SECTION from kernels/sections/SECTION@VARIANT.cuh (.ptx for a variant named ptx...); "
+                        "repeatable")
     sa = sub.add_parser("sanitize", help="generate under compute-sanitizer: memcheck, racecheck, synccheck, initcheck")
     sa.add_argument("--model", default="tiny")
     sa.add_argument("--tool", choices=[*SANITIZER_TOOLS, "all"], default="all")

@@ -262,6 +262,11 @@ def hip_options(arch: str = "gfx942") -> list[str]:
 
 
 def _clang(asm: Assembled, arch: str, args: list[str], out_name: str) -> tuple[bytes, str]:
+    if asm.ptx_bodies:
+        b = asm.ptx_bodies[0]
+        raise CompileError([(b.display, 0, "error", "a section written in PTX is NVIDIA's: build the AMD target "
+                             f"without the variant (its C++ section, or an AMDGCN variant such as "
+                             f"{b.section}@gcn.cuh)", "")], "")
     with tempfile.TemporaryDirectory() as d:
         # relative names, run in the temporary folder: the #line paths stay repo-relative in messages and debug info
         Path(d, "monokernel.hip").write_text(asm.source)
