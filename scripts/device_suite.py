@@ -22,6 +22,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
+sys.path.insert(0, str(ROOT))
+
+from workbench.model.config import PRESETS  # noqa: E402
 
 
 T0 = time.perf_counter()
@@ -73,10 +76,10 @@ for name in ("tiny", "llama-3.2-1b"):
 LOOP = r"""
 import json, os, sys
 from workbench.loop.benchmark import loop_benchmark
-out = loop_benchmark("llama-3.2-1b", edits=5)
+out = loop_benchmark("llama-3.2-1b", edits=10)
 json.dump(out, open(os.path.join(sys.argv[1], "loop.json"), "w"), indent=1, default=str)
 for r in out["edit_runs"]:
-    print({k: r[k] for k in ("compile_s", "verify_s", "time_s", "edit_to_record_s", "passed")})
+    print({k: r[k] for k in ("section", "compile_s", "verify_s", "time_s", "edit_to_record_s", "passed")})
 print("median", out["edit"])
 print("wrong edit:", out["wrong_edit"]["first_failure"], out["wrong_edit"]["caught_as_q_layer0"])
 print("overhead", {k: v for k, v in out["overhead"].items() if k.endswith("pct") or k.endswith("tok_s")})
@@ -112,7 +115,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--only", nargs="*", default=["smoke", "pytest", "mutants", "failures", "sanitize", "verify",
                                                  "loop", "bench", "record"])
-    ap.add_argument("--verify-models", nargs="*", default=["tiny", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"])
+    ap.add_argument("--verify-models", nargs="*", default=list(PRESETS), help="default: every preset")
     ap.add_argument("--bench-models", nargs="*", default=["llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"])
     ap.add_argument("--sanitize-models", nargs="*", default=["tiny", "llama-3.2-1b"])
     ap.add_argument("--base", help="another checkout to bench against, interleaved (A/B in one run)")

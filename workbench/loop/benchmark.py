@@ -37,18 +37,23 @@ def wrong_rope(text: str) -> str:
     return out
 
 
-def loop_benchmark(model: str = "llama-3.2-1b", *, section: str = "lm_head", edits: int = 3,
+# the sections the loop benchmark's harmless edits go to, in turn: every stage, and the library's dot products
+EDIT_SECTIONS = (*plan.STAGE_NAMES, "matvec")
+
+
+def loop_benchmark(model: str = "llama-3.2-1b", *, sections: tuple = EDIT_SECTIONS, edits: int = 10,
                    overhead_tokens: int = 256, overhead_repeats: int = 5, **workbench_kw) -> dict:
-    """Measure the editing loop on a GPU: a harmless edit (a comment appended to `section`, `edits` times with
-    different text, so every compile is a real one) → reload (compile, verify, time); a deliberately wrong edit
+    """Measure the editing loop on a GPU: `edits` harmless edits (a comment appended, different text each time, so
+    every compile is a real one), to `sections` in turn → reload (compile, verify, time); a deliberately wrong edit
     (wrong_rope, as a variant) → the first failing stage; and the tok/s of the plain build against the timing build
     and the taps build (instrumentation overhead). Restores every file it touched; its edit history goes to a
     temporary folder. Returns a dict (JSON-ready)."""
     from .session import Workbench
     out: dict = {"model": model}
     hist = Path(tempfile.mkdtemp(prefix="wb-loop-history-"))
-    path = section_file(section)
-    original = path.read_bytes()
+    originals = {name: section_file(name).read_bytes() for name in sections}
+    section = sections[0]
+    original = originals[section]
     rope_path = section_file("qkv_rope_append")
     rope_original = rope_path.read_bytes()
     variant = "loop_benchmark_wrong_rope"
@@ -64,11 +69,12 @@ def loop_benchmark(model: str = "llama-3.2-1b", *, section: str = "lm_head", edi
         out["parallel_compile"] = wb.parallel_compile
         runs = []
         for i in range(edits):
-            text = original.decode() + f"\n// loop_benchmark: harmless edit {i} at {time.time_ns()}\n"
+            name = sections[i % len(sections)]
+            text = originals[name].decode() + f"\n// loop_benchmark: harmless edit {i} at {time.time_ns()}\n"
             t1 = time.perf_counter()
-            wb.edit(section, text)
-            rec = wb.reload(trigger="edit", section=section)
-            b = _brief(rec)
+            wb.edit(name, text)
+            rec = wb.reload(trigger="edit", section=name)
+            b = {"section": name, **_brief(rec)}
             b["edit_to_record_s"] = time.perf_counter() - t1
             runs.append(b)
         out["edit_runs"] = runs
@@ -87,10 +93,11 @@ def loop_benchmark(model: str = "llama-3.2-1b", *, section: str = "lm_head", edi
         # the same reload without compiling anything new (CuPy's cache): what the rest of the loop costs
         rec = wb.reload(trigger="manual")
         out["reload_cached"] = _brief(rec)
-        # undo puts the file back; the deliberately wrong variant must be caught as q at layer 0
-        while wb.section_history(section):
-            wb.undo(section, reload=False)
-        out["undo_restored"] = path.read_bytes() == original
+        # undo puts the files back; the deliberately wrong variant must be caught as q at layer 0
+        for name in sections:
+            while wb.section_history(name):
+                wb.undo(name, reload=False)
+        out["undo_restored"] = all(section_file(n).read_bytes() == o for n, o in originals.items())
         wb.edit("qkv_rope_append", wrong_rope(rope_original.decode()), variant=variant)
         rec = wb.use_variant("qkv_rope_append", variant)
         out["wrong_edit"] = {**_brief(rec), "where": list(rec.failure.where) if rec.failure else None,
@@ -112,14 +119,15 @@ def loop_benchmark(model: str = "llama-3.2-1b", *, section: str = "lm_head", edi
     finally:
         if wb is not None:
             wb.close()
-        if path.read_bytes() != original:
-            _atomic_write(path, original.decode())
+        for name, text in originals.items():
+            if section_file(name).read_bytes() != text:
+                _atomic_write(section_file(name), text.decode())
         if rope_path.read_bytes() != rope_original:
             _atomic_write(rope_path, rope_original.decode())
         wrong_path.unlink(missing_ok=True)
         shutil.rmtree(hist, ignore_errors=True)
-        out["files_restored"] = (path.read_bytes() == original and rope_path.read_bytes() == rope_original
-                                 and not wrong_path.exists())
+        out["files_restored"] = (all(section_file(n).read_bytes() == o for n, o in originals.items())
+                                 and rope_path.read_bytes() == rope_original and not wrong_path.exists())
     return out
 
 
