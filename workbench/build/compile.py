@@ -111,13 +111,17 @@ def compile_nvidia(asm: Assembled, arch: str = "sm_90") -> tuple[bytes, str, str
 
     prog = check(nvrtc.nvrtcCreateProgram(asm.source.encode(), b"monokernel.cu", 0, [], []))
     try:
-        opts = [o.encode() for o in nvrtc_options(arch, asm)]
+        # a build with PTX sections: NVRTC stops at PTX (a virtual architecture: its own ptxas would assemble a
+        # module about to change), and ptxas runs once, on the spliced module
+        target = arch.replace("sm_", "compute_") if asm.ptx_bodies else arch
+        flags = [f for f in asm.flags if not f.startswith("--ptxas-options")] if asm.ptx_bodies else asm.flags
+        opts = [o.encode() for o in [f"--gpu-architecture={target}", *NVRTC_OPTIONS, *flags]]
         res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         log = get(nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog, prog).decode(errors="replace")
         log = log.rstrip("\x00 ")
         if res[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise compile_error(log, asm)
-        cubin = get(nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN, prog)
+        cubin = b"" if asm.ptx_bodies else get(nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN, prog)
         ptx = get(nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX, prog).decode(errors="replace").rstrip("\x00")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
