@@ -151,3 +151,17 @@ def test_build_dumps_a_ptx_sections_sass_and_refuses_it_for_amd(capsys):
     assert "// embedding@ptx.ptx:" in out and "LDG.E.U16" in out
     assert main(["build", "--model", "tiny", "--variant", "embedding=ptx", "--target", "hip"]) == 1
     assert "a section written in PTX is NVIDIA's" in capsys.readouterr().err
+
+
+@needs_ptxas
+@pytest.mark.parametrize("opt", [BuildOptions(fast_compile="min", taps=True), BuildOptions(ptxas_opt=1)],
+                         ids=["verification build", "ptxas -O1"])
+def test_the_builds_compile_options_reach_ptxas(opt):
+    """NVRTC stops at PTX for a build with PTX sections; its fast-compile level or ptxas -O level goes to the
+    ptxas that assembles the spliced module (the registers and stack come out as the C++ build's: the rest of the
+    kernel, not the embedding, sets them)."""
+    import dataclasses
+    cfg = get_config("tiny")
+    (cpp,) = C.resource_usage(C.compile_cubin(assemble(cfg, opt))[0])
+    (ptx,) = C.resource_usage(C.compile_cubin(assemble(cfg, dataclasses.replace(opt, variants=PTX.variants)))[0])
+    assert (ptx.registers, ptx.stack) == (cpp.registers, cpp.stack)

@@ -148,8 +148,10 @@ def ptxas(ptx: str, asm: Assembled, spans: list, arch: str = "sm_90") -> tuple[b
     with tempfile.TemporaryDirectory(prefix="wb-ptxas-") as d:
         src, out = Path(d) / "monokernel.ptx", Path(d) / "monokernel.cubin"
         src.write_text(ptx)
-        r = subprocess.run([cuda_tool("ptxas"), f"-arch={arch}", f"-O{asm.ptxas_opt}", "-lineinfo", str(src),
-                            "-o", str(out)], capture_output=True, text=True)
+        # the build's fast-compile level as NVRTC passes it on, which stands in for an -O level (ptxas takes one)
+        level = [f for f in asm.flags if f.startswith("-Ofc=")] or [f"-O{asm.ptxas_opt}"]
+        r = subprocess.run([cuda_tool("ptxas"), f"-arch={arch}", *level, "-lineinfo", str(src), "-o", str(out)],
+                           capture_output=True, text=True)
         log = r.stdout + r.stderr
         if r.returncode != 0:
             msgs = ptxas_messages(log, spans, asm.ptx_bodies) or [("ptxas", 0, "error", log.strip(), "")]
