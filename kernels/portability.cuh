@@ -127,6 +127,19 @@ __device__ __forceinline__ float wb_shfl_xor(float v, int m) { return __shfl_xor
 __device__ __forceinline__ int   wb_shfl_xor(int v, int m)   { return __shfl_xor_sync(0xffffffffu, v, m); }
 __device__ __forceinline__ float wb_shfl(float v, int src)   { return __shfl_sync(0xffffffffu, v, src); }
 __device__ __forceinline__ int   wb_shfl(int v, int src)     { return __shfl_sync(0xffffffffu, v, src); }
+// For a stage written in PTX (workbench.build.ptx): wb_keep uses a value at no cost, so that the compiler keeps
+// every parameter for the .ptx body; wb_opaque hands a value on through a move the compiler cannot see through, so
+// that it cannot fold a parameter every call passes the same value for
+template <typename T> __device__ __forceinline__ void wb_keep(T* p) { asm volatile("" ::"l"(p)); }
+__device__ __forceinline__ void wb_keep(int v) { asm volatile("" ::"r"(v)); }
+__device__ __forceinline__ void wb_keep(u32 v) { asm volatile("" ::"r"(v)); }
+__device__ __forceinline__ void wb_keep(float v) { asm volatile("" ::"f"(v)); }
+template <typename T> __device__ __forceinline__ T* wb_opaque(T* p) {
+    T* r; asm volatile("mov.b64 %0, %1;" : "=l"(r) : "l"(p)); return r; }
+__device__ __forceinline__ int wb_opaque(int v) { int r; asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(v)); return r; }
+__device__ __forceinline__ u32 wb_opaque(u32 v) { u32 r; asm volatile("mov.b32 %0, %1;" : "=r"(r) : "r"(v)); return r; }
+__device__ __forceinline__ float wb_opaque(float v) {
+    float r; asm volatile("mov.b32 %0, %1;" : "=f"(r) : "f"(v)); return r; }
 __device__ __forceinline__ void wb_fence_gpu()    { __threadfence(); }
 __device__ __forceinline__ void wb_fence_system() { __threadfence_system(); }
 __device__ __forceinline__ u32 wb_atomic_add(u32* p, u32 v) { return atomicAdd(p, v); }

@@ -50,10 +50,24 @@ def test_a_ptx_variant_is_a_ptx_file_of_a_stage():
 
 def test_parameters_are_named_as_the_cpp_declaration_names_them():
     assert cpp_params(section_path("embedding").read_text(), "stage_embedding") == ("token", "embed", "x")
-    for name in STAGE_NAMES:                           # every stage could be written in PTX
-        assert cpp_params(section_path(name).read_text(), f"stage_{name}")
     with pytest.raises(ValueError, match="must define it"):
         cpp_params("void other() {}", "stage_embedding")
+
+
+@needs_ptxas
+@pytest.mark.parametrize("model", ["tiny", "qwen3-0.6b"])
+@pytest.mark.parametrize("stage", STAGE_NAMES)
+def test_every_stage_can_be_written_in_ptx_with_all_its_parameters(model, stage):
+    """A body (here one that only returns) can replace any stage's: the compiler keeps every parameter of the C++
+    declaration, even those the C++ body leaves unused (layer, a family's buffers) or that every call passes the
+    same value for (smem), and the kernel keeps its registers off the stack."""
+    cfg = get_config(model)
+    asm = assemble(cfg, BuildOptions(variants=((stage, "ptx"),)), overrides={stage: "\tret;\n"})
+    cubin, ptx, _ = C.compile_nvidia(asm)
+    assert C.resource_usage(cubin)[0].stack == 0
+    head = ptx[ptx.index(f"stage_{stage}_ptx", ptx.index(".func")):]
+    head = head[:head.index("{")]
+    assert head.count("_param_") == len(cpp_params(section_path(stage).read_text(), f"stage_{stage}"))
 
 
 @needs_ptxas
@@ -64,9 +78,9 @@ def test_the_ptx_embedding_assembles_and_its_sass_is_listed_by_its_lines():
     (r,) = C.resource_usage(cubin)
     assert r.stack == 0
     # the body is in place, its parameters and constants resolved, its comments gone, each instruction at its line
-    body = ptx[ptx.index(".func _Z15stage_embedding"):]
+    body = ptx[ptx.index(".func _Z19stage_embedding_ptx"):]
     body = body[:body.index("\n}\n")]
-    assert "[_Z15stage_embeddingiPKtPf_param_1]" in body and "[embed]" not in body
+    assert "[_Z19stage_embedding_ptxiPKtPf_param_1]" in body and "[embed]" not in body
     assert not re.search(r"(?<![$\w])WB_D\b", body) and ", 264;" in body and "//" not in body
     line = next(n for n, l in enumerate(section_path("embedding", "ptx").read_text().splitlines(), 1)
                 if "ld.global.nc.u16" in l)
@@ -79,12 +93,14 @@ def test_the_ptx_embedding_assembles_and_its_sass_is_listed_by_its_lines():
     ("ld.global.nc.u16", "ld.global.nc.u17", "Unknown modifier '.u17'"),
     ("shl.b32 \t%r4, %r3, 16;", "shl.b32 \t%r4, %r9, 16;", "Unknown symbol '%r9'"),
     ("[embed]", "[embedding]", "embedding"),                     # not a parameter of stage_embedding
+    ("shl.b32 \t%r4, %r3, 16;", "shl.b32 \t%r4, %r3 16;", "Parsing error"),   # a comma missing: ptxas's "fatal"
+    ("shl.b32 \t%r4, %r3, 16;", "shl.b32 \t%r4, %r3, 16", "Parsing error"),   # the ';' missing: it runs into the next
 ])
 def test_an_assembler_error_is_reported_at_the_ptx_line(find, replace, says):
     text = section_path("embedding", "ptx").read_text()
     bad = text.replace(find, replace)
     assert bad != text
-    line = next(n for n, l in enumerate(bad.splitlines(), 1) if replace in l)
+    line = next(n for n, l in enumerate(text.splitlines(), 1) if find in l)        # the edited line
     with pytest.raises(C.CompileError) as e:
         C.compile_nvidia(assemble(get_config("tiny"), PTX, overrides={"embedding": bad}))
     hits = [m for m in e.value.messages if m[0] == EMBED_PTX and m[1] == line]
@@ -165,3 +181,27 @@ def test_the_builds_compile_options_reach_ptxas(opt):
     (cpp,) = C.resource_usage(C.compile_cubin(assemble(cfg, opt))[0])
     (ptx,) = C.resource_usage(C.compile_cubin(assemble(cfg, dataclasses.replace(opt, variants=PTX.variants)))[0])
     assert (ptx.registers, ptx.stack) == (cpp.registers, cpp.stack)
+
+
+def test_the_splice_finds_the_definition_and_maps_its_lines():
+    """On a small module: a prototype of the function and a longer-named function that starts with its name are
+    passed over; the body lands in the definition; with line info each instruction gets a .loc of the file (and the
+    module a .file for it); without, none; the spans map module lines back to the body's."""
+    from workbench.build.ptx import PtxBody, splice
+    body = PtxBody("lm_head", "kernels/sections/lm_head@ptx.ptx", "// load\n\tld.param.u64 %rd1, [x];\n\tret;\n",
+                   ("x",), (("WB_D", "8"),))
+    fn = "_Z17stage_lm_head_ptxPKf"
+    module = [".func " + fn + "(", "\t.param .b64 " + fn + "_param_0", ");",                 # a prototype
+              ".func _Z21stage_lm_head_ptx_oldPKf(", "\t.param .b64 _Z21stage_lm_head_ptx_oldPKf_param_0", ")",
+              "{", "\tret;", "}",
+              ".func " + fn + "(", "\t.param .b64 " + fn + "_param_0", ")", "{", "\told body;", "}"]
+    for files in ([], ['\t.file\t1 "/x/kernels/sections/lm_head.cuh"']):
+        out, (span,) = splice("\n".join(module + files) + "\n", [body])
+        lines = out.splitlines()
+        assert lines[:9] == module[:9] and "old body;" not in out
+        got = lines[span.first - 1:span.first - 1 + len(span.source)]
+        assert ("\tld.param.u64 %rd1, [" + fn + "_param_0];") in got
+        assert any(l.startswith("\t.loc\t2 2 0") for l in got) == bool(files)
+        assert (('\t.file\t2 "' in out) == bool(files)) and out.count(".file") == 2 * len(files)
+        n = span.first + got.index("\tret;")
+        assert span.line_of(n) == 3 and (not files or span.line_of(n - 1) == 2)   # a .loc counts as the line before

@@ -20,7 +20,7 @@ from pathlib import Path
 from .. import paths, plan
 from ..model.config import ModelConfig
 from .header import Params, decode_step, plan_header, stream_step  # noqa: F401  (Params: the host's mirror, used from here)
-from .ptx import PtxBody, constants as ptx_constants, cpp_params, is_ptx_variant
+from .ptx import PtxBody, constants as ptx_constants, cpp_params, is_ptx_variant, ptx_stub
 
 
 def threads_problem(n) -> str | None:
@@ -195,7 +195,11 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
             bodies.append(PtxBody(name, _display(path), overrides[name] if name in overrides else path.read_text(),
                                   cpp_params(cpp_text, f"stage_{name}"),
                                   ptx_constants(build_defines, opt.threads, opt.stream)))
-            paste(_display(cpp), cpp_text, cpp)
+            # the C++ section compiles (its helpers stay; its errors still show) with its stage renamed away, and
+            # the stage becomes a stub that uses every parameter, so that the compiler keeps all of them in the
+            # function whose body the .ptx replaces (it drops those a body leaves unused)
+            paste(_display(cpp), f"#define stage_{name} stage_{name}_in_cpp\n" + cpp_text, cpp)
+            paste(f"<generated: {name} in PTX>", ptx_stub(cpp_text, name))
             continue
         if name in overrides:
             paste(_display(path), overrides[name], path)

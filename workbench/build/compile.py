@@ -91,9 +91,9 @@ def nvrtc_options(arch: str = "sm_90", asm: Assembled | None = None) -> list[str
     return [f"--gpu-architecture={arch}", *NVRTC_OPTIONS, *(asm.flags if asm else ())]
 
 
-def compile_nvidia(asm: Assembled, arch: str = "sm_90") -> tuple[bytes, str, str]:
-    """One NVRTC compile without a driver → (cubin, PTX text, log); the cubin is made from exactly that PTX.
-    Raises CompileError with mapped messages."""
+def compile_nvidia(asm: Assembled, arch: str = "sm_90", ptx_only: bool = False) -> tuple[bytes, str, str]:
+    """One NVRTC compile without a driver → (cubin, PTX text, log); the cubin is made from exactly that PTX
+    (`ptx_only`: no cubin, b""; NVRTC stops at PTX). Raises CompileError with mapped messages."""
     from cuda.bindings import nvrtc
 
     def check(res):
@@ -113,22 +113,24 @@ def compile_nvidia(asm: Assembled, arch: str = "sm_90") -> tuple[bytes, str, str
     try:
         # a build with PTX sections: NVRTC stops at PTX (a virtual architecture: its own ptxas would assemble a
         # module about to change), and ptxas runs once, on the spliced module
-        target = arch.replace("sm_", "compute_") if asm.ptx_bodies else arch
-        flags = [f for f in asm.flags if not f.startswith("--ptxas-options")] if asm.ptx_bodies else asm.flags
+        virtual = bool(asm.ptx_bodies) or ptx_only
+        target = arch.replace("sm_", "compute_") if virtual else arch
+        flags = [f for f in asm.flags if not f.startswith("--ptxas-options")] if virtual else asm.flags
         opts = [o.encode() for o in [f"--gpu-architecture={target}", *NVRTC_OPTIONS, *flags]]
         res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         log = get(nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog, prog).decode(errors="replace")
         log = log.rstrip("\x00 ")
         if res[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise compile_error(log, asm)
-        cubin = b"" if asm.ptx_bodies else get(nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN, prog)
+        cubin = b"" if virtual else get(nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN, prog)
         ptx = get(nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX, prog).decode(errors="replace").rstrip("\x00")
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
     if asm.ptx_bodies:                     # stages written in PTX: their bodies in place, then ptxas
         ptx, spans = spliced_ptx(ptx, asm)
-        cubin, more = ptxas(ptx, asm, spans, arch)
-        log += more
+        if not ptx_only:
+            cubin, more = ptxas(ptx, asm, spans, arch)
+            log += more
     return cubin, ptx, log
 
 
@@ -166,8 +168,9 @@ def compile_cubin(asm: Assembled, arch: str = "sm_90") -> tuple[bytes, str]:
 
 
 def compile_ptx(asm: Assembled, arch: str = "sm_90") -> tuple[str, str]:
-    """The PTX NVRTC makes of the source with the same options (line info included) → (ptx text, log)."""
-    _, ptx, log = compile_nvidia(asm, arch)
+    """The PTX NVRTC makes of the source with the same options (line info included) → (ptx text, log); NVRTC stops
+    there (no ptxas), and PTX sections are spliced in."""
+    _, ptx, log = compile_nvidia(asm, arch, ptx_only=True)
     return ptx, log
 
 
@@ -179,7 +182,8 @@ def cuda_tool(name: str) -> str:
             return str(p)
     found = shutil.which(name)
     if not found:
-        raise FileNotFoundError(f"{name} not found: pip install nvidia-cuda-{name}")
+        wheel = {"ptxas": "nvidia-cuda-nvcc"}.get(name, f"nvidia-cuda-{name}")
+        raise FileNotFoundError(f"{name} not found: install the CUDA toolkit, or pip install {wheel}")
     return found
 
 

@@ -2,9 +2,10 @@
 
 A variant whose name starts with `ptx` (`kernels/sections/NAME@ptx.ptx`, `NAME@ptx_fast.ptx`, ...) holds the body of
 `stage_NAME`: what goes between the braces of its `.func` — register declarations, instructions, `ret;`. The
-C++ section stays the declaration: it is compiled as usual (so the call, the argument passing and every other
-section are the compiler's), and in the PTX NVRTC makes of the module, that one function's body is replaced by the
-file's before ptxas turns the module into machine code.
+C++ section stays the declaration: it is compiled (its helpers stay, its errors show) with its stage renamed away,
+and a stub of the same declaration takes the stage's place (ptx_stub), so the call, the argument passing and every
+other section are the compiler's. In the PTX NVRTC makes of the module, the stub's body is replaced by the file's
+before ptxas turns the module into machine code.
 
 Inside the body:
 * `[name]` is the stage's parameter `name`, as the C++ declaration names it (`ld.param.u64 %rd1, [embed];`);
@@ -51,6 +52,29 @@ def cpp_params(source: str, function: str) -> tuple[str, ...]:
     return tuple(names)
 
 
+def ptx_stub(source: str, section: str) -> str:
+    """What NVRTC compiles for a stage written in PTX: `stage_<section>_ptx`, out of line, with the declaration's
+    parameters and a body that uses each (an empty asm), which the .ptx body replaces; and `stage_<section>` itself,
+    inlined into the decode step, passing its arguments through an opaque move. The compiler would otherwise drop
+    a parameter the body leaves unused, or one every call passes the same value for (the shared-memory pointer)."""
+    fn = f"stage_{section}"
+    m = re.search(rf"WB_SECTION\s+(?P<ret>[^;{{}}()]*?)\s*\b{re.escape(fn)}\s*\((?P<params>[^)]*)\)\s*\{{", source)
+    if not m:
+        raise ValueError(f"no `WB_SECTION ... {fn}(...) {{` in the C++ section: a PTX body replaces that function's")
+    names = cpp_params(source, fn)
+    ret, params = m["ret"].strip(), " ".join(m["params"].split())
+    back = "" if ret == "void" else "return "
+    return "\n".join([
+        f"#undef {fn}",
+        f"WB_SECTION {ret} {fn}_ptx({params}) {{",
+        *(f"    wb_keep({n});" for n in names),
+        *([] if ret == "void" else ["    return {};"]),
+        "}",
+        f"__device__ __forceinline__ {ret} {fn}({params}) {{",
+        f"    {back}{fn}_ptx({', '.join(f'wb_opaque({n})' for n in names)});",
+        "}", ""])
+
+
 def constants(defines: dict, threads: int, stream: bool) -> tuple:
     """What a body may write by name: every #define of the build, and WB_STAGE_THREADS."""
     return (*((k, v) for k, v in defines.items()), ("WB_STAGE_THREADS", str(threads - 32 if stream else threads)))
@@ -65,30 +89,49 @@ class Span:
     display: str
 
     def line_of(self, n: int) -> int | None:
+        """The file's line for module line n. An added `.loc` counts as the line before it: ptxas reports a
+        statement left without its `;` where the next line, the `.loc`, runs into it."""
         k = n - self.first
-        return self.source[k] if 0 <= k < len(self.source) and self.source[k] else None
+        if not 0 <= k < len(self.source):
+            return None
+        back = [x for x in self.source[:k + 1] if x]
+        return back[-1] if back else next((x for x in self.source[k:] if x), None)
 
 
-_FUNC = r"^(?:\.weak\s+|\.visible\s+)*\.func\s+(?:\([^)]*\)\s*)?(?P<name>_Z\d+{fn}\w*)\s*\("
 _INSTRUCTION = re.compile(r"^\s*(?:@!?%\w+\s+)?[a-z]")       # not a directive, a label, a brace or blank
+_FLOAT = re.compile(r"^[0-9.]+(?:e[+-]?[0-9]+)?f$", re.I)     # 1e-05f: a C++ float literal, written without its f
 
 
-def _expand(body: PtxBody, params_in_ptx: list[str], file_index: int) -> tuple[list[str], tuple]:
+def _find_function(lines: list[str], fn: str) -> int | None:
+    """The line that opens the definition of C++ function `fn` (mangled _Z<len><name>...), not a declaration."""
+    pat = re.compile(rf"^(?:\.weak\s+|\.visible\s+)*\.func\s+(?:\([^)]*\)\s*)?_Z{len(fn)}{re.escape(fn)}\w*\s*\(")
+    for i, line in enumerate(lines):
+        if pat.match(line):
+            for j in range(i, len(lines)):
+                if lines[j].strip() == "{":
+                    return i
+                if lines[j].rstrip().endswith(";"):          # a prototype: `.func ... (...);`
+                    break
+    return None
+
+
+def _expand(body: PtxBody, params_in_ptx: list[str], file_index: int | None) -> tuple[list[str], tuple]:
     """The body's lines as the module gets them, each instruction after a `.loc` naming its line of the file (so
-    that line info, and the SASS listing, point at the .ptx), and the file's line of each."""
+    that line info, and the SASS listing, point at the .ptx; none when the module has no line info), and the
+    file's line of each."""
     if len(params_in_ptx) != len(body.params):
         raise ValueError(f"{body.display}: stage_{body.section} has {len(body.params)} parameters in C++ and "
                          f"{len(params_in_ptx)} in the PTX NVRTC made of it")
     names = dict(zip(body.params, params_in_ptx))
-    values = dict(body.constants)
+    values = {k: v[:-1] if _FLOAT.match(v) else v for k, v in body.constants}
     out, source = [], []
     for k, line in enumerate(body.text.splitlines(), 1):
         # comments go (ptxas takes only ASCII, and a comment may say "→")
         code = line.partition("//")[0].rstrip()
         code = re.sub(r"\[\s*([A-Za-z_]\w*)\s*\]", lambda m: f"[{names.get(m[1], m[1])}]", code)
-        code = re.sub(r"(?<![$%\w])WB_[A-Z0-9_]+\b", lambda m: values[m[0]].rstrip("f") if m[0] in values else m[0],
+        code = re.sub(r"(?<![$%\w])WB_[A-Z0-9_]+\b", lambda m: values.get(m[0], m[0]),
                       code)                        # a constant, not a label ($...) or a register (%...)
-        if _INSTRUCTION.match(code):
+        if file_index is not None and _INSTRUCTION.match(code):
             out.append(f"\t.loc\t{file_index} {k} 0")
             source.append(0)
         out.append(code)
@@ -99,38 +142,44 @@ def _expand(body: PtxBody, params_in_ptx: list[str], file_index: int) -> tuple[l
 def splice(ptx: str, bodies) -> tuple[str, list[Span]]:
     """The module's PTX with each body in place of its function's, and where each body's lines now are."""
     lines = ptx.splitlines()
-    files = [int(m[1]) for m in (re.match(r"\s*\.file\s+(\d+)", l) for l in lines) if m]
-    next_file = max(files, default=0) + 1
-    added = []
-    spans = []
+    file_lines = [i for i, l in enumerate(lines) if re.match(r"\s*\.file\s+\d+", l)]
+    next_file = max((int(lines[i].split()[1]) for i in file_lines), default=0) + 1
+    edits = []                                     # (open brace, close brace, new lines, source, display)
+    added = []                                     # the .file directives of the bodies
     for body in bodies:
-        fn = f"stage_{body.section}"
-        pat = re.compile(_FUNC.format(fn=re.escape(fn)))
-        start = next((i for i, l in enumerate(lines) if pat.match(l)), None)
+        fn = f"stage_{body.section}_ptx"              # ptx_stub's
+        start = _find_function(lines, fn)
         if start is None:
             raise ValueError(f"{body.display}: no .func for {fn} in the module's PTX (is the C++ section's function "
                              "out of line, WB_SECTION?)")
-        mangled = pat.match(lines[start])["name"]
+        mangled = re.search(r"(_Z\d+\w+)\s*\(", lines[start])[1]
         open_brace = next(i for i in range(start, len(lines)) if lines[i].strip() == "{")
         params = re.findall(rf"\.param\s+\S+\s+({re.escape(mangled)}_param_\d+)", "\n".join(lines[start:open_brace]))
         close = next(i for i in range(open_brace + 1, len(lines)) if lines[i] == "}")
-        new, source = _expand(body, params, next_file)
-        lines[open_brace + 1:close] = new
-        shift = len(new) - (close - open_brace - 1)
-        spans = [s if s.first <= open_brace + 1 else Span(s.first + shift, s.source, s.display) for s in spans]
-        spans.append(Span(open_brace + 2, source, body.display))
-        added.append(f'\t.file\t{next_file} "{os.path.abspath(body.display)}"')
-        next_file += 1
-    if added:
-        last_file = max((i for i, l in enumerate(lines) if re.match(r"\s*\.file\s+\d+", l)), default=None)
-        if last_file is None:                  # no line info in the module: no .loc either
-            lines = [l for l in lines if not re.match(r"\s*\.loc\s", l)]
-        else:
-            lines[last_file + 1:last_file + 1] = added
-    return "\n".join(lines) + "\n", spans
+        new, source = _expand(body, params, next_file if file_lines else None)
+        edits.append((open_brace, close, new, source, body.display))
+        if file_lines:
+            added.append(f'\t.file\t{next_file} "{os.path.abspath(body.display)}"')
+            next_file += 1
+    # the new .file lines go after the module's own; then the bodies, top to bottom, counting where each lands
+    at = file_lines[-1] + 1 if file_lines else len(lines)
+    marks = sorted([(o, c, n, s, d) for o, c, n, s, d in edits] + [(at - 1, at, added, None, None)] if added
+                   else edits, key=lambda e: e[0])
+    out, spans, cursor = [], [], 0
+    for open_brace, close, new, source, display in marks:
+        out += lines[cursor:open_brace + 1]
+        if display is not None:
+            spans.append(Span(len(out) + 1, source, display))
+            out += new
+            cursor = close
+        else:                                       # the .file insertion point: nothing replaced
+            out += new
+            cursor = open_brace + 1
+    out += lines[cursor:]
+    return "\n".join(out) + "\n", spans
 
 
-_PTXAS = (re.compile(r"line (?P<line>\d+); (?P<sev>error|warning)\s*: (?P<text>.*)$"),
+_PTXAS = (re.compile(r"line (?P<line>\d+); (?P<sev>error|warning|fatal)\s*: (?P<text>.*)$"),
           re.compile(r"(?P<sev>fatal)\s*: (?P<text>.*) on line (?P<line>\d+)"))
 
 

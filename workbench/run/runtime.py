@@ -272,16 +272,26 @@ class Monokernel:
         import os
         import tempfile
 
-        from ..build.compile import compile_nvidia
+        from ..build.compile import CompileError, compile_nvidia
         cp = self.cp
-        cubin, _, _ = compile_nvidia(asm, arch=f"sm_{cp.cuda.Device().compute_capability}")
-        fd, path = tempfile.mkstemp(suffix=".cubin", prefix="wb-")
+        arch = f"sm_{cp.cuda.Device().compute_capability}"
+        try:
+            data, suffix = compile_nvidia(asm, arch)[0], ".cubin"
+        except FileNotFoundError:
+            # no ptxas on this machine: the driver's JIT assembles the spliced PTX (its messages are not mapped)
+            data, suffix = compile_nvidia(asm, arch, ptx_only=True)[1].encode(), ".ptx"
+        fd, path = tempfile.mkstemp(suffix=suffix, prefix="wb-")
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(cubin)
-            mod = cp.RawModule(path=path)
-            fn = mod.get_function("wb_generate")
-            fn.kernel                       # loaded now, while the file exists
+                f.write(data)
+            try:
+                mod = cp.RawModule(path=path)
+                fn = mod.get_function("wb_generate")
+                fn.kernel                   # loaded now, while the file exists
+            except cp.cuda.driver.CUDADriverError as e:
+                b = asm.ptx_bodies[0]
+                raise CompileError([(b.display, 0, "error", f"the driver did not load the spliced module: {e}",
+                                     "")], str(e)) from None
         finally:
             os.unlink(path)
         return mod, fn
