@@ -68,10 +68,13 @@ WB_SECTION void stage_qkv_rope_append(const float* x, const bf16* __restrict__ w
                 qk_raw[h * WB_HEAD_DIM + p + HALF] = r[1];
                 wb_fence_gpu();                                // the pair is in L2 before it is counted
                 last = wb_atomic_add(qk_count + h, 1u) == (u32)(HALF - 1);
-                if (last) qk_count[h] = 0;                     // ready for the next layer (after a barrier)
+                if (last) {
+                    qk_count[h] = 0;                           // ready for the next layer (after a barrier)
+                    wb_fence_gpu();                            // every other pair of the head is visible here...
+                }
             }
             if (!wb_shfl(last, 0)) return;
-            wb_fence_gpu();                                    // every other pair of the head is visible
+            wb_syncwarp();                                     // ...and to the lanes, ordered after lane 0 by the warp barrier
             const float* raw = qk_raw + h * WB_HEAD_DIM;
             if (h < WB_HEADS)
                 qk_norm_rope_head(raw, qk_gain, cs, sn, q + h * WB_HEAD_DIM);
