@@ -67,31 +67,35 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     mutants = [by_name(n) for n in a.only] if a.only else list(MUTANTS)
     t0 = time.perf_counter()
-    results, all_after = [], True
+    results, all_after, not_run = [], True, []
     for model, ms in groups(a.model, mutants).items():
         if not ms:
             continue
         outcomes, after = run_model(model, ms, log=lambda s: print(s, flush=True))
         results += [(model, o) for o in outcomes]
         all_after &= after
-        if not outcomes:
-            return 1
+        if not outcomes:                   # its unmutated kernel failed: the other models' results still count
+            not_run += [(model, m.name) for m in ms]
     outcomes = [o for _, o in results]
+    if not outcomes:
+        print("no mutant ran", file=sys.stderr)
+        return 1
     print(table(outcomes))
     caught = sum(o.caught for o in outcomes)
     secs = sorted(o.seconds for o in outcomes)
     models = ", ".join(sorted({m for m, _ in results}))
     print(f"{models}: {caught}/{len(outcomes)} caught and named; edit → verdict median {secs[len(secs) // 2]:.2f} s "
           f"(min {secs[0]:.2f}, max {secs[-1]:.2f}); suite {time.perf_counter() - t0:.0f} s; unmutated after: "
-          f"{'PASS' if all_after else 'FAIL'}")
+          f"{'PASS' if all_after else 'FAIL'}" + (f"; not run (their model failed unmutated): {not_run}" if not_run else ""))
     if a.json:
         Path(a.json).write_text(json.dumps({
             "model": a.model, "caught": caught, "total": len(outcomes), "after_passed": all_after,
+            "not_run": not_run,
             "outcomes": [{**dataclasses.asdict(o.mutant), "model": model, "status": o.status, "named": o.named,
                           "caught": o.caught, "seconds": o.seconds, "compile_s": o.compile_s,
                           "verify_s": o.verify_s, "first_failure": o.first_failure} for model, o in results]},
             indent=1))
-    return 0 if caught == len(outcomes) and all_after else 1
+    return 0 if caught == len(outcomes) and all_after and not not_run else 1
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ class Mutant:
     expect: str                # the stage the verdict must name
     count: int = 1             # occurrences of `find` replaced (all of them)
     needs: str | None = None   # the ModelConfig flag of the family whose code it mutates (None: every model's)
+    not_with: str | None = None  # a flag under which the mutated code is compiled away (that family's own step
+                                 # does the work instead)
 
     def apply(self, text: str) -> str:
         n = text.count(self.find)
@@ -45,21 +47,29 @@ MUTANTS: tuple[Mutant, ...] = (
     # qkv_rope_append
     M("rope-sign", "qkv_rope_append", "rotates by −angle (sin term's sign)",
       "const float lo = r[0] * c - r[1] * s, hi = r[1] * c + r[0] * s;",
-      "const float lo = r[0] * c + r[1] * s, hi = r[1] * c - r[0] * s;", "qkv_rope_append"),
+      "const float lo = r[0] * c + r[1] * s, hi = r[1] * c - r[0] * s;", "qkv_rope_append", not_with="qk_norm"),
     M("rope-pair", "qkv_rope_append", "rotates pair p by the angle of pair p^1", "const float c = cs[p], s = sn[p];",
-      "const float c = cs[p ^ 1], s = sn[p ^ 1];", "qkv_rope_append"),
+      "const float c = cs[p ^ 1], s = sn[p ^ 1];", "qkv_rope_append", not_with="qk_norm"),
     M("rope-long-position", "qkv_rope_append", "rope angle of position − 1 from 4,096 on (off by one, long only)",
       "rope_cos + (long long)pos * HALF", "rope_cos + (long long)(pos < 4096 ? pos : pos - 1) * HALF",
       "qkv_rope_append"),
     M("kv-wrong-slot", "qkv_rope_append", "appends k and v at pos + 1", "const long long kv_base = (long long)pos * WB_HEAD_DIM;",
       "const long long kv_base = (long long)(pos + 1) * WB_HEAD_DIM;", "qkv_rope_append"),
     M("k-truncated", "qkv_rope_append", "k to bf16 by truncation instead of rounding", "k[p] = f32_to_bf16(lo);",
-      "k[p] = (bf16)(wb_float_as_u32(lo) >> 16);", "qkv_rope_append"),
+      "k[p] = (bf16)(wb_float_as_u32(lo) >> 16);", "qkv_rope_append", not_with="qk_norm"),
     M("q-scale-1e-4", "qkv_rope_append", "q's first halves 1e-4 too large", "q[head * WB_HEAD_DIM + p] = lo;",
-      "q[head * WB_HEAD_DIM + p] = lo * 1.0001f;", "qkv_rope_append"),
+      "q[head * WB_HEAD_DIM + p] = lo * 1.0001f;", "qkv_rope_append", not_with="qk_norm"),
     # qkv_rope_append, Qwen3's per-head q/k norm, and Qwen2's biases
     M("qk-norm-k-takes-q-gain", "qkv_rope_append", "k heads normalised with q's gain",
       "qk_gain + WB_HEAD_DIM, cs, sn,", "qk_gain, cs, sn,", "qkv_rope_append", needs="qk_norm"),
+    M("qk-norm-rope-sign", "qkv_rope_append", "a normalised head rotated by −angle (sin term's sign)",
+      "qk_put(out + p, a * c - b * s);\n        qk_put(out + p + HALF, b * c + a * s);",
+      "qk_put(out + p, a * c + b * s);\n        qk_put(out + p + HALF, b * c - a * s);", "qkv_rope_append",
+      needs="qk_norm"),
+    M("qk-norm-k-truncated", "qkv_rope_append", "a normalised k to bf16 by truncation instead of rounding",
+      "__device__ __forceinline__ void qk_put(bf16* o, float v) { *o = f32_to_bf16(v); }",
+      "__device__ __forceinline__ void qk_put(bf16* o, float v) { *o = (bf16)(wb_float_as_u32(v) >> 16); }",
+      "qkv_rope_append", needs="qk_norm"),
     M("qk-norm-scale-1e-4", "qkv_rope_append", "the per-head RMS 1e-4 too large (q and k 1e-4 too small)",
       "wb_warp_sum(ss) / (float)WB_HEAD_DIM + WB_RMS_EPS", "wb_warp_sum(ss) / (float)WB_HEAD_DIM * 1.0002f + WB_RMS_EPS",
       "qkv_rope_append", needs="qk_norm"),
@@ -141,8 +151,10 @@ FAMILY_MODELS = {"qk_norm": "qwen3-0.6b", "qkv_bias": "qwen2.5-0.5b"}
 
 
 def for_model(cfg, mutants=MUTANTS) -> list[Mutant]:
-    """The mutants whose code this model compiles: every model's, and its own family's."""
-    return [m for m in mutants if m.needs is None or getattr(cfg, m.needs)]
+    """The mutants whose code this model compiles: every model's (less those its family's step replaces), and its
+    own family's."""
+    return [m for m in mutants if (m.needs is None or getattr(cfg, m.needs))
+            and not (m.not_with and getattr(cfg, m.not_with))]
 
 
 def by_name(name: str) -> Mutant:
