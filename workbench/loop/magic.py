@@ -3,7 +3,8 @@
     %%section NAME [--variant V] [--no-reload]
     <the whole section file>
 
-writes the cell into kernels/sections/NAME.cuh (or NAME@V.cuh, which the build then uses) through the active
+writes the cell into kernels/sections/NAME.cuh (or NAME@V.cuh, which the build then uses; NAME@ptx....ptx for a
+stage's body in PTX, workbench.build.ptx) through the active
 Workbench (atomically, the previous version kept for undo), and reloads: compile, verify every stage, time.
 `%wb_undo NAME [--variant V] [--no-reload]` puts the previous version back. Errors are printed as file:line with
 the source line, never as a traceback; a failed write leaves the old file in place (the cell keeps your text).
@@ -28,7 +29,8 @@ class _Parser(argparse.ArgumentParser):
 def _parser(prog: str) -> _Parser:
     p = _Parser(prog=prog, add_help=False)
     p.add_argument("name", help="section name (kernels/sections/NAME.cuh) or monokernel")
-    p.add_argument("--variant", "-v", default=None, help="kernels/sections/NAME@VARIANT.cuh")
+    p.add_argument("--variant", "-v", default=None,
+                   help="kernels/sections/NAME@VARIANT.cuh (NAME@VARIANT.ptx for a variant named ptx...)")
     p.add_argument("--no-reload", action="store_true", help="write only")
     return p
 
