@@ -351,7 +351,8 @@ class Workbench:
         return section_history(section, variant, history_dir=self.history_dir)
 
     def use_variant(self, section: str, variant: str | None, *, reload: bool = True) -> ReloadRecord | None:
-        """Build `section` from its NAME@VARIANT.cuh file (None: the base file); then reload."""
+        """Build `section` from its NAME@VARIANT.cuh file (NAME@VARIANT.ptx for a variant named ptx..., its body in
+        PTX; None: the base file); then reload."""
         section_file(section, variant)
         with self._lock:
             if variant:
