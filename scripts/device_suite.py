@@ -3,7 +3,8 @@ injections (hangs, faults, compiler hangs through the loop's worker), compute-sa
 the editing loop's timings, the bench (this tree against a base tree in the same run, and PyTorch), and
 re-recorded timing traces.
 
-    python scripts/device_suite.py [--out DIR] [--only smoke pytest mutants failures sanitize verify loop bench record]
+    python scripts/device_suite.py [--out DIR] [--only smoke pytest mutants failures sanitize verify loop assembly bench
+                                   record]
                                    [--base DIR] [--verify-models M ...]
 
 Each part runs in its own process with a time limit (a hang or a crash in one cannot take the others down), its
@@ -114,7 +115,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--only", nargs="*", default=["smoke", "pytest", "mutants", "failures", "sanitize", "verify",
-                                                 "loop", "bench", "record"])
+                                                 "loop", "assembly", "bench", "record"])
     ap.add_argument("--verify-models", nargs="*", default=list(PRESETS), help="default: every preset")
     ap.add_argument("--bench-models", nargs="*", default=["llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"])
     ap.add_argument("--sanitize-models", nargs="*", default=["tiny", "llama-3.2-1b"])
@@ -153,6 +154,10 @@ def main():
                                      "tests/test_reference.py"], out, 540)
     if "loop" in a.only:
         R["loop"] = run("loop", [PY, "-c", LOOP, str(out)], out, 300)
+    if "assembly" in a.only:
+        # the shipped PTX section against its C++ version, verified and timed in one run, per stage
+        R["assembly"] = run("assembly", [PY, "scripts/ab.py", "--model", "llama-3.2-1b", "--variant", "cpp:",
+                                         "--variant", "ptx:@embedding=ptx", "--stages"], out, 240)
     if "bench" in a.only:
         for m in a.bench_models:
             order = [("new", ROOT)] + ([("base", Path(a.base).resolve())] if a.base else [])
