@@ -276,3 +276,18 @@ def test_the_decode_step_is_generated_from_the_plan():
     assert stage_call(plan.stage("sampling")).startswith("s.sampled = stage_sampling(P->logits")
     for st in plan.STAGES:
         assert f"// {st.math}" in text
+
+
+def test_cupys_nvrtc_binding_makes_the_same_kernel():
+    """Without cuda-bindings (a GPU machine may have CuPy alone) a build with PTX sections reaches NVRTC through
+    CuPy's own binding: the same PTX, and the same log on an error; a cubin it does not make."""
+    from workbench.build import compile as C
+    asm = assemble(get_config("tiny"))
+    opts = ["--gpu-architecture=compute_90", *C.NVRTC_OPTIONS]
+    a, b = C.nvrtc_program(asm.source, opts, cubin=False), C._nvrtc_cupy(asm.source, opts, cubin=False)
+    assert a[0] and b[0] and a[2] == b[2] and ".func" in a[2]
+    bad = asm.source + "__device__ void wb_broken() { undeclared_thing += 1; }\n"
+    a, b = C.nvrtc_program(bad, opts, cubin=False), C._nvrtc_cupy(bad, opts, cubin=False)
+    assert not a[0] and not b[0] and a[1] == b[1] and "undeclared_thing" in a[1]
+    with pytest.raises(FileNotFoundError, match="cuda-bindings"):
+        C._nvrtc_cupy(asm.source, opts)

@@ -87,14 +87,33 @@ def compile_error(log: str, asm: Assembled | None) -> CompileError:
     return CompileError(parse_log(log, asm) + resource_messages(log, asm), log)
 
 
-def nvrtc_options(arch: str = "sm_90", asm: Assembled | None = None) -> list[str]:
-    return [f"--gpu-architecture={arch}", *NVRTC_OPTIONS, *(asm.flags if asm else ())]
-
-
 def compile_nvidia(asm: Assembled, arch: str = "sm_90", ptx_only: bool = False) -> tuple[bytes, str, str]:
     """One NVRTC compile without a driver → (cubin, PTX text, log); the cubin is made from exactly that PTX
     (`ptx_only`: no cubin, b""; NVRTC stops at PTX). Raises CompileError with mapped messages."""
-    from cuda.bindings import nvrtc
+    # a build with PTX sections: NVRTC stops at PTX (a virtual architecture: its own ptxas would assemble a
+    # module about to change), and ptxas runs once, on the spliced module
+    virtual = bool(asm.ptx_bodies) or ptx_only
+    target = arch.replace("sm_", "compute_") if virtual else arch
+    flags = [f for f in asm.flags if not f.startswith("--ptxas-options")] if virtual else list(asm.flags)
+    ok, log, ptx, cubin = nvrtc_program(asm.source, [f"--gpu-architecture={target}", *NVRTC_OPTIONS, *flags],
+                                        cubin=not virtual)
+    if not ok:
+        raise compile_error(log, asm)
+    if asm.ptx_bodies:                     # stages written in PTX: their bodies in place, then ptxas
+        ptx, spans = spliced_ptx(ptx, asm)
+        if not ptx_only:
+            cubin, more = ptxas(ptx, asm, spans, arch)
+            log += more
+    return cubin, ptx, log
+
+
+def nvrtc_program(source: str, options: list[str], cubin: bool = True) -> tuple[bool, str, str, bytes]:
+    """One NVRTC program, no driver needed → (compiled, log, PTX, cubin or b""): through cuda-bindings, else through
+    CuPy's own binding (a GPU machine may have CuPy alone)."""
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError:
+        return _nvrtc_cupy(source, options, cubin)
 
     def check(res):
         err = res[0] if isinstance(res, tuple) else res
@@ -109,29 +128,38 @@ def compile_nvidia(asm: Assembled, arch: str = "sm_90", ptx_only: bool = False) 
         check(fn(prog, out))
         return bytes(out)
 
-    prog = check(nvrtc.nvrtcCreateProgram(asm.source.encode(), b"monokernel.cu", 0, [], []))
+    prog = check(nvrtc.nvrtcCreateProgram(source.encode(), b"monokernel.cu", 0, [], []))
     try:
-        # a build with PTX sections: NVRTC stops at PTX (a virtual architecture: its own ptxas would assemble a
-        # module about to change), and ptxas runs once, on the spliced module
-        virtual = bool(asm.ptx_bodies) or ptx_only
-        target = arch.replace("sm_", "compute_") if virtual else arch
-        flags = [f for f in asm.flags if not f.startswith("--ptxas-options")] if virtual else asm.flags
-        opts = [o.encode() for o in [f"--gpu-architecture={target}", *NVRTC_OPTIONS, *flags]]
+        opts = [o.encode() for o in options]
         res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         log = get(nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog, prog).decode(errors="replace")
         log = log.rstrip("\x00 ")
         if res[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise compile_error(log, asm)
-        cubin = b"" if virtual else get(nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN, prog)
+            return False, log, "", b""
+        binary = get(nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN, prog) if cubin else b""
         ptx = get(nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX, prog).decode(errors="replace").rstrip("\x00")
+        return True, log, ptx, binary
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-    if asm.ptx_bodies:                     # stages written in PTX: their bodies in place, then ptxas
-        ptx, spans = spliced_ptx(ptx, asm)
-        if not ptx_only:
-            cubin, more = ptxas(ptx, asm, spans, arch)
-            log += more
-    return cubin, ptx, log
+
+
+def _nvrtc_cupy(source: str, options: list[str], cubin: bool = True) -> tuple[bool, str, str, bytes]:
+    """NVRTC through CuPy's binding: PTX only (its getCUBIN drops the image's last byte, which cuobjdump then
+    refuses), which is what a build with PTX sections asks of NVRTC."""
+    if cubin:
+        raise FileNotFoundError("a cubin from NVRTC without a driver needs cuda-bindings (the cuda extra)")
+    from cupy_backends.cuda.libs import nvrtc
+    prog = nvrtc.createProgram(source, "monokernel.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, list(options))
+        except nvrtc.NVRTCError:
+            return False, nvrtc.getProgramLog(prog).rstrip("\x00 "), "", b""
+        ptx = nvrtc.getPTX(prog)
+        ptx = (ptx.decode(errors="replace") if isinstance(ptx, bytes) else ptx).rstrip("\x00")
+        return True, nvrtc.getProgramLog(prog).rstrip("\x00 "), ptx, b""
+    finally:
+        nvrtc.destroyProgram(prog)
 
 
 def spliced_ptx(ptx: str, asm: Assembled) -> tuple[str, list]:
