@@ -49,3 +49,26 @@ def test_the_torch_baseline_does_the_kernels_math(family):
     if family != "llama":
         plain = forward(w.__class__(cfg.with_(**{family: False}), w.tensors, w.xp), tokens, dtype=np.float64)
         assert (np.abs(plain - ref).max(axis=1) / ref.std(axis=1)).max() > 0.2
+
+
+@pytest.mark.parametrize("family", ["llama", "qk_norm", "qkv_bias"])
+def test_the_hf_baseline_is_the_familys_own_model(family):
+    """HF generate() in the bench runs the family's transformers class (not a Llama for every model): on the CPU in
+    fp32 its logits are the reference's over a teacher-forced run."""
+    import torch
+
+    from workbench.check.reference import forward
+    from workbench.measure.baselines import tensors_from_weights
+    from workbench.measure.bench import hf_model
+    from workbench.model.config import get_config
+    from workbench.model.weights import random_weights
+    cfg = get_config("tiny").with_(**({} if family == "llama" else {family: True}))
+    w = random_weights(cfg, 3, progress=False)
+    model = hf_model(cfg, tensors_from_weights(w, "cpu", torch.float32), "cpu", torch.float32)
+    assert type(model).__name__ == {"llama": "LlamaForCausalLM", "qk_norm": "Qwen3ForCausalLM",
+                                    "qkv_bias": "Qwen2ForCausalLM"}[family]
+    tokens = [3, 17, 250, 9, 600]
+    with torch.no_grad():
+        theirs = model(torch.tensor([tokens])).logits[0].double().numpy()
+    ours = forward(w, tokens, kv_bf16=False, dtype=np.float64)
+    assert (np.abs(theirs - ours).max(axis=1) / ours.std(axis=1)).max() < 1e-4

@@ -122,17 +122,29 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
     return out
 
 
+def hf_model(cfg, tensors: dict, device, dtype):
+    """The family's transformers model (LlamaForCausalLM, Qwen3ForCausalLM, Qwen2ForCausalLM) at `cfg`'s shapes,
+    on these HF-named tensors; every tensor must find its place (a tied LM head is the embedding)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    fields = cfg.to_hf_dict()
+    hfc = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hfc).to(dtype).eval()
+    sd = dict(tensors)
+    if cfg.tie_embeddings:
+        sd.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    wrong = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")] + list(unexpected)
+    if wrong:
+        raise ValueError(f"{type(model).__name__} and the weights disagree on {', '.join(sorted(wrong)[:6])}")
+    return model
+
+
 def hf_static_tok_s(cfg, tensors, pos: int, tokens: int):
     """Decode tok/s of HF generate() with a static cache, prefill cancelled by differencing two lengths."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    hfc = LlamaConfig(**cfg.to_hf_dict())
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(hfc).to(torch.bfloat16).eval()
-    sd = {k: v for k, v in tensors.items()}
-    if cfg.tie_embeddings:
-        sd.pop("lm_head.weight", None)
-    model.load_state_dict(sd, strict=False)
+    model = hf_model(cfg, tensors, "cuda", torch.bfloat16)
     prompt = torch.randint(0, cfg.vocab, (1, max(pos, 1)), device="cuda")
 
     def gen(n):
