@@ -658,3 +658,33 @@ def test_bench_positions_past_what_the_model_was_trained_for(capsys):
     assert_error(capsys, ["bench", "--model", "tiny", "--positions", "128", "131000"],
                  "position 131000 and --tokens 128 need 131264 positions, past the 131072 of max_position_embeddings "
                  "of tiny")
+
+
+def test_sanitize_runs_each_tool_on_generate_and_says_why_a_run_ended(tmp_path, capsys):
+    """The command lines `sanitize` gives compute-sanitizer (racecheck limited to the monokernel, the others on every
+    kernel), and what it prints when the program under a tool fails: the tool's lines, then the program's last. A
+    stand-in executable plays compute-sanitizer (the real one needs a GPU): it logs its arguments and answers as the
+    real one did on the H200 when the program died early."""
+    log = tmp_path / "argv.txt"
+    fake = tmp_path / "compute-sanitizer"
+    fake.write_text(f"""#!/bin/sh
+echo "$@" >> {log}
+echo "random weights:  71%|#######   | 104/146"
+echo "========= COMPUTE-SANITIZER"
+echo "========= Error: process didn't terminate successfully"
+echo "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"
+exit 9
+""")
+    fake.chmod(0o755)
+    assert main(["sanitize", "--model", "tiny", "--tool", "racecheck", "--tokens", "1", "--prompt-ids", "5",
+                 "--sanitizer", str(fake)]) == 1
+    out = capsys.readouterr().out
+    assert "racecheck  tiny: 0 errors" in out and "exit code 9" in out
+    assert "========= Error: process didn't terminate successfully" in out
+    assert out.index("the program under the tool ended with:") < out.index("random weights:  71%")
+    argv = log.read_text().split()
+    assert argv[:2] == ["--tool", "racecheck"] and "--kernel-name" in argv and "kns=wb_generate" in argv
+    assert argv[argv.index("--prompt-ids") + 1] == "5" and argv[argv.index("--tokens") + 1] == "1"
+    log.unlink()
+    main(["sanitize", "--model", "tiny", "--tool", "memcheck", "--sanitizer", str(fake)])
+    assert "--kernel-name" not in log.read_text()          # memcheck watches every kernel
