@@ -194,7 +194,7 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
             cpp_text = cpp.read_text()
             bodies.append(PtxBody(name, _display(path), overrides[name] if name in overrides else path.read_text(),
                                   cpp_params(cpp_text, f"stage_{name}"),
-                                  ptx_constants(build_defines, opt.threads, opt.stream)))
+                                  ptx_constants(build_defines, opt.launch.stage_threads)))
             # the C++ section compiles (its helpers stay; its errors still show) with its stage renamed away, and
             # the stage becomes a stub that uses every parameter, so that the compiler keeps all of them in the
             # function whose body the .ptx replaces (it drops those a body leaves unused)

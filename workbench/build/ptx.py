@@ -75,9 +75,9 @@ def ptx_stub(source: str, section: str) -> str:
         "}", ""])
 
 
-def constants(defines: dict, threads: int, stream: bool) -> tuple:
-    """What a body may write by name: every #define of the build, and WB_STAGE_THREADS."""
-    return (*((k, v) for k, v in defines.items()), ("WB_STAGE_THREADS", str(threads - 32 if stream else threads)))
+def constants(defines: dict, stage_threads: int) -> tuple:
+    """What a body may write by name: every #define of the build, and WB_STAGE_THREADS (plan.Launch's)."""
+    return (*((k, v) for k, v in defines.items()), ("WB_STAGE_THREADS", str(stage_threads)))
 
 
 @dataclasses.dataclass(frozen=True)
