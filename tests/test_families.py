@@ -111,14 +111,20 @@ def test_random_weights_of_a_family_have_its_tensors():
     assert w2.tensors[layer_names(1, cfg2)["bv"]].shape == (cfg2.kv_dim,)
 
 
+def _prepared_and_back(flag: str):
+    """tiny with a family's flag: (config, random weights, prepared, unprepared back)."""
+    from workbench.model.weights import unprepare
+    cfg = get_config("tiny").with_(**{flag: True})
+    w = random_weights(cfg, 3, progress=False)
+    p = prepare(w, progress=False)
+    return cfg, w, p, unprepare(p)
+
+
 def test_qwen3_gains_are_prepared_as_they_are_and_come_back():
     """prepare() keeps the q/k norm gains apart (they follow a norm of the projection's output: nothing to fold them
     into), q's then k's per layer; unprepare() gives back exactly the checkpoint's; a Llama gets ones."""
-    from workbench.model.weights import to_f32, unprepare
-    cfg = get_config("tiny").with_(qk_norm=True)
-    w = random_weights(cfg, 3, progress=False)
-    p = prepare(w, progress=False)
-    back = unprepare(p)
+    from workbench.model.weights import to_f32
+    cfg, w, p, back = _prepared_and_back("qk_norm")
     for i in range(cfg.n_layers):
         n = layer_names(i, cfg)
         for j, k in enumerate(("q_norm", "k_norm")):
@@ -191,16 +197,13 @@ def test_family_presets_have_their_models_shapes(name):
 def test_qwen2_biases_are_prepared_in_the_kernels_row_order_and_come_back():
     """prepare() puts the biases in Wqkv's rope-pair row order, unscaled (they follow the projection, so the
     attention norm's gain is not folded into them); unprepare() gives back exactly the checkpoint's."""
-    from workbench.model.weights import qkv_row_order, to_f32, unprepare
-    cfg = get_config("tiny").with_(qkv_bias=True)
-    w = random_weights(cfg, 3, progress=False)
-    p = prepare(w, progress=False)
+    from workbench.model.weights import qkv_row_order, to_f32
+    cfg, w, p, back = _prepared_and_back("qkv_bias")
     order = qkv_row_order(cfg)
     for i in range(cfg.n_layers):
         n = layer_names(i, cfg)
         b = np.concatenate([to_f32(w.tensors[n[k]]) for k in ("bq", "bk", "bv")])
         assert np.array_equal(p.bqkv[i], b[order])
-        back = unprepare(p)
         assert all(np.array_equal(back.tensors[n[k]], to_f32(w.tensors[n[k]])) for k in ("bq", "bk", "bv"))
     plain = prepare(random_weights(get_config("tiny"), 3, progress=False), progress=False)
     assert plain.bqkv.shape == (2, get_config("tiny").qkv_rows) and not plain.bqkv.any()
