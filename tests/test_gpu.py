@@ -8,6 +8,7 @@ import time
 import numpy as np
 import pytest
 from conftest import fresh_seed
+from test_families import FAMILIES
 
 from workbench.build.assemble import BuildOptions
 from workbench.build.compile import CompileError
@@ -300,23 +301,17 @@ def test_a_section_that_reads_other_rows_than_the_stream_is_named():
 
 # ---- the families' own steps in the QKV epilogue: Qwen3's per-head q/k norm, Qwen2's biases ------------------------
 
-FAMILY_CHECKPOINTS = ["qwen3-hd128-gqa", "qwen3-hd64-mha-untied", "qwen3-hd96-gqa3", "qwen2-hd64-gqa",
-                      "qwen2-hd80-mha-untied"]          # tests/test_families.py's FAMILIES
-
-
-@pytest.mark.parametrize("name", FAMILY_CHECKPOINTS)
+@pytest.mark.parametrize("name", list(FAMILIES))
 def test_family_checkpoints_verify_and_their_steps_mutants_are_named(hf_checkpoint, name):
     """save_pretrained checkpoints of awkward sizes (the reference matches Qwen3ForCausalLM and Qwen2ForCausalLM on
     them, tests/test_families.py): stage by stage and end to end; each mutant of the family's own step
     (check.mutants, `needs`) is named qkv_rope_append."""
     import cupy as cp
-    from test_families import FAMILIES
 
     from workbench.build.assemble import section_path
     from workbench.check.mutants import MUTANTS
     from workbench.check.verify import verify_stages
     from workbench.model.weights import load_hf, prepare
-    assert set(FAMILY_CHECKPOINTS) == set(FAMILIES)
     folder = hf_checkpoint(**{k: v for k, v in FAMILIES[name].items() if v is not None})
     cfg = get_config(str(folder))
     taps, _ = _verified(prepare(load_hf(folder, cfg, progress=False), xp=cp, progress=False))
