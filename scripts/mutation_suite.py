@@ -37,14 +37,14 @@ def groups(model: str, mutants) -> dict[str, list]:
     return out
 
 
-def run_model(model: str, mutants, log) -> tuple[list, bool]:
+def run_model(model: str, mutants, log, **workbench_kw) -> tuple[list, bool]:
     """The mutants on one model's workbench, on a private copy of the kernels: (outcomes, unmutated passes after)."""
     from workbench.loop.session import Workbench
     work = Path(tempfile.mkdtemp(prefix="wb-mutants-"))
     shutil.copytree(paths.kernels_dir(), work / "kernels", ignore=shutil.ignore_patterns(".history"))
     try:
         with paths.use_kernels_dir(work / "kernels"):
-            wb = Workbench(model, activate=False, history_dir=work / "history")
+            wb = Workbench(model, activate=False, history_dir=work / "history", **workbench_kw)
             log(f"{model}: {wb.last.report()}")
             if not wb.last.passed:
                 log(f"{model}: the unmutated kernel does not pass: no point in mutating it\n{wb.last.stages}")
@@ -64,14 +64,17 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="llama-3.2-1b")
     ap.add_argument("--only", nargs="*", help="mutant names (default: all)")
     ap.add_argument("--json", help="write every outcome here")
+    ap.add_argument("--verify-fast-compile", choices=("0", "min", "mid", "max"),
+                    help="NVRTC's -Ofc level for the verification build (default: the workbench's)")
     a = ap.parse_args(argv)
+    kw = {"verify_fast_compile": a.verify_fast_compile} if a.verify_fast_compile else {}
     mutants = [by_name(n) for n in a.only] if a.only else list(MUTANTS)
     t0 = time.perf_counter()
     results, all_after, not_run = [], True, []
     for model, ms in groups(a.model, mutants).items():
         if not ms:
             continue
-        outcomes, after = run_model(model, ms, log=lambda s: print(s, flush=True))
+        outcomes, after = run_model(model, ms, log=lambda s: print(s, flush=True), **kw)
         results += [(model, o) for o in outcomes]
         all_after &= after
         if not outcomes:                   # its unmutated kernel failed: the other models' results still count
@@ -84,7 +87,8 @@ def main(argv=None) -> int:
     caught = sum(o.caught for o in outcomes)
     secs = sorted(o.seconds for o in outcomes)
     models = ", ".join(sorted({m for m, _ in results}))
-    print(f"{models}: {caught}/{len(outcomes)} caught and named; edit → verdict median {secs[len(secs) // 2]:.2f} s "
+    print(f"{models}{' (verification build -Ofc=' + a.verify_fast_compile + ')' if kw else ''}: "
+          f"{caught}/{len(outcomes)} caught and named; edit → verdict median {secs[len(secs) // 2]:.2f} s "
           f"(min {secs[0]:.2f}, max {secs[-1]:.2f}); suite {time.perf_counter() - t0:.0f} s; unmutated after: "
           f"{'PASS' if all_after else 'FAIL'}" + (f"; not run (their model failed unmutated): {not_run}" if not_run else ""))
     if a.json:
@@ -93,7 +97,8 @@ def main(argv=None) -> int:
             "not_run": not_run,
             "outcomes": [{**dataclasses.asdict(o.mutant), "model": model, "status": o.status, "named": o.named,
                           "caught": o.caught, "seconds": o.seconds, "compile_s": o.compile_s,
-                          "verify_s": o.verify_s, "first_failure": o.first_failure} for model, o in results]},
+                          "verify_s": o.verify_s, "record_s": o.record_s, "first_failure": o.first_failure}
+                         for model, o in results]},
             indent=1))
     return 0 if caught == len(outcomes) and all_after and not not_run else 1
 

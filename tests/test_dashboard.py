@@ -692,7 +692,7 @@ def test_history_records():
                   "variants": (("qkv_rope_append", "split"), ("lm_head", "wide"))})
     rows = d.history.rows
     assert rows[0] == {"time": "", "section": "gate_up_silu", "variant": "—", "compile_s": 1.234,
-                       "verified": "PASS", "tok_s": 1071.4, "error": ""}
+                       "verdict_s": None, "verified": "PASS", "tok_s": 1071.4, "error": ""}
     assert rows[1]["variant"] == "split" and rows[1]["verified"] == "FAIL" and rows[1]["tok_s"] is None
     assert rows[2]["compile_s"] is None and rows[2]["verified"] == "compile error"
     assert rows[2]["error"].startswith("kernels/sections/lm_head.cuh:12")
@@ -701,6 +701,8 @@ def test_history_records():
     html = d.history.widget.value
     assert html.count("<tr>") == 1 + 4 and "1,071" in html and "1.23 s" in html and "PASS" in html
     assert "&quot;;&quot;" in html or "&quot;" in html                       # escaped
+    d.add_record({"section": "lm_head", "compile_s": 0.8, "verdict_s": 0.85, "passed": True})
+    assert d.history.rows[-1]["verdict_s"] == 0.85 and "0.85 s" in d.history.widget.value
     d.history.clear()
     assert "no reloads yet" in d.history.widget.value
 

@@ -110,6 +110,32 @@ def test_compile_error_keeps_the_last_good_kernel(wb):
     assert wb.reload().status == session.OK
 
 
+def test_the_verdict_comes_while_the_timed_build_compiles(wb):
+    """The pipelined round in the GPU worker: the verification build is verified while the timed build compiles in
+    the worker's background; both end up holding the edit, and a timed-only compile error puts both back."""
+    text = session.section_file("lm_head").read_text()
+    verdicts = []
+    wb.on_verdict.append(verdicts.append)
+    try:
+        wb.overrides["lm_head"] = text + "\n// pipelined edit\n"
+        rec = wb.reload(trigger="edit", section="lm_head")
+        print(rec.report())
+        assert verdicts == [rec] and rec.status == session.OK and rec.passed
+        assert math.isfinite(rec.timed_compile_s) and rec.compile_s < rec.verdict_s < rec.total_s
+        assert wb.backend.info["timed"][2]["lm_head"] == wb.overrides["lm_head"]
+        good = {n: v[0] for n, v in wb.backend.info.items()}
+        wb.overrides["lm_head"] = text + "\n#if WB_TIMING\n__device__ void f() { undeclared_in_timed += 1; }\n#endif\n"
+        rec = wb.reload(trigger="edit", section="lm_head")
+        print(rec.report())
+        assert rec.status == session.COMPILE_ERROR and "timed build did not compile" in rec.error
+        assert {n: v[0] for n, v in wb.backend.info.items()} == good
+        assert wb.verify().passed                                  # the good kernels stay loaded and runnable
+    finally:
+        wb.on_verdict.remove(verdicts.append)
+        wb.overrides.clear()
+    assert wb.reload().status == session.OK
+
+
 def test_compare_variants(wb):
     base = session.section_file("qkv_rope_append").read_text()
     wb.edit("qkv_rope_append", benchmark.wrong_rope(base), variant="wrong_ab")
@@ -159,10 +185,14 @@ def test_a_hang_or_a_fault_is_reported_and_the_loop_lives_on(wb, name):
 
 def test_loop_benchmark_restores_files(kernels):
     before = {p: p.read_bytes() for p in kernels.rglob("*.cuh")}
-    out = benchmark.loop_benchmark("tiny", edits=2, overhead_tokens=64, overhead_repeats=2, seed=fresh_seed())
+    out = benchmark.loop_benchmark("tiny", edits=2, overhead_tokens=64, overhead_repeats=2, seed=fresh_seed(),
+                                   fast_compile_levels=("max",), level_edits=1)
     print({k: v for k, v in out.items() if k not in ("stages_text", "timing_text", "edit_runs")})
     assert out["files_restored"]
     assert {p: p.read_bytes() for p in kernels.rglob("*.cuh")} == before
     assert out["edit"]["all_passed"] and out["initial"]["passed"]
+    assert 0 < out["edit"]["edit_to_verdict_s"] < out["edit"]["edit_to_record_s"]
+    assert out["verify_fast_compile"]["levels"]["max"]["all_passed"]
+    assert out["verify_fast_compile"]["kept"] == "min"
     assert out["wrong_edit"]["caught_as_q_layer0"], out["wrong_edit"]
     assert out["overhead"]["plain_tok_s"] > 0

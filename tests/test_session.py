@@ -7,6 +7,7 @@ pointed at it), so the real section files are never touched."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import time
@@ -204,6 +205,79 @@ def test_compile_error_through_the_magic_keeps_the_last_good_build(cpu_wb, shell
         assert "not verified" in out and cpu_wb.backend.cubins["debug"][0] == good["debug"][0]
     finally:
         cpu_wb.on_record.remove(seen.append)
+
+
+def test_the_verdict_does_not_wait_for_the_timed_build(cpu_wb):
+    """The timed build compiles in the background while the verification build is checked (here: the CPU
+    reference, tiny being small): the verdict is told before that compile is waited for, and the record still ends
+    with the timed build in place."""
+    assert cpu_wb.pipeline and cpu_wb.backend.cpu_reference
+    order = []
+
+    def at_verdict(rec):
+        order.append(("verdict", cpu_wb.backend._deferred is not None, rec.timed_compile_s, rec.verdict_s))
+    finish = cpu_wb.backend.finish
+
+    def finishing():
+        order.append(("finish",))
+        return finish()
+    cpu_wb.on_verdict.append(at_verdict)
+    cpu_wb.on_record.append(lambda rec: order.append(("record",)))
+    cpu_wb.backend.finish = finishing
+    try:
+        rec = cpu_wb.reload(trigger="edit", section="lm_head")
+    finally:
+        del cpu_wb.backend.finish
+        cpu_wb.on_verdict.remove(at_verdict)
+        cpu_wb.on_record.pop()
+    assert [o[0] for o in order] == ["verdict", "finish", "record"]
+    _, deferred, timed_then, verdict_s = order[0]
+    assert deferred and math.isnan(timed_then)          # the timed build was not yet waited for
+    assert 0 < rec.compile_s < verdict_s == rec.verdict_s < rec.total_s
+    assert math.isfinite(rec.timed_compile_s) and rec.timed_compile_s > 0
+    assert rec.status == session.NO_GPU and rec.resources and rec.resources["registers"] > 0
+    assert cpu_wb.backend.key("timed") == cpu_wb.backend.cubins["timed"][0]
+    assert "the timed build" in rec.report()
+    d = rec.to_dict()
+    assert d["verdict_s"] == rec.verdict_s and d["timed_compile_s"] == rec.timed_compile_s
+
+
+def test_pipeline_off_compiles_both_builds_first(cpu_wb):
+    cpu_wb.pipeline = False
+    try:
+        rec = cpu_wb.reload()
+    finally:
+        cpu_wb.pipeline = True
+    assert rec.status == session.NO_GPU and math.isnan(rec.timed_compile_s) and rec.resources
+    assert rec.compile_s < rec.verdict_s < rec.total_s
+
+
+def test_a_compile_error_in_the_timed_build_alone_puts_both_builds_back(cpu_wb):
+    """An edit that compiles in the verification build but not in the timed one (only the timed build sets
+    WB_TIMING): the round is a compile error at the user's line once the background compile ends, and neither build
+    is replaced."""
+    good = dict(cpu_wb.backend.cubins)
+    path = session.section_file("lm_head")
+    text = path.read_text()
+    bad = text.rstrip("\n") + "\n#if WB_TIMING\n__device__ void wb_timed_only() { undeclared_in_timed += 1; }\n#endif\n"
+    line = len(bad.splitlines()) - 1
+    verdicts = []
+    cpu_wb.on_verdict.append(verdicts.append)
+    try:
+        cpu_wb.edit("lm_head", bad)
+        rec = cpu_wb.reload(trigger="edit", section="lm_head")
+        assert verdicts == [rec]                           # the verification build got as far as its verdict
+        assert rec.status == session.COMPILE_ERROR and "timed build did not compile" in rec.error
+        assert f"kernels/sections/lm_head.cuh:{line}:" in rec.error and "undeclared_in_timed" in rec.error
+        assert any(m[0] == "kernels/sections/lm_head.cuh" and m[1] == line for m in rec.messages)
+        assert cpu_wb.backend.cubins == good                # both builds are the last good ones
+        assert cpu_wb.backend._deferred is None
+    finally:
+        cpu_wb.on_verdict.remove(verdicts.append)
+        cpu_wb.undo("lm_head", reload=False)
+    assert path.read_text() == text
+    rec = cpu_wb.reload(trigger="undo", section="lm_head")
+    assert rec.status == session.NO_GPU
 
 
 def test_loop_builds_leave_out_the_sampler_unless_it_is_edited(cpu_wb):

@@ -2,7 +2,11 @@
 backend (compile-only builds, and the reference run on the CPU). The Workbench talks to either through the same
 methods, so the loop has no `if gpu` branches:
 
-    build(builds, overrides) → seconds      compile every named build; all or nothing (the last good ones stay)
+    build(builds, overrides, defer) → s     compile every named build; all or nothing (the last good ones stay).
+                                            The builds named in `defer` compile in the background: the others are
+                                            ready (verify runs) while they do
+    finish() → seconds                      wait for the deferred builds (their compile wall time); a compile error
+                                            there puts every build of the round back, as build's would
     key(name), resources(name)              what was built
     verify(sampling=...) → Verdict          stage-local checks on the debug build, plus the end-to-end check
     time(steps, prompt) → Timing            a greedy run of the timed build: tok/s, per-stage table, tokens
@@ -66,6 +70,30 @@ def default_parallel() -> bool:
     return (os.cpu_count() or 1) >= 4
 
 
+class Deferred:
+    """Builds compiling in a background thread (NVRTC and ptxas leave the GIL and this process's GPU work alone)
+    while the caller goes on: `wait()` → (compile wall time, [(result, exception)]) once they are done."""
+
+    def __init__(self, fn, names: list, parallel: bool, undo=None):
+        self.names, self.undo, self.t0 = list(names), undo, time.perf_counter()
+        self.done_at = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="wb-deferred-build")
+        self._future = self._pool.submit(self._run, fn, parallel)
+
+    def _run(self, fn, parallel):
+        try:
+            return _map(fn, self.names, parallel)
+        finally:
+            self.done_at = time.perf_counter()
+
+    def wait(self) -> tuple[float, list]:
+        try:
+            results = self._future.result()
+        finally:
+            self._pool.shutdown(wait=True)
+        return self.done_at - self.t0, results
+
+
 class CpuBackend:
     """No GPU: the builds compile to sm_90 cubins (errors, registers, spills), and the reference runs on the CPU
     for the verification tokens (small models only). Nothing is verified: there is no kernel run to check."""
@@ -88,8 +116,11 @@ class CpuBackend:
             self._p = self._loader()
         return self._p
 
-    def build(self, builds: dict, overrides: dict) -> float:
+    def build(self, builds: dict, overrides: dict, defer=()) -> float:
         from ..build.compile import compile_cubin, resource_usage
+        if self._deferred is not None:
+            with contextlib.suppress(Exception):    # a round nobody finished: waited for, what it built kept
+                self.finish()
 
         def one(name):
             asm = _asm.assemble(self.cfg, builds[name], overrides)
@@ -106,11 +137,32 @@ class CpuBackend:
                 while len(self._compiled) > 16:
                     self._compiled.pop(next(iter(self._compiled)))
             return name, asm.key, hit
+        before = dict(self.cubins)
+        now = [n for n in builds if n not in defer]
         t0 = time.perf_counter()
-        results = _map(one, list(builds), self.parallel)
+        results = _map(one, now, self.parallel)
         wall = time.perf_counter() - t0
         errors = [e for _, e in results if e is not None]
         if errors:
+            raise errors[0]
+        for name, key, (cubin, res) in (r for r, _ in results):
+            self.cubins[name] = (key, cubin, res)
+        later = [n for n in builds if n in defer]
+        if later:
+            self._deferred = Deferred(one, later, self.parallel, undo=before)
+        return wall
+
+    _deferred = None
+
+    def finish(self) -> float:
+        """The deferred builds, once compiled, in place (nan: none were deferred)."""
+        d, self._deferred = self._deferred, None
+        if d is None:
+            return float("nan")
+        wall, results = d.wait()
+        errors = [e for _, e in results if e is not None]
+        if errors:
+            self.cubins = d.undo                # the whole round goes back
             raise errors[0]
         for name, key, (cubin, res) in (r for r, _ in results):
             self.cubins[name] = (key, cubin, res)
@@ -180,13 +232,16 @@ class GpuBackend:
     def _ctx(self):
         return self.cp.cuda.Device(self.dev_id)
 
-    def build(self, builds: dict, overrides: dict) -> float:
-        """Compile the builds; all or nothing: if one fails, the others go back to what they were."""
+    def build(self, builds: dict, overrides: dict, defer=()) -> float:
+        """Compile the builds; all or nothing: if one fails, the others go back to what they were. A build named in
+        `defer` that only reloads (its kernel exists, with the same launch) compiles in the background, without
+        telling the phase word: finish() waits for it, and until then its previous kernel stays in place."""
         from .benchmark import texts_of
+        self._settle()
         overrides = dict(overrides)
         before = {n: (mk.opt, texts_of(mk.asm)) for n, mk in self.kernels.items()}
 
-        def one(name):
+        def one(name, phase=True):
             with self._ctx():
                 opt = builds[name]
                 mk = self.kernels.get(name)
@@ -194,27 +249,69 @@ class GpuBackend:
                 if mk is None or not mk.same_launch(opt):
                     mk = self.monokernel(opt, overrides, max_steps=256, max_record=64)
                 else:
-                    mk.reload(opt, overrides)
+                    mk.reload(opt, overrides, phase=phase)
                 return name, mk, time.perf_counter() - t0
+        later = [n for n in builds if n in defer and n in self.kernels and self.kernels[n].same_launch(builds[n])]
+        names = [n for n in builds if n not in later]
         t0 = time.perf_counter()
-        names = list(builds)
         results = _map(one, names, self.parallel)
         if self.parallel and any(e is not None and not isinstance(e, CompileError) for _, e in results):
             # not a compile error: in case it came from building in threads, once more one after the other
             results = [(r, None) if e is None else _map(one, [n], False)[0]
                        for n, (r, e) in zip(names, results, strict=True)]
         wall = time.perf_counter() - t0
+        self._install(results, before)
+        if later:
+            self._deferred = Deferred(lambda n: one(n, phase=False), later, self.parallel,
+                                      undo=(before, [self.kernels[n] for n in names]))
+        return wall
+
+    _deferred = None
+
+    def _install(self, results: list, before: dict):
+        """Compiled kernels in place, or, if one failed, those that compiled put back as they were (raises)."""
         errors = [e for _, e in results if e is not None]
         if errors:
-            for res, e in results:
-                if e is None and res[0] in before:        # compiled, but its sibling did not: put it back
-                    opt, texts = before[res[0]]
-                    with contextlib.suppress(Exception), self._ctx():
-                        res[1].reload(opt, texts)
+            self._put_back([res[1] for res, e in results if e is None], before)
             raise errors[0]
         for name, mk, _ in (r for r, _ in results):
             self.kernels[name] = mk
+
+    def _put_back(self, kernels: list, before: dict):
+        for mk in kernels:
+            for name, k in list(self.kernels.items()):
+                if k is mk and name in before:
+                    opt, texts = before[name]
+                    with contextlib.suppress(Exception), self._ctx():
+                        mk.reload(opt, texts)
+
+    def finish(self) -> float:
+        """Wait for the deferred builds (the phase word says compiling meanwhile, so that a compiler hang is
+        caught) and put them in place → their compile wall time (nan: none). A compile error there puts the
+        builds compiled before it back too, and is raised."""
+        d, self._deferred = self._deferred, None
+        if d is None:
+            return float("nan")
+        if self.on_phase:
+            self.on_phase("compiling")
+        try:
+            wall, results = d.wait()
+        finally:
+            if self.on_phase:
+                self.on_phase("idle")
+        before, compiled = d.undo
+        errors = [e for _, e in results if e is not None]
+        if errors:
+            self._put_back(compiled + [res[1] for res, e in results if e is None], before)
+            raise errors[0]
+        self._install(results, before)
         return wall
+
+    def _settle(self):
+        """A deferred round nobody finished (its caller stopped at a failure): wait for it, keep what it built."""
+        if self._deferred is not None:
+            with contextlib.suppress(Exception):
+                self.finish()
 
     def key(self, name):
         return self.kernels[name].asm.key
@@ -266,6 +363,7 @@ class GpuBackend:
     def time(self, steps: int, prompt=None, mk=None) -> Timing:
         """A greedy run of the timed build (from `prompt`, default the BOS token) → tok/s, stages, tokens."""
         from ..measure.timing import stage_table
+        self._settle()                          # never a kernel whose module a background compile may swap
         mk = mk or self.kernels["timed"]
         prompt = list(prompt) if prompt else [self.cfg.bos_token_id if self.cfg.bos_token_id is not None else 1]
         t0 = time.perf_counter()
@@ -284,6 +382,7 @@ class GpuBackend:
         from .records import format_compile_error
         out = {"a": {}, "b": {}}
         kernels = {}
+        self._settle()
         with self._ctx():
             for tag, builds in (("a", a), ("b", b)):
                 o = out[tag]
@@ -315,6 +414,7 @@ class GpuBackend:
         steps; a build with timing stores every step's stamps. The build named "timing" is also run storing none:
         what the compiled-in instrumentation costs by itself."""
         from ..run.runtime import KernelError
+        self._settle()
         with self._ctx():
             kernels = {k: self.monokernel(o, dict(overrides), max_steps=tokens + 8) for k, o in builds.items()}
             spec = {k: (mk, mk.opt.timing) for k, mk in kernels.items()}
@@ -349,6 +449,7 @@ class GpuBackend:
         return runs, last, errors
 
     def close(self):
+        self._settle()
         self.kernels.clear()
 
 
@@ -380,13 +481,23 @@ class GpuService:
         """`method` with the caller's kernel folder in force (sections are read from where the caller edits): this
         service's own (build, which answers with what the caller keeps of each kernel), else the backend's."""
         paths.set_kernels_dir(kernels)
-        target = self if method in ("build", "close") else self.backend
+        target = self if method in ("build", "finish", "kernels", "close") else self.backend
         return getattr(target, method)(*args, **kw)
 
-    def build(self, builds: dict, overrides: dict):
+    def build(self, builds: dict, overrides: dict, defer=()):
+        wall = self.backend.build(builds, overrides, defer)
+        return wall, self._info()
+
+    def finish(self):
+        wall = self.backend.finish()
+        return wall, self._info()
+
+    def kernels(self) -> dict:
+        return self._info()
+
+    def _info(self) -> dict:
         from .benchmark import texts_of
-        wall = self.backend.build(builds, overrides)
-        return wall, {n: (mk.asm.key, mk.resources(), texts_of(mk.asm)) for n, mk in self.backend.kernels.items()}
+        return {n: (mk.asm.key, mk.resources(), texts_of(mk.asm)) for n, mk in self.backend.kernels.items()}
 
     def close(self):
         self.backend.close()
@@ -431,9 +542,14 @@ class WorkerBackend:
             # the caller's kernel folder, every call: the worker is another process and would read the default
             return self.worker.call("at", str(paths.kernels_dir()), method, *args, **kw)
         except WorkerFailure as f:
+            if f.kind == "crash" and self._deferred and method != "finish":
+                # the worker died while a build compiled in its background: the compiler may be what died
+                g = WorkerFailure(f.kind, f"{f.message} (the {', '.join(self._deferred)} build was compiling in "
+                                          f"the background)", f.blocks, f.status, f.seconds)
+                g.killed, f = f.killed, g
             if f.killed:                       # a hang the kernel survived needs no new worker
                 self.recover(f)
-            raise
+            raise f from None
 
     def recover(self, failure=None):
         """A new worker, the weights checked: it starts now, in the background, so that the failure is reported at
@@ -444,6 +560,7 @@ class WorkerBackend:
                 self.worker.args = (self.cfg, self.holder.lend()) + self.worker.args[2:]
         self.worker.spawn()
         self._restore = True
+        self._deferred = None                  # what compiled in the old worker's background went with it
         self.restart_s = None
 
     def _restored(self):
@@ -454,13 +571,32 @@ class WorkerBackend:
             _, self.info = self.worker.call("at", str(paths.kernels_dir()), "build", builds, texts)
         self.restart_s = time.perf_counter() - self._recover_t0
 
-    def build(self, builds: dict, overrides: dict) -> float:
-        wall, info = self._call("build", builds, overrides)
+    def build(self, builds: dict, overrides: dict, defer=()) -> float:
+        self._deferred = None
+        wall, info = self._call("build", builds, overrides, defer)
         self.info = info
         self._pending = (builds, info[next(iter(info))][2])
-        if self._compile_s is None:        # a compile far longer than the ones before is a compiler hang
-            self.worker.compile_s = max(10.0, 4 * wall)
+        self._deferred = [n for n in builds if n in defer] or None
+        self._limit(wall)
         return wall
+
+    def finish(self) -> float:
+        if not self._deferred:
+            return float("nan")
+        self._deferred = None
+        try:
+            wall, self.info = self._call("finish")
+        except CompileError:
+            self.info = self._call("kernels")           # the round went back: what the worker holds now
+            raise
+        self._limit(wall)
+        return wall
+
+    _deferred = None
+
+    def _limit(self, wall: float):
+        if self._compile_s is None and wall == wall:   # a compile far longer than the ones before: a compiler hang
+            self.worker.compile_s = max(10.0, 4 * wall)
 
     def mark_good(self):
         """The builds just made ran (verified and timed) without a hang or a fault: they are what a restart loads."""

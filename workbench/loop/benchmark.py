@@ -41,10 +41,33 @@ def wrong_rope(text: str) -> str:
 EDIT_SECTIONS = (*plan.STAGE_NAMES, "matvec")
 
 
+def _timed_edit(wb, name: str, text: str) -> dict:
+    """One harmless edit → reload, with the edit → verdict and edit → record times (the write included)."""
+    t1 = time.perf_counter()
+    wb.edit(name, text)
+    written = time.perf_counter() - t1
+    rec = wb.reload(trigger="edit", section=name)
+    b = {"section": name, **_brief(rec)}
+    b["edit_to_record_s"] = time.perf_counter() - t1
+    b["edit_to_verdict_s"] = written + rec.verdict_s if math.isfinite(rec.verdict_s) else None
+    return b
+
+
+LOOP_TIMES = ("compile_s", "timed_compile_s", "verify_s", "verdict_s", "time_s", "total_s", "edit_to_verdict_s",
+              "edit_to_record_s")
+
+
+def _medians(runs: list) -> dict:
+    return {k: float(np.median([r[k] for r in runs if r[k] is not None] or [math.nan])) for k in LOOP_TIMES}
+
+
 def loop_benchmark(model: str = "llama-3.2-1b", *, sections: tuple = EDIT_SECTIONS, edits: int = 10,
-                   overhead_tokens: int = 256, overhead_repeats: int = 5, **workbench_kw) -> dict:
+                   overhead_tokens: int = 256, overhead_repeats: int = 5, fast_compile_levels: tuple = (),
+                   level_edits: int = 4, **workbench_kw) -> dict:
     """Measure the editing loop on a GPU: `edits` harmless edits (a comment appended, different text each time, so
-    every compile is a real one), to `sections` in turn → reload (compile, verify, time); a deliberately wrong edit
+    every compile is a real one), to `sections` in turn → reload (compile, verify, time), with edit → verdict (the
+    verification build's; the timed build compiles beside it) and edit → record (timing included); then
+    `level_edits` more at each of `fast_compile_levels` for the verification build (NVRTC -Ofc); a deliberately wrong edit
     (wrong_rope, as a variant) → the first failing stage; and the tok/s of the plain build against the timing build
     and the taps build (instrumentation overhead). Restores every file it touched; its edit history goes to a
     temporary folder. Returns a dict (JSON-ready)."""
@@ -71,16 +94,24 @@ def loop_benchmark(model: str = "llama-3.2-1b", *, sections: tuple = EDIT_SECTIO
         for i in range(edits):
             name = sections[i % len(sections)]
             text = originals[name].decode() + f"\n// loop_benchmark: harmless edit {i} at {time.time_ns()}\n"
-            t1 = time.perf_counter()
-            wb.edit(name, text)
-            rec = wb.reload(trigger="edit", section=name)
-            b = {"section": name, **_brief(rec)}
-            b["edit_to_record_s"] = time.perf_counter() - t1
-            runs.append(b)
+            runs.append(_timed_edit(wb, name, text))
         out["edit_runs"] = runs
-        out["edit"] = {k: float(np.median([r[k] for r in runs if r[k] is not None] or [math.nan]))
-                       for k in ("compile_s", "verify_s", "time_s", "total_s", "edit_to_record_s")}
+        out["edit"] = _medians(runs)
         out["edit"]["all_passed"] = all(r["passed"] for r in runs)
+        # the verification build's fast-compile level (its compile is the verdict's; its speed is never read)
+        levels = {}
+        kept = wb.verify_fast_compile
+        for level in fast_compile_levels:
+            wb.verify_fast_compile = level
+            wb.reload(trigger="manual")                 # the level's first build (CuPy may have it cached)
+            lr = [_timed_edit(wb, name, originals[name].decode() + f"\n// loop_benchmark: -Ofc={level} edit {i} "
+                                                                   f"at {time.time_ns()}\n")
+                  for i, name in enumerate(sections[:level_edits])]
+            levels[level] = {**_medians(lr), "all_passed": all(r["passed"] for r in lr), "runs": lr}
+        wb.verify_fast_compile = kept
+        if levels:
+            wb.reload(trigger="manual")
+        out["verify_fast_compile"] = {"kept": kept, "levels": levels}
         if runs:
             out["stages_text"] = wb.last.stages.text() if wb.last.stages is not None else None
             out["timing_text"] = wb.last.timing_text
@@ -138,5 +169,6 @@ def _brief(rec: ReloadRecord | None) -> dict | None:
         return None if v is None or (isinstance(v, float) and not math.isfinite(v)) else v
     return {"status": rec.status, "passed": rec.passed, "first_failure": rec.first_failure,
             "compile_s": num(rec.compile_s), "verify_s": num(rec.verify_s), "time_s": num(rec.time_s),
-            "total_s": num(rec.total_s), "tok_per_s": num(rec.tok_per_s), "error": rec.error,
+            "total_s": num(rec.total_s), "verdict_s": num(rec.verdict_s), "timed_compile_s": num(rec.timed_compile_s),
+            "tok_per_s": num(rec.tok_per_s), "error": rec.error,
             "stages_summary": rec.stages.summary() if rec.stages is not None else None}

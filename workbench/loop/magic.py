@@ -123,11 +123,17 @@ class WorkbenchMagics(Magics):
 
     @staticmethod
     def _reload(wb, **kw):
+        def early(rec):                          # the verdict, while the timed build may still compile
+            if rec.passed is not None:
+                print(rec.verdict(), flush=True)
+        wb.on_verdict.append(early)
         try:
             rec = wb.reload(**kw)
         except Exception as e:                   # noqa: BLE001
             print(f"✗ reload failed: {type(e).__name__}: {e}")
             return
+        finally:
+            wb.on_verdict.remove(early)
         print(rec.report())
 
 

@@ -38,10 +38,12 @@ class ReloadRecord:
     variant: str | None
     variants: tuple                       # ((section, variant), ...) in force
     status: str = OK                      # OK, VERIFY_FAILED, COMPILE_ERROR, ASSEMBLE_ERROR, RUN_ERROR or NO_GPU
-    compile_s: float = math.nan
+    compile_s: float = math.nan           # the verification build's compile (and the timed one's, if not deferred)
     verify_s: float = math.nan
     time_s: float = math.nan
     total_s: float = math.nan
+    verdict_s: float = math.nan           # from the reload's start to the verification's verdict
+    timed_compile_s: float = math.nan     # the timed build, compiled in the background from the reload's start
     passed: bool | None = None            # None: not verified (no GPU, or no kernel)
     first_failure: str | None = None      # one line: "qkv_rope_append: q at layer 0, step 3 (position 3): ..."
     failure: object = None                # workbench.check.stage_check.Failure, structured
@@ -75,6 +77,8 @@ class ReloadRecord:
             return (f"✗ {what}: {self.status} after {self.compile_s:.2f} s; the last good kernel stays loaded\n"
                     f"{self.error}")
         parts = [f"compiled {self.compile_s:.2f} s"]
+        if math.isfinite(self.timed_compile_s):
+            parts[0] += f" (the timed build {self.timed_compile_s:.2f} s, beside verification)"
         if self.status == NO_GPU:
             r = self.resources or {}
             if r:
@@ -84,7 +88,7 @@ class ReloadRecord:
             # nothing ran on a GPU, so nothing was verified: no tick
             return f"○ {what}: " + ", ".join(parts) + "; not verified (no GPU to run the kernel)"
         if self.stages is not None:
-            parts.append(f"verified {self.verify_s:.2f} s")
+            parts.append(f"verified {self.verify_s:.2f} s (verdict at {self.verdict_s:.2f} s)")
         if self.tok_per_s:
             parts.append(f"{self.tok_per_s:,.0f} tok/s (timed {self.time_s:.2f} s)")
         parts.append(f"total {self.total_s:.2f} s")
@@ -100,13 +104,23 @@ class ReloadRecord:
                     f"  {replaced}; every block: wb.last.block_table()")
         return f"✗ {what}: {self.status}: {self.error}\n  {line}"
 
+    def verdict(self) -> str:
+        """One line, as soon as verification has spoken (Workbench.on_verdict), before the timed build is in."""
+        what = self.section + (f"@{self.variant}" if self.variant else "") if self.section else "reload"
+        if self.passed is None:
+            return f"○ {what}: not verified ({self.status})"
+        mark, how = ("✓", "every stage within tolerance on its own inputs") if self.passed else \
+            ("✗", f"VERIFY FAILED: {self.first_failure}")
+        return f"{mark} {what}: {how} (verdict after {self.verdict_s:.2f} s; the timed build follows)"
+
     def to_dict(self) -> dict:
         """Plain Python for dashboards and JSON (NaN/inf become None)."""
         def num(v):
             return None if v is None or (isinstance(v, float) and not math.isfinite(v)) else v
         d = {k: getattr(self, k) for k in ("time", "trigger", "section", "variant", "status", "passed",
                                            "first_failure", "error", "key", "tokens_ok", "sampler", "end_to_end")}
-        d.update({k: num(getattr(self, k)) for k in ("compile_s", "verify_s", "time_s", "total_s", "tok_per_s")})
+        d.update({k: num(getattr(self, k)) for k in ("compile_s", "verify_s", "time_s", "total_s", "tok_per_s",
+                                                     "verdict_s", "timed_compile_s")})
         d["variants"] = [list(v) for v in self.variants]
         d["messages"] = [list(m) for m in self.messages]
         d["resources"] = dict(self.resources) if self.resources else None

@@ -101,7 +101,9 @@ class Workbench:
     reported and the worker replaced while this process lives on; hang_s: how long a kernel may show no progress
     before it counts as hung (its own barriers time out after half of that and name the straggler);
     compile_limit_s: a compile running longer than this is a compiler hang, and its worker is replaced (default:
-    four times the last compile, at least 10 s)."""
+    four times the last compile, at least 10 s). pipeline: compile the timed build in the background while the
+    verification build is verified, so that the verdict (on_verdict, ReloadRecord.verdict_s) does not wait for the
+    slower build (default); False compiles both before verifying."""
 
     def __init__(self, model: str = "llama-3.2-1b", *, weights: str | None = None, seed: int = 0,
                  max_seq: int | None = None, device: str = "auto", threads: int = 512, variants=None,
@@ -110,7 +112,7 @@ class Workbench:
                  history_dir: str | Path | None = None, watch: bool = False, activate: bool = True,
                  build: bool = True, progress: bool = False, build_options: dict | None = None,
                  verify_fast_compile: str = "min", isolate: bool = True, hang_s: float = 2.0,
-                 compile_limit_s: float | None = None):
+                 compile_limit_s: float | None = None, pipeline: bool = True):
         global _ACTIVE
         if device not in ("auto", "gpu", "cpu"):
             raise ValueError(f"device must be auto, gpu or cpu, got {device!r}")
@@ -129,6 +131,9 @@ class Workbench:
         self.progress = progress
         self.history: list[ReloadRecord] = []
         self.on_record: list[Callable[[ReloadRecord], None]] = []
+        # called with the record as soon as verification has its verdict, while the timed build may still compile
+        self.on_verdict: list[Callable[[ReloadRecord], None]] = []
+        self.pipeline = pipeline
         self._lock = threading.RLock()
         self._reload_section: str | None = None           # the section the current reload is for, if any
         self._watcher = None
@@ -228,8 +233,11 @@ class Workbench:
             self._reload_section = section
             builds = self._builds()
             rec.sampler = builds["timed"].sampler
+            # the timed build compiles beside verification (it takes longest, and the verdict needs only the
+            # verification build); it must have compiled before anything is timed or the round counts as good
+            defer = ("timed",) if self.pipeline and timing else ()
             try:
-                rec.compile_s = self.backend.build(builds, self.overrides)
+                rec.compile_s = self.backend.build(builds, self.overrides, defer)
             except WorkerFailure as f:
                 self._failed(rec, f)
             except CompileError as e:
@@ -241,17 +249,20 @@ class Workbench:
             if rec.status != OK:
                 rec.compile_s = time.perf_counter() - t0
             else:
-                rec.key, rec.resources = self.backend.key("debug"), self.backend.resources("timed")
+                rec.key = self.backend.key("debug")
                 if self.device == "cpu":
                     rec.status = NO_GPU
                 try:
                     v = self._verify_into(rec, section == "sampling") if verify else None
-                    if timing and self.device == "gpu":
+                    if verify:
+                        rec.verdict_s = time.perf_counter() - t0
+                        self._tell(self.on_verdict, rec)
+                    if self._finish_into(rec) and timing and self.device == "gpu":
                         self._time_into(rec, v)
                 except WorkerFailure as f:
                     self._failed(rec, f)
                 else:
-                    if hasattr(self.backend, "mark_good"):
+                    if hasattr(self.backend, "mark_good") and rec.status not in (COMPILE_ERROR,):
                         self.backend.mark_good()
             rec.total_s = time.perf_counter() - t0
             self._record(rec)
@@ -265,13 +276,31 @@ class Workbench:
         rec.blocks, rec.detect_s = f.blocks, f.seconds
         rec.restart_s = getattr(self.backend, "restart_s", None)
 
+    def _finish_into(self, rec: ReloadRecord) -> bool:
+        """The timed build, compiled in the background, in place → whether it compiled. If it did not, the round
+        is a compile error and every build goes back to the last good one (the verdict already given stands for
+        the verification build only)."""
+        try:
+            rec.timed_compile_s = self.backend.finish()
+        except CompileError as e:
+            rec.status, rec.messages = COMPILE_ERROR, list(e.messages)
+            rec.error = ("the timed build did not compile (the verification build did, and was verified above); "
+                         "both builds are back to the last good ones\n" + format_compile_error(e))
+            return False
+        rec.resources = self.backend.resources("timed")
+        return True
+
     def _record(self, rec: ReloadRecord):
         self.history.append(rec)
-        for cb in list(self.on_record):
+        self._tell(self.on_record, rec)
+
+    @staticmethod
+    def _tell(callbacks: list, rec: ReloadRecord):
+        for cb in list(callbacks):
             try:
                 cb(rec)
             except Exception as e:               # a dashboard's bug must not break the loop
-                print(f"workbench: on_record callback {getattr(cb, '__name__', cb)!r} failed: "
+                print(f"workbench: callback {getattr(cb, '__name__', cb)!r} failed: "
                       f"{type(e).__name__}: {e}", file=sys.stderr)
 
     def verify(self, sampling: bool = False):

@@ -207,16 +207,19 @@ class Monokernel:
         self._alloc()
 
     # -- build ---------------------------------------------------------------------------------------------------
-    def _install(self, options: BuildOptions, overrides: dict[str, str] | None):
-        """Assemble and compile; only when that succeeds does the new module replace the loaded one."""
+    def _install(self, options: BuildOptions, overrides: dict[str, str] | None, phase: bool = True):
+        """Assemble and compile; only when that succeeds does the new module replace the loaded one. phase=False:
+        the compile does not tell the watching parent (it runs in the background while another kernel runs, and
+        the phase word is that kernel's)."""
         options = dataclasses.replace(options, grid=self.grid)
         asm = assemble(self.cfg, options, overrides)
         t0 = time.perf_counter()
-        self.on_phase("compiling")
+        say = self.on_phase if phase else (lambda *a, **k: None)
+        say("compiling")
         try:
             module, fn = self._compile(asm)
         finally:
-            self.on_phase("checking")
+            say("checking")
         compile_s = time.perf_counter() - t0
         smem = plan.smem_bytes(self.cfg, options.launch)
         fn.max_dynamic_shared_size_bytes = smem
@@ -247,10 +250,12 @@ class Monokernel:
         """Whether a build with `options` fits this kernel's buffers (so that reload can take it)."""
         return dataclasses.replace(options, grid=self.grid).launch == self.launch
 
-    def reload(self, options: BuildOptions | None = None, overrides: dict[str, str] | None = None) -> float:
+    def reload(self, options: BuildOptions | None = None, overrides: dict[str, str] | None = None, *,
+               phase: bool = True) -> float:
         """Rebuild from the sections on disk (plus `overrides`). On a compile error the last good kernel stays
-        loaded and runnable, and CompileError (section file, line, source line) is raised. Returns compile seconds."""
-        self._install(options or self.opt, self.overrides if overrides is None else overrides)
+        loaded and runnable, and CompileError (section file, line, source line) is raised. Returns compile seconds.
+        phase=False: a compile in the background (see _install)."""
+        self._install(options or self.opt, self.overrides if overrides is None else overrides, phase)
         return self.compile_s
 
     def _compile(self, asm: Assembled):

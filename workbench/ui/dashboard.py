@@ -144,6 +144,7 @@ class HistoryRecord(Protocol):
 _ALIASES = {"section": ("section", "sections"),
             "variant": ("variants", "variant"),
             "compile_s": ("compile_s", "compile_time_s", "compile_time", "compile_seconds"),
+            "verdict_s": ("verdict_s",),
             "passed": ("passed", "verified", "verification"),
             "status": ("status",),
             "tok_s": ("tok_per_s", "tok_s", "tokens_per_s"),
@@ -206,14 +207,15 @@ def record_row(rec: Any) -> dict:
         err = f"{status}: {err}" if err else str(status)
     return {"time": "" if when is None else str(when), "section": section or "(all)",
             "variant": _variant_text(_field(rec, "variant")) or "—",
-            "compile_s": _number(_field(rec, "compile_s")), "verified": verified,
+            "compile_s": _number(_field(rec, "compile_s")), "verdict_s": _number(_field(rec, "verdict_s")),
+            "verified": verified,
             "tok_s": _number(_field(rec, "tok_s")), "error": err}
 
 
 class HistoryTable:
     """The reloads so far, newest last, as an HTML table widget."""
 
-    COLUMNS = ("#", "time", "section", "variant", "compile", "verification", "tok/s", "note")
+    COLUMNS = ("#", "time", "section", "variant", "compile", "verdict after", "verification", "tok/s", "note")
 
     def __init__(self):
         self.rows: list[dict] = []
@@ -236,9 +238,10 @@ class HistoryTable:
         for i, r in enumerate(self.rows, 1):
             cells = [str(i), r["time"], r["section"], r["variant"],
                      "—" if r["compile_s"] is None else f"{r['compile_s']:.2f} s",
+                     "—" if r["verdict_s"] is None else f"{r['verdict_s']:.2f} s",
                      f"<span style='color:{colour.get(r['verified'], 'inherit')}'>{html.escape(r['verified'])}</span>",
                      "—" if r["tok_s"] is None else f"{r['tok_s']:,.0f}", html.escape(r["error"][:160])]
-            cells = [c if k in (5, 7) else html.escape(c) for k, c in enumerate(cells)]
+            cells = [c if k in (6, 8) else html.escape(c) for k, c in enumerate(cells)]
             body.append("<tr>" + "".join(f"<td style='padding:2px 8px'>{c}</td>" for c in cells) + "</tr>")
         if not body:
             body = [f"<tr><td colspan={len(self.COLUMNS)} style='padding:2px 8px;color:#777'>"
