@@ -101,3 +101,15 @@ def test_a_round_nobody_finished_is_waited_for_before_the_next(backend):
     backend.build(BUILDS, lm_head_with("// second"), defer=("timed",))   # the first round settles first
     assert backend.finish() > 0
     assert texts_of(backend.kernels["timed"].asm)["lm_head"].endswith("// second\n")
+
+
+def test_a_verification_only_compile_error_puts_back_what_the_background_compiled(backend):
+    backend.build(BUILDS, {})
+    before = {n: texts_of(k.asm) for n, k in backend.kernels.items()}
+    bad = lm_head_with("#if WB_TAPS\n__device__ void f() { undeclared_in_taps += 1; }\n#endif")
+    with pytest.raises(CompileError) as e:
+        backend.build(BUILDS, bad, defer=("timed",))
+    assert any("undeclared_in_taps" in m[3] for m in e.value.messages)
+    assert ("compile", True, False) in backend.phases            # the timed build did compile, in the background
+    assert {n: texts_of(k.asm) for n, k in backend.kernels.items()} == before
+    assert backend._deferred is None

@@ -139,17 +139,19 @@ class CpuBackend:
             return name, asm.key, hit
         before = dict(self.cubins)
         now = [n for n in builds if n not in defer]
+        later = [n for n in builds if n in defer]
+        d = Deferred(one, later, self.parallel, undo=before) if later else None    # started first: beside
         t0 = time.perf_counter()
         results = _map(one, now, self.parallel)
         wall = time.perf_counter() - t0
         errors = [e for _, e in results if e is not None]
         if errors:
+            if d is not None:
+                d.wait()                        # nothing of it is installed: the round is over
             raise errors[0]
         for name, key, (cubin, res) in (r for r, _ in results):
             self.cubins[name] = (key, cubin, res)
-        later = [n for n in builds if n in defer]
-        if later:
-            self._deferred = Deferred(one, later, self.parallel, undo=before)
+        self._deferred = d
         return wall
 
     _deferred = None
@@ -253,6 +255,8 @@ class GpuBackend:
                 return name, mk, time.perf_counter() - t0
         later = [n for n in builds if n in defer and n in self.kernels and self.kernels[n].same_launch(builds[n])]
         names = [n for n in builds if n not in later]
+        # the deferred builds start first, so that they compile beside the others
+        d = Deferred(lambda n: one(n, phase=False), later, self.parallel) if later else None
         t0 = time.perf_counter()
         results = _map(one, names, self.parallel)
         if self.parallel and any(e is not None and not isinstance(e, CompileError) for _, e in results):
@@ -260,10 +264,16 @@ class GpuBackend:
             results = [(r, None) if e is None else _map(one, [n], False)[0]
                        for n, (r, e) in zip(names, results, strict=True)]
         wall = time.perf_counter() - t0
-        self._install(results, before)
-        if later:
-            self._deferred = Deferred(lambda n: one(n, phase=False), later, self.parallel,
-                                      undo=(before, [self.kernels[n] for n in names]))
+        try:
+            self._install(results, before)
+        except Exception:
+            if d is not None:                   # the round is over: what the background compiled goes back too
+                _, done = d.wait()
+                self._put_back([res[1] for res, e in done if e is None], before)
+            raise
+        if d is not None:
+            d.undo = (before, [self.kernels[n] for n in names])
+            self._deferred = d
         return wall
 
     _deferred = None
