@@ -688,3 +688,41 @@ exit 9
     log.unlink()
     main(["sanitize", "--model", "tiny", "--tool", "memcheck", "--sanitizer", str(fake)])
     assert "--kernel-name" not in log.read_text()          # memcheck watches every kernel
+
+
+def test_generate_prefills_the_prompt_and_continues_after_it(capsys, monkeypatch, tiny_hf_checkpoint, gpu_present):
+    """--prefill: all but the prompt's last token go through the batched prefill (the real one, on the CPU's copy
+    of the weights), and the kernel is fed the last token at the position after them; --check-prefill compares the
+    cache with the fp64 math. The kernel is a stand-in that holds the cache (no GPU here)."""
+    import types
+
+    from workbench.model.weights import load_prepared
+    from workbench.run.prefill import prefill
+
+    cfg = cli.get_config(str(tiny_hf_checkpoint))
+    p = load_prepared(str(tiny_hf_checkpoint), str(tiny_hf_checkpoint), xp=np, progress=False)
+    seen = {}
+
+    class Kernel:
+        shape = (cfg.n_layers, cfg.n_kv_heads, cfg.max_seq, cfg.head_dim)
+        k_cache, v_cache = np.zeros(shape, np.uint16), np.zeros(shape, np.uint16)
+
+        def prefill(self, tokens):
+            return prefill(p, tokens, self.k_cache, self.v_cache, chunk=5)
+
+        def stream_tokens(self, prompt, max_new, sampling, pos0=0, **kw):
+            seen.update(prompt=prompt, pos0=pos0, cached=int((self.k_cache[0, 0, :, 0] != 0).sum()))
+            yield from [3, 4]
+            self.last = types.SimpleNamespace(tokens=[3, 4], steps=2, kernel_ms=1.0, tok_per_s=2000.0)
+
+    monkeypatch.setattr(cli, "_load", lambda args: p)
+    monkeypatch.setattr(cli, "_kernel", lambda args, p, **kw: Kernel())
+    assert main(["generate", "--in-process", "--model", str(tiny_hf_checkpoint), "--prompt-random", "23",
+                 "--tokens", "2", "--prefill", "--check-prefill"]) == 0
+    out = capsys.readouterr().out
+    ids = np.random.default_rng(0).integers(0, cfg.vocab, 23).tolist()
+    assert seen["prompt"] == ids[-1:] and seen["pos0"] == 22 and seen["cached"] >= 20
+    assert "22 prompt tokens prefilled in" in out and "(5 chunks)" in out and "time to first token" in out
+    assert "prefill passed" in out
+    assert_error(capsys, ["generate", "--model", str(tiny_hf_checkpoint), "--check-prefill"],
+                 "--check-prefill checks a prefill: give --prefill too")

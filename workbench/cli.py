@@ -157,6 +157,10 @@ def _check_generate(args):
             raise UsageError(f"--prompt {args.prompt!r} encodes to no tokens")
     elif args.prompt_ids is not None:
         ids, given = args.prompt_ids, "--prompt-ids"
+    elif args.prompt_random is not None:
+        import numpy as np
+        ids = np.random.default_rng(args.seed).integers(0, cfg.vocab, args.prompt_random).tolist()
+        given = "--prompt-random"
     else:
         ids, given = [cfg.bos_token_id if cfg.bos_token_id is not None else 0], "the default prompt"
     bad = [t for t in ids if t >= cfg.vocab]
@@ -167,6 +171,8 @@ def _check_generate(args):
         raise UsageError(f"--top-k {args.top_k} is larger than the vocabulary of {cfg.name} ({cfg.vocab}); "
                          "0 turns top-k off")
     _fits(cfg, len(ids), args.tokens, f"a {len(ids)}-token prompt and --tokens {args.tokens}")
+    if args.check_prefill and not args.prefill:
+        raise UsageError("--check-prefill checks a prefill: give --prefill too")
     args.prompt_tokens, args.tokenizer = ids, tok           # for cmd_generate: read and checked once, here
 
 
@@ -289,19 +295,40 @@ def cmd_generate(args) -> int:
         tok = _tokenizer(args)                             # in the worker: opened again (it does not travel)
     p = _load(args)
     cfg = p.cfg
-    mk = _kernel(args, p, max_steps=len(ids) + args.tokens)
+    prefilled = args.prefill and len(ids) > 1
+    fed = ids[-1:] if prefilled else ids                    # what the kernel itself feeds, from pos0
+    mk = _kernel(args, p, max_steps=len(fed) + args.tokens)
     s = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     timeout = getattr(args, "timeout", 5.0)
-    tokens = mk.stream_tokens(ids, args.tokens, s, eos=None if args.stop_on_eos else [], timeout_s=timeout,
-                              host_timeout_s=max(20.0, 4 * timeout))
+    t0 = time.perf_counter()
+    pre = mk.prefill(ids[:-1]) if prefilled else None
+    tokens = mk.stream_tokens(fed, args.tokens, s, pos0=len(ids) - len(fed), eos=None if args.stop_on_eos else [],
+                              timeout_s=timeout, host_timeout_s=max(20.0, 4 * timeout))
+    first = []
+
+    def timed(stream):
+        for t in stream:
+            if not first:
+                first.append(time.perf_counter() - t0)
+            yield t
     if tok is not None:
-        for piece in stream_text(tok, tokens, prompt=ids):
+        for piece in stream_text(tok, timed(tokens), prompt=ids):
             print(piece, end="", flush=True)
     else:
-        for t in tokens:
+        for t in timed(tokens):
             print(t, end=" ", flush=True)
     res = mk.last
     print()
+    if first:
+        how = (f"{pre.n} prompt tokens prefilled in {1e3 * pre.seconds:.1f} ms ({pre.chunks} chunks), then the "
+               f"kernel" if pre else f"the kernel fed the {len(ids)}-token prompt step by step and")
+        print(f"time to first token {1e3 * first[0]:.1f} ms: {how} generated")
+    if args.check_prefill and pre is not None:
+        from .run.prefill import check_prefill
+        c = check_prefill(p, ids[:-1], pre, mk.k_cache, mk.v_cache)
+        print(c.summary())
+        if not c.passed:
+            return 1
     print(f"{len(res.tokens)} tokens, {res.steps} decode steps in {res.kernel_ms:.1f} ms: "
           f"{res.tok_per_s:.0f} tok/s ({cfg.weight_bytes_per_token() * res.tok_per_s / 1e12:.2f} TB/s of weights)")
     return 0
@@ -414,7 +441,14 @@ def _parser() -> argparse.ArgumentParser:
     prompt = g.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text (needs tokenizer.json in the weights folder)")
     prompt.add_argument("--prompt-ids", type=token_ids, help="comma-separated prompt token ids")
+    prompt.add_argument("--prompt-random", type=positive_int, metavar="N",
+                        help="a prompt of N random token ids (seeded by --seed): long prompts for timing")
     g.add_argument("--tokens", type=positive_int, default=64, help="tokens to generate")
+    g.add_argument("--prefill", action="store_true",
+                   help="the prompt (all but its last token) as batched matrix products before the kernel starts, "
+                        "instead of one decode step per token; prints the time to first token")
+    g.add_argument("--check-prefill", action="store_true",
+                   help="with --prefill: compare its cache and last logits with an fp64 run (exits 1 on failure)")
     g.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off")
     g.add_argument("--top-p", type=top_p, default=1.0, help="in (0, 1]; 1 = off")

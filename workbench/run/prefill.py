@@ -1,0 +1,142 @@
+"""The prompt as matrix products (issue: time to first token). Every prompt token of a chunk goes through each stage
+at once: the plan's own stage math (workbench.check.reference.forward, one row per token), on whatever array
+module holds the prepared weights, so on the GPU every projection is one CuPy matrix product (cuBLAS). Attention
+is causal over the chunk and everything cached before it; chunks bound the score matrix's memory for long
+prompts. The keys and values land in the monokernel's cache ([L, Hkv, max_seq, hd], bf16 bits), so the kernel
+continues at the position after the prompt and never replays it.
+
+    pre = prefill(p, prompt[:-1], k_cache, v_cache)     # positions 0 .. n-2 cached
+    mk.generate(prompt[-1:], max_new, pos0=len(prompt) - 1)
+
+The last prompt token is left to the kernel: its first step samples the first new token with the kernel's own
+sampler, so a prefilled run and a replayed one choose alike. check_prefill compares the cache and the last
+logits with an unchunked fp64 run of the same math on the same weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import numpy as np
+
+from ..model.weights import Prepared, to_bf16, to_f32
+
+# Rows per chunk: the score matrix of a chunk is [rows, Hq, context] (the reference's attention splits it further
+# to bound memory), and each projection is a [rows, K] × [K, N] product, large enough to run cuBLAS near its peak.
+PREFILL_CHUNK = 2048
+
+
+@dataclasses.dataclass
+class Prefilled:
+    n: int                     # tokens prefilled, at positions pos0 .. pos0 + n - 1
+    pos0: int
+    logits: np.ndarray         # [V] float32, of the last prefilled token (what the next position would be fed by)
+    seconds: float             # wall time, the GPU synchronised
+    chunks: int
+
+
+def _sync(xp):
+    if hasattr(xp, "cuda"):
+        xp.cuda.get_current_stream().synchronize()
+
+
+def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int = PREFILL_CHUNK,
+            dtype=np.float32) -> Prefilled:
+    """Feed `tokens` at positions pos0.. through every layer, chunk by chunk, writing their keys and values into
+    k_cache / v_cache (the kernel's: bf16 bits [L, Hkv, max_seq, hd], positions < pos0 already filled). Returns the
+    last token's logits. Raises ValueError for an empty prompt, tokens outside the vocabulary, or positions past
+    the cache."""
+    from ..check.reference import KVCache, forward
+    cfg, xp = p.cfg, p.xp
+    tokens = xp.asarray(tokens).reshape(-1)
+    n = int(tokens.size)
+    if n == 0:
+        raise ValueError("nothing to prefill: the prompt has no tokens before its last")
+    if tokens.dtype.kind not in "iu":
+        raise TypeError(f"tokens must be integers, got {tokens.dtype}")
+    if chunk < 1:
+        raise ValueError(f"chunk must be ≥ 1, got {chunk}")
+    want = (cfg.n_layers, cfg.n_kv_heads, cfg.max_seq, cfg.head_dim)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if tuple(c.shape) != want or c.dtype != xp.uint16:
+            raise ValueError(f"{name} is {c.dtype} {tuple(c.shape)}; the kernel's cache is bf16 bits (uint16) {want}")
+    end = pos0 + n
+    if pos0 < 0 or end > cfg.max_seq:
+        raise ValueError(f"positions {pos0}..{end - 1} do not fit the KV cache of {cfg.max_seq} positions")
+    t0 = time.perf_counter()
+    # the math's cache holds the context only (not max_seq), in the compute precision; bf16 values, as the
+    # kernel's are (forward rounds what it writes)
+    ctx = dataclasses.replace(p, cfg=dataclasses.replace(cfg, max_seq=end))
+    work = KVCache.empty(ctx.cfg, dtype, xp)
+    if pos0:
+        work.k[:, :, :pos0] = to_f32(k_cache[:, :, :pos0], xp)
+        work.v[:, :, :pos0] = to_f32(v_cache[:, :, :pos0], xp)
+    logits, chunks = None, 0
+    for start in range(0, n, chunk):
+        stop = min(n, start + chunk)
+        last = stop == n
+        out = forward(ctx, tokens[start:stop], xp.arange(pos0 + start, pos0 + stop), cache=work, kv_bf16=True,
+                      dtype=dtype, logit_rows=[stop - start - 1] if last else [])
+        chunks += 1
+        if last:
+            logits = out[0]
+    k_cache[:, :, pos0:end] = to_bf16(work.k[:, :, pos0:end], xp)
+    v_cache[:, :, pos0:end] = to_bf16(work.v[:, :, pos0:end], xp)
+    _sync(xp)
+    seconds = time.perf_counter() - t0
+    logits = logits.get() if hasattr(logits, "get") else np.asarray(logits)
+    return Prefilled(n, pos0, logits.astype(np.float32), seconds, chunks)
+
+
+@dataclasses.dataclass
+class PrefillCheck:
+    """The prefill's cache and last logits against an unchunked fp64 run of the same math."""
+    k_rel: list                # [L] relative L2 error of each layer's keys (the prefilled positions)
+    v_rel: list
+    logits_rel: float
+    finite: bool
+    rtol: float
+
+    @property
+    def passed(self) -> bool:
+        worst = max(self.k_rel + self.v_rel + [self.logits_rel])
+        return self.finite and worst <= self.rtol
+
+    def summary(self) -> str:
+        if not self.finite:
+            return "prefill: FAILED: NaN or inf in the cache or the logits"
+        lk, lv = int(np.argmax(self.k_rel)), int(np.argmax(self.v_rel))
+        verdict = "passed" if self.passed else "FAILED"
+        return (f"prefill {verdict}: worst rel err keys {self.k_rel[lk]:.1e} (layer {lk}), values {self.v_rel[lv]:.1e} "
+                f"(layer {lv}), last logits {self.logits_rel:.1e} (tol {self.rtol:.0e})")
+
+
+def check_prefill(p: Prepared, tokens, pre: Prefilled, k_cache, v_cache, rtol: float | None = None) -> PrefillCheck:
+    """Compare what prefill wrote (positions 0 .. pre.n - 1, from pos0 = 0) and its last logits with one unchunked
+    fp64 forward of the same tokens on the same weights. The tolerance is the end-to-end one (verify.DEFAULT_RTOL):
+    the prefill computes in fp32 and rounds every layer's keys and values to bf16, as the decode path does, and a
+    rounding that falls the other way in one layer moves every later one a little; a wrong stage, chunk or layout
+    is off by far more (a wrong row is off by its own size)."""
+    from ..check.reference import KVCache, forward
+    from ..check.verify import DEFAULT_RTOL
+    if pre.pos0 != 0:
+        raise ValueError("check_prefill checks a prefill from position 0")
+    rtol = DEFAULT_RTOL if rtol is None else rtol
+    cfg, xp = p.cfg, p.xp
+    ctx = dataclasses.replace(p, cfg=dataclasses.replace(cfg, max_seq=pre.n))
+    ref = KVCache.empty(ctx.cfg, np.float64, xp)
+    want = forward(ctx, xp.asarray(tokens).reshape(-1)[:pre.n], cache=ref, kv_bf16=True, dtype=np.float64,
+                   logit_rows=[pre.n - 1])[0]
+
+    def rel(a, b, m=xp):
+        a, b = a.astype(m.float64), b.astype(m.float64)
+        return float(m.linalg.norm(a - b) / max(float(m.linalg.norm(b)), 1e-300))
+    k = to_f32(k_cache[:, :, :pre.n], xp)
+    v = to_f32(v_cache[:, :, :pre.n], xp)
+    finite = bool(xp.isfinite(k).all()) and bool(xp.isfinite(v).all()) and bool(np.isfinite(pre.logits).all())
+    k_rel = [rel(k[l], ref.k[l]) if finite else math.inf for l in range(cfg.n_layers)]
+    v_rel = [rel(v[l], ref.v[l]) if finite else math.inf for l in range(cfg.n_layers)]
+    want = want.get() if hasattr(want, "get") else np.asarray(want)
+    logits_rel = rel(np.asarray(pre.logits), want, np) if finite else math.inf
+    return PrefillCheck(k_rel, v_rel, logits_rel, finite, rtol)
