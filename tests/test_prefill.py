@@ -98,3 +98,13 @@ def test_bad_input_is_refused(p):
         prefill(p, np.array([1.5, 2.0]), k, v)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         prefill(p, [cfg.vocab], k, v)
+
+
+def test_what_a_prefill_needs_grows_with_the_context_and_the_chunk():
+    from workbench.run.prefill import prefill_bytes
+    cfg = get_config("llama-3.1-8b")
+    cache = 2 * 32 * 8 * 32768 * 128 * 4                       # fp32 keys and values of 32k positions
+    need = prefill_bytes(cfg, 32768, 2048)
+    assert cache < need < cache + 3e9
+    assert prefill_bytes(cfg, 65536, 2048) - need == cache
+    assert prefill_bytes(cfg, 32768, 4096) > need

@@ -32,6 +32,9 @@ def test_coverage_takes_every_attention_path():
     n = [p + 1 for p in pos]                                   # attention reads n = pos + 1 positions
     c, S = launch.attn_min_chunk, launch.max_splits(cfg)
     assert {c, c + 1} <= set(n) and {c * S, c * S + 1} <= set(n) and max(pos) >= 4096
+    assert {cfg.max_seq - 2, cfg.max_seq - 1} <= set(pos)       # the context's end, wherever --max-seq puts it
+    long = get_config("llama-3.2-1b", max_seq=131072)
+    assert 131071 in {p for r in coverage(long, launch) for p in r.positions}
     assert runs[0].pos0 == 0 and runs[0].new > 1              # the generation path, from position 0
     flat = [p for r in runs for p in r.positions]
     assert len(flat) == len(set(flat)) and flat == sorted(flat)   # no run writes rows another one reads
@@ -39,6 +42,8 @@ def test_coverage_takes_every_attention_path():
     assert all({c * m, c * m + 1} <= thorough for m in range(1, S + 1))
     sampled = coverage(cfg, launch, sampling=True)
     assert len([r for r in sampled if r.sampling]) == 4
+    flat = [p for r in sampled for p in r.positions]
+    assert len(flat) == len(set(flat)) and flat == sorted(flat) and flat[-1] == cfg.max_seq - 1
 
 
 def test_a_faithful_kernel_passes(tiny_p):

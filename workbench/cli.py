@@ -36,6 +36,11 @@ def positive_int(text: str) -> int:
     return n
 
 
+def max_seq_arg(text: str):
+    """--max-seq: a positive integer, or "max" (the model's max_position_embeddings)."""
+    return "max" if text.strip().lower() == "max" else positive_int(text)
+
+
 def non_negative_int(text: str) -> int:
     n = _number(text, int)
     if n < 0:
@@ -108,8 +113,9 @@ def _model_args(p: argparse.ArgumentParser):
                    help=f"preset ({', '.join(PRESETS)}) or a local HF folder (default {DEFAULT_MODEL})")
     p.add_argument("--weights", help="HF folder with safetensors (default: the --model folder, else random)")
     p.add_argument("--weights-seed", type=non_negative_int, default=0, help="seed of random weights")
-    p.add_argument("--max-seq", type=positive_int,
-                   help="KV-cache length (default: the config's, at most 8192; at most max_position_embeddings)")
+    p.add_argument("--max-seq", type=max_seq_arg,
+                   help="KV-cache length (default: the config's, at most 8192; at most max_position_embeddings, "
+                        "which `max` asks for)")
     p.add_argument("--threads", type=threads, default=512,
                    help="threads per block (one block per SM): a multiple of 64 from 64 to 1024")
 
@@ -124,6 +130,15 @@ def _config(model: str, max_seq: int | None) -> ModelConfig:
     if max_seq is not None and cfg.max_positions is not None and max_seq > cfg.max_positions:
         raise UsageError(f"--max-seq {max_seq} is larger than max_position_embeddings ({cfg.max_positions}) of {of}")
     return get_config(model, max_seq=max_seq)
+
+
+def _longest(model: str) -> int:
+    """--max-seq max: the positions the model was trained for."""
+    cfg = get_config(model)
+    if cfg.max_positions is None:
+        raise UsageError(f"--max-seq max: {model} does not say how far it was trained to attend "
+                         "(max_position_embeddings); give a number")
+    return cfg.max_positions
 
 
 def _weights_folder(args) -> Path | None:
@@ -231,7 +246,17 @@ def _require_gpu(cmd: str):
 def _load(args):
     import cupy
 
+    from . import plan
+    from .errors import GpuMemoryError
     from .model.weights import load_prepared
+    cfg = get_config(args.model, max_seq=args.max_seq)
+    try:
+        free = cupy.cuda.runtime.memGetInfo()[0]
+    except cupy.cuda.runtime.CUDARuntimeError:  # no device after all: loading says so, in its own words
+        free = None
+    problem = free is not None and plan.memory_problem(cfg, free, plan.Launch(threads=args.threads))
+    if problem:                                  # before minutes of loading, not at the cache's allocation
+        raise GpuMemoryError(problem)
     t0 = time.perf_counter()
     p = load_prepared(args.model, args.weights, seed=args.weights_seed, xp=cupy, max_seq=args.max_seq)
     print(f"[{p.cfg.name}] weights {p.source}: {p.nbytes() / 1e9:.2f} GB prepared in {time.perf_counter() - t0:.1f} s",
@@ -472,7 +497,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default=DEFAULT_MODEL)
     b.add_argument("--all-presets", action="store_true",
                    help=f"build every preset the kernel runs ({', '.join(PRESETS)})")
-    b.add_argument("--max-seq", type=positive_int)
+    b.add_argument("--max-seq", type=max_seq_arg)
     b.add_argument("--threads", type=threads, default=512)
     b.add_argument("--target", choices=["cuda", "hip"],
                    help="cuda: NVRTC for NVIDIA; hip: clang-19 for AMD (default cuda, hip with --dump amdgcn)")
@@ -497,7 +522,7 @@ def _parser() -> argparse.ArgumentParser:
     sa.add_argument("--sanitizer", default="compute-sanitizer", help="the compute-sanitizer executable")
     pl = sub.add_parser("plan", help="the decode step as the plan declares it (no GPU)")
     pl.add_argument("--model", default=DEFAULT_MODEL)
-    pl.add_argument("--max-seq", type=positive_int)
+    pl.add_argument("--max-seq", type=max_seq_arg)
     pl.add_argument("--decode-step", action="store_true", help="also the C++ decode loop generated from it")
     be = sub.add_parser("bench", help="monokernel vs torch.compile, HF generate() and the bandwidth roofline (GPU)")
     be.add_argument("--model", default=DEFAULT_MODEL)
@@ -662,6 +687,8 @@ def main(argv=None) -> int:
             from .check.verify import DEFAULT_RTOL
             args.rtol = DEFAULT_RTOL
         run, check, needs_gpu = COMMANDS[args.cmd]
+        if getattr(args, "max_seq", None) == "max":
+            args.max_seq = _longest(args.model)
         check(args)
         if needs_gpu:
             _require_gpu(args.cmd)

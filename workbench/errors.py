@@ -28,3 +28,8 @@ class WeightsError(UserError):
 
 class NoDeviceError(UserError):
     """A command that needs a GPU on a machine where none is visible."""
+
+
+class GpuMemoryError(UserError):
+    """The model at the asked context does not fit the GPU's memory; the message says what it needs, by part, and
+    the longest context that fits."""

@@ -215,14 +215,15 @@ def _qkv_write(part: str):
 def attention_paths(c: ModelConfig, l: Launch, thorough: bool = False) -> list[int]:
     """Positions on both sides of every change of attention's code path: one split (direct write) to two (partials
     merged by the last block), every further split when thorough, the saturation at max_splits (beyond it the
-    chunks grow), and a long position (≥ 4,096, where chunks span several passes of the block's warps)."""
+    chunks grow), a long position (≥ 4,096, where chunks span several passes of the block's warps), and the
+    context's last two positions (the cache's end, wherever --max-seq put it)."""
     chunk, S = l.attn_min_chunk, l.max_splits(c)
     n = {1, 2, 3, 4}
     if S > 1:
         n |= {chunk - 1, chunk, chunk + 1, chunk + 2, chunk * S, chunk * S + 1}
     if thorough:
         n |= {chunk * m + d for m in range(2, S) for d in (0, 1)}
-    n |= {4096, 4097, 4098}
+    n |= {4096, 4097, 4098, c.max_seq - 1, c.max_seq}
     return sorted(p - 1 for p in n if 1 <= p <= c.max_seq)
 
 
@@ -646,6 +647,55 @@ def stage_bytes(cfg: ModelConfig, stage_name: str, pos: int) -> int:
         if b.kind == "cache" and u.positions == "0..pos":
             total += 2 * cfg.kv_dim * (pos + 1)
     return total
+
+
+def memory_bytes(cfg: ModelConfig, launch: Launch = Launch()) -> dict[str, int]:
+    """Device bytes of every buffer the plan declares, by kind (weight, table, cache, activation, scratch): what
+    the prepared weights and a Monokernel hold (its few control words aside)."""
+    out: dict[str, int] = {}
+    for b in BUFFERS.values():
+        out[b.kind] = out.get(b.kind, 0) + b.nbytes(cfg, launch)
+    return out
+
+
+def longest_context(cfg: ModelConfig, free_bytes: int, launch: Launch = Launch(), *, weights: bool = True) -> int:
+    """The largest max_seq (≤ max_position_embeddings) whose buffers fit `free_bytes` (with the weights, or with
+    them already resident); 0 if not even one position fits."""
+    limit = cfg.max_positions or cfg.max_seq
+
+    def need(n):
+        m = memory_bytes(dataclasses.replace(cfg, max_seq=n), launch)
+        return sum(v for k, v in m.items() if weights or k not in ("weight", "table"))
+    lo, hi = 0, limit
+    while lo < hi:                      # the largest n with need(n) <= free: need grows with n
+        mid = (lo + hi + 1) // 2
+        if need(mid) <= free_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def memory_problem(cfg: ModelConfig, free_bytes: int, launch: Launch = Launch(), *,
+                   weights_resident: bool = False) -> str | None:
+    """None if the model's buffers at cfg.max_seq fit `free_bytes` of device memory (the weights counted unless
+    already resident); else one line: what the context needs, by part, and the longest that fits."""
+    m = memory_bytes(cfg, launch)
+    parts = {"weights": m.get("weight", 0) + m.get("table", 0), "KV cache": m.get("cache", 0),
+             "activations and scratch": m.get("activation", 0) + m.get("scratch", 0)}
+    if weights_resident:
+        parts.pop("weights")
+    need = sum(parts.values())
+    if need <= free_bytes:
+        return None
+    fits = longest_context(cfg, free_bytes, launch, weights=not weights_resident)
+    gb = lambda b: f"{b / 1e9:.2f} GB"                      # noqa: E731
+    what = ", ".join(f"{gb(v)} {k}" for k, v in parts.items())
+    where = "free beside the weights" if weights_resident else "free"
+    advice = (f"--max-seq {fits} is the longest context that fits" if fits else
+              "not even a one-position context fits")
+    return (f"{cfg.name} with a {cfg.max_seq}-position context needs {gb(need)} of GPU memory ({what}); the GPU has "
+            f"{gb(free_bytes)} {where}: {advice}")
 
 
 def weight_bytes_per_token(cfg: ModelConfig) -> int:

@@ -76,12 +76,17 @@ def coverage(cfg: ModelConfig, launch: plan.Launch, *, thorough: bool = False, s
         if p is not None:
             group.append(p)
     if sampling:
-        pos = max(p for r in runs for p in r.positions) + 1
+        # after every path's positions but before the context's end (its last positions are a path too)
+        end = [r for r in runs[1:] if r.pos0 >= cfg.max_seq - 2]
+        body = [r for r in runs if r not in end]
+        pos = max(p for r in body for p in r.positions) + 1
+        limit = end[0].pos0 if end else cfg.max_seq
         for s in SAMPLER_MODES:
-            if pos + 3 > cfg.max_seq:
+            if pos + 3 > limit:
                 break
-            runs.append(Run(pos, 2, 2, s, why=f"sampler T={s.temperature} top-k {s.top_k} top-p {s.top_p}"))
+            body.append(Run(pos, 2, 2, s, why=f"sampler T={s.temperature} top-k {s.top_k} top-p {s.top_p}"))
             pos += 3
+        runs = body + end
     return runs
 
 

@@ -36,6 +36,29 @@ class Prefilled:
     chunks: int
 
 
+def prefill_bytes(cfg, n_ctx: int, chunk: int, dtype=np.float32) -> int:
+    """Device memory a prefill needs beside the weights and the kernel's cache: the math's own cache of the
+    context, in `dtype`; one chunk's activations (a few live at once); one layer's weights in `dtype` (the view
+    converts a layer at a time); and attention's score blocks (stages.SCORE_ELEMENTS, with their exp and mask)."""
+    from ..check.stages import SCORE_ELEMENTS
+    item = np.dtype(dtype).itemsize
+    cache = 2 * cfg.n_layers * cfg.n_kv_heads * n_ctx * cfg.head_dim * item
+    rows = 4 * chunk * (cfg.qkv_rows + 2 * cfg.intermediate + 4 * cfg.hidden) * item
+    layer = (cfg.qkv_rows * cfg.hidden + cfg.hidden * cfg.q_dim + 3 * cfg.intermediate * cfg.hidden) * item
+    return cache + rows + layer + 3 * SCORE_ELEMENTS * item
+
+
+def _memory_problem(cfg, n_ctx, chunk, dtype, xp) -> str | None:
+    if not hasattr(xp, "cuda"):
+        return None
+    free = xp.cuda.runtime.memGetInfo()[0] + xp.get_default_memory_pool().free_bytes()
+    need = prefill_bytes(cfg, n_ctx, chunk, dtype)
+    if need <= free:
+        return None
+    return (f"prefilling {n_ctx} positions of {cfg.name} needs {need / 1e9:.2f} GB of GPU memory beside the weights "
+            f"and the kernel's cache, and {free / 1e9:.2f} GB are free: a shorter prompt or a smaller chunk")
+
+
 def _sync(xp):
     if hasattr(xp, "cuda"):
         xp.cuda.get_current_stream().synchronize()
@@ -64,6 +87,10 @@ def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int 
     end = pos0 + n
     if pos0 < 0 or end > cfg.max_seq:
         raise ValueError(f"positions {pos0}..{end - 1} do not fit the KV cache of {cfg.max_seq} positions")
+    problem = _memory_problem(cfg, end, min(chunk, n), dtype, xp)
+    if problem:
+        from ..errors import GpuMemoryError
+        raise GpuMemoryError(problem)
     t0 = time.perf_counter()
     # the math's cache holds the context only (not max_seq), in the compute precision; bf16 values, as the
     # kernel's are (forward rounds what it writes)

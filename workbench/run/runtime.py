@@ -204,6 +204,11 @@ class Monokernel:
         self._external_mapped = mapped
         if self.grid > plan.MAX_BLOCKS:
             raise ValueError(f"{self.grid} blocks: the mapped block holds where-words for {plan.MAX_BLOCKS}")
+        free = cupy.cuda.runtime.memGetInfo()[0] + cupy.get_default_memory_pool().free_bytes()
+        problem = plan.memory_problem(self.cfg, free, self.launch, weights_resident=True)
+        if problem:                                   # one line, not an allocator's traceback
+            from ..errors import GpuMemoryError
+            raise GpuMemoryError(problem)
         self._alloc()
 
     # -- build ---------------------------------------------------------------------------------------------------
