@@ -119,7 +119,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "out"))
     ap.add_argument("--only", nargs="*", default=["smoke", "pytest", "mutants", "failures", "sanitize", "verify",
-                                                 "loop", "assembly", "bench", "record"])
+                                                 "loop", "assembly", "prefill", "bench", "record"])
     ap.add_argument("--verify-models", nargs="*", default=list(PRESETS), help="default: every preset")
     ap.add_argument("--bench-models", nargs="*", default=["llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"])
     ap.add_argument("--sanitize-models", nargs="*", default=["tiny", "llama-3.2-1b"])
@@ -168,6 +168,14 @@ def main():
         # the shipped PTX section against its C++ version, verified and timed in one run, per stage
         R["assembly"] = run("assembly", [PY, "scripts/ab.py", "--model", "llama-3.2-1b", "--variant", "cpp:",
                                          "--variant", "ptx:@embedding=ptx", "--stages"], out, 240)
+    if "prefill" in a.only:
+        # time to first token against HF's prefill, then a long prefill verified and decoded after
+        for m in ("llama-3.2-1b", "llama-3.1-8b"):
+            R[f"ttft-{m}"] = run(f"ttft-{m}", [PY, "-m", "workbench", "bench", "--model", m, "--positions", "128",
+                                               "--tokens", "32", "--repeats", "3", "--no-hf", "--no-compile",
+                                               "--ttft", "--json", str(out / f"ttft_{m}.json")], out, 420)
+        R["verify-prefill"] = run("verify-prefill", [PY, "-m", "workbench", "verify", "--model", "llama-3.2-1b",
+                                                     "--max-seq", "40000", "--prefill-len", "32000"], out, 420)
     if "bench" in a.only:
         for m in a.bench_models:
             order = [("new", ROOT)] + ([("base", Path(a.base).resolve())] if a.base else [])

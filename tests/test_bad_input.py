@@ -726,3 +726,16 @@ def test_generate_prefills_the_prompt_and_continues_after_it(capsys, monkeypatch
     assert "prefill passed" in out
     assert_error(capsys, ["generate", "--model", str(tiny_hf_checkpoint), "--check-prefill"],
                  "--check-prefill checks a prefill: give --prefill too")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["verify", "--model", "tiny", "--prefill-len", "1"],
+     "--prefill-len needs at least 2 tokens (the last one is the kernel's)"),
+    (["verify", "--model", "llama-3.2-1b", "--prefill-len", "8190", "--tokens", "8"],
+     "--prefill-len 8190 and --tokens 8 need 8197 positions, but the KV cache of llama-3.2-1b holds 8192 "
+     "(--max-seq)"),
+    (["verify", "--model", "tiny", "--max-seq", "max", "--prefill-len", "100"] + ["--max-seq", "0"],
+     "argument --max-seq: must be a positive integer, got 0"),
+])
+def test_verify_after_a_prefill_refuses_what_cannot_run(capsys, argv, message):
+    assert_error(capsys, argv, message)

@@ -195,6 +195,10 @@ def _check_verify(args):
     cfg = _config(args.model, args.max_seq)
     _weights_folder(args)
     _fits(cfg, args.prompt_len, args.tokens, f"--prompt-len {args.prompt_len} and --tokens {args.tokens}")
+    if args.prefill_len is not None:
+        if args.prefill_len < 2:
+            raise UsageError("--prefill-len needs at least 2 tokens (the last one is the kernel's)")
+        _fits(cfg, args.prefill_len, args.tokens, f"--prefill-len {args.prefill_len} and --tokens {args.tokens}")
 
 
 def _check_build(args):
@@ -221,6 +225,15 @@ def _check_bench(args):
     if need > limit:
         raise UsageError(f"position {max(positions)} and --tokens {args.tokens} need {need} positions, past the "
                          f"{limit} of max_position_embeddings of {cfg.name}")
+    if args.ttft is not None:
+        from .measure.bench import ttft_lengths
+        args.ttft = tuple(args.ttft or ttft_lengths(args.model))
+        if min(args.ttft) < 2:
+            raise UsageError("--ttft: a prompt of at least 2 tokens (the last one is the kernel's)")
+        if max(args.ttft) + 8 > limit:
+            raise UsageError(f"--ttft {max(args.ttft)}: past the {limit} of max_position_embeddings of {cfg.name}")
+    else:
+        args.ttft = ()
 
 
 def gpu_problem() -> str | None:
@@ -378,6 +391,13 @@ def cmd_verify(args) -> int:
         rep = verify(mk, prompt_len=args.prompt_len, max_new=args.tokens, seed=seed, rtol=args.rtol)
         print(rep.summary())
         ok &= rep.passed
+    if args.prefill_len:
+        from .check.verify import verify_after_prefill
+        pc, rep = verify_after_prefill(mk, prompt_len=args.prefill_len, max_new=args.tokens, seed=args.seeds[0],
+                                       rtol=args.rtol)
+        print(pc.summary())
+        print(rep.summary())
+        ok &= pc.passed and rep.passed
     if args.sampling:
         # the stage-local check's modes, with seeds of their own (draws independent of the ones it checked)
         for i, mode in enumerate(SAMPLER_MODES):
@@ -449,7 +469,8 @@ def cmd_build(args) -> int:
 
 def cmd_bench(args) -> int:
     from .measure.bench import main as bench_main
-    return bench_main(args.model, args.tokens, args.repeats, args.json, args.no_torch, args.no_hf, args.positions)
+    return bench_main(args.model, args.tokens, args.repeats, args.json, args.no_torch, args.no_hf, args.positions,
+                      args.ttft, args.no_compile)
 
 
 def _in_process_arg(p):
@@ -493,6 +514,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="also every sampler mode, draw by draw, and the chi-square checks of its distribution")
     v.add_argument("--table", action="store_true", help="print the stage × layer table even when it passes")
     v.add_argument("--draws", type=positive_int, default=20000)
+    v.add_argument("--prefill-len", type=positive_int, metavar="N",
+                   help="also: a random N-token prompt prefilled (batched) and checked, then the kernel from its "
+                        "last token, end to end against the reference over the whole sequence")
     b = sub.add_parser("build", help="compile only (no GPU): registers, spills, shared memory")
     b.add_argument("--model", default=DEFAULT_MODEL)
     b.add_argument("--all-presets", action="store_true",
@@ -531,8 +555,12 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--json", help="write the table as JSON here")
     be.add_argument("--no-torch", action="store_true", help="skip the PyTorch paths")
     be.add_argument("--no-hf", action="store_true", help="skip HF generate()")
+    be.add_argument("--no-compile", action="store_true", help="skip torch.compile (minutes of compiling)")
     be.add_argument("--positions", type=positive_int, nargs="+",
                     help="starting positions (default 128, 4096 and 16384, and 32768 for llama-3.2-1b)")
+    be.add_argument("--ttft", type=positive_int, nargs="*", metavar="N",
+                    help="also time to first token for N-token prompts (the batched prefill against HF "
+                         "transformers' prefill; default 1k, 4k, 16k and 32k for llama-3.2-1b, 4k otherwise)")
     _in_process_arg(be)
     return ap
 

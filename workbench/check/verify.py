@@ -213,11 +213,15 @@ def recorded_steps(n_steps: int, budget: int) -> list[int]:
     return sorted(set(head + mid + tail))
 
 
-def end_to_end(p: Prepared, res: Result, prompt_len: int, rtol: float = DEFAULT_RTOL) -> list[StepCheck]:
-    """Compare a run's recorded logits (teacher-forced from 0) with the reference's."""
-    seq = res.fed
+def end_to_end(p: Prepared, res: Result, prompt_len: int, rtol: float = DEFAULT_RTOL,
+               context: tuple | list = ()) -> list[StepCheck]:
+    """Compare a run's recorded logits with the reference's, teacher-forced from 0: over the run's own tokens, or,
+    for a run from pos0 = len(context) (after a prefill), over context + its tokens."""
+    if res.pos0 != len(context):
+        raise ValueError(f"the run starts at position {res.pos0}; its context has {len(context)} tokens")
+    seq = list(context) + list(res.fed)
     record = res.recorded_steps
-    ref = reference_logits(p, seq, record)
+    ref = reference_logits(p, seq, [len(context) + s for s in record])
     checks = []
     for slot, step in enumerate(record):
         k, r = res.logits[slot].astype(np.float64), ref[slot].astype(np.float64)
@@ -248,6 +252,24 @@ def verify(mk: Monokernel, *, prompt_len: int = 8, max_new: int = 24, seed: int 
         raise RuntimeError(f"the kernel ran {res.steps} steps, {n_steps} expected")
     checks = end_to_end(mk.p, res, prompt_len, rtol)
     return VerifyReport(cfg.name, seed, prompt_len, len(res.tokens), rtol, checks, res.tok_per_s)
+
+
+def verify_after_prefill(mk: Monokernel, *, prompt_len: int, max_new: int = 16, seed: int = 0,
+                         rtol: float = DEFAULT_RTOL, chunk: int | None = None):
+    """A random prompt's first prompt_len − 1 tokens prefilled into the kernel's cache (run.prefill), checked
+    against the fp64 math; then the kernel from the last prompt token at the position after them, greedy, its
+    recorded logits against the reference teacher-forced over the whole sequence → (PrefillCheck, VerifyReport)."""
+    from ..run.prefill import check_prefill
+    if prompt_len < 2:
+        raise ValueError("a prefill needs a prompt of at least 2 tokens (the last is the kernel's)")
+    cfg = mk.cfg
+    prompt = np.random.default_rng(seed).integers(0, cfg.vocab, prompt_len).tolist()
+    pre = mk.prefill(prompt[:-1], chunk=chunk)
+    pc = check_prefill(mk.p, prompt[:-1], pre, mk.k_cache, mk.v_cache)
+    record = recorded_steps(max_new, mk.max_record)
+    res: Result = mk.generate(prompt[-1:], max_new, Sampling(), eos=[], pos0=prompt_len - 1, record=record)
+    checks = end_to_end(mk.p, res, 1, rtol, context=prompt[:-1])
+    return pc, VerifyReport(cfg.name, seed, prompt_len, len(res.tokens), rtol, checks, res.tok_per_s)
 
 
 # ---- the sampler's distribution (many draws at one position) ---------------------------------------------------------

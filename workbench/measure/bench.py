@@ -37,6 +37,49 @@ def bench_positions(model: str) -> tuple[int, ...]:
     return (128, 4096, 16384, 32768) if model == "llama-3.2-1b" else (128, 4096, 16384)
 
 
+def ttft_lengths(model: str) -> tuple[int, ...]:
+    """The prompt lengths `bench --ttft` times by default: 1k to 32k for the 1B, the agents' 4k otherwise."""
+    return (1024, 4096, 16384, 32768) if model == "llama-3.2-1b" else (4096,)
+
+
+@dataclasses.dataclass
+class TtftRow:
+    path: str
+    prompt: int                # tokens
+    ms: float                  # time to first token, median
+    spread: tuple
+    note: str = ""
+
+
+def ttft_monokernel(mk, prompt: list[int]) -> tuple[float, str]:
+    """Seconds from the prompt to the first new token: the prompt but its last token prefilled (batched), then the
+    kernel's first step from that token (one launch, its first token published)."""
+    import cupy as cp
+    t0 = time.perf_counter()
+    pre = mk.prefill(prompt[:-1])
+    mk.generate(prompt[-1:], 1, eos=[], pos0=len(prompt) - 1)
+    cp.cuda.Device().synchronize()
+    return time.perf_counter() - t0, f"prefill {1e3 * pre.seconds:.1f} ms in {pre.chunks} chunks"
+
+
+def hf_prefill(model, prompt_ids):
+    """HF transformers' prefill of a prompt [1, n]: the last position's logits [V] (the first new token's)."""
+    import torch
+    with torch.no_grad():
+        return model(prompt_ids, use_cache=False, logits_to_keep=1).logits[0, -1]
+
+
+def ttft_hf(model, prompt_ids) -> float:
+    """Seconds of HF transformers' prefill of the prompt to the first new token (sdpa, bf16), no cache kept."""
+    import torch
+    sync = torch.cuda.synchronize if prompt_ids.is_cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    hf_prefill(model, prompt_ids).argmax()
+    sync()
+    return time.perf_counter() - t0
+
+
 def _median_runs(fn, repeats):
     runs = [fn() for _ in range(repeats)]
     return float(np.median(runs)), (float(min(runs)), float(max(runs)))
@@ -44,7 +87,7 @@ def _median_runs(fn, repeats):
 
 def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 5, positions=None,
               torch_paths: bool = True, hf: bool = True, verify_first: bool = True, seed: int = 0,
-              log=print) -> dict:
+              ttft=(), compiled: bool = True, log=print) -> dict:
     import cupy as cp
 
     from ..build.assemble import BuildOptions
@@ -56,7 +99,8 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
 
     cfg = get_config(model)
     positions = tuple(positions or bench_positions(model))
-    max_pos = max(positions) + 2 * tokens + 8
+    ttft = tuple(ttft)
+    max_pos = max(max(positions) + 2 * tokens + 8, *(n + 8 for n in ttft))
     if max_pos > cfg.max_seq:
         cfg = cfg.with_(max_seq=max_pos)
     w = random_weights(cfg, seed, xp=cp, progress=False)
@@ -95,14 +139,28 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
         tps, spread = _median_runs(lambda: mk.generate([1], tokens, eos=[], pos0=pos).tok_per_s, repeats)
         add("monokernel", pos, tps, spread)
 
+    out["ttft"] = []
+
+    def add_ttft(path, n, secs, note=""):
+        ms = [1e3 * x for x in secs]
+        row = TtftRow(path, n, float(np.median(ms)), (min(ms), max(ms)), note)
+        out["ttft"].append(dataclasses.asdict(row))
+        log(f"time to first token {path:28s} prompt {n:6d}: {row.ms:8.1f} ms [{min(ms):.1f}–{max(ms):.1f}] {note}")
+    rng = np.random.default_rng(seed + 2)
+    prompts = {n: rng.integers(0, cfg.vocab, n).tolist() for n in ttft}
+    for n, prompt in prompts.items():
+        ttft_monokernel(mk, prompt)                                          # warm (CuPy's kernels, cuBLAS)
+        runs = [ttft_monokernel(mk, prompt) for _ in range(max(2, repeats // 2))]
+        add_ttft("monokernel (batched prefill)", n, [r[0] for r in runs], runs[-1][1])
+
     if torch_paths:
         import torch
 
         from .baselines import gpt_fast_model, gpt_fast_tok_per_s
         from .baselines import tensors_from_weights
         t = tensors_from_weights(w, torch.device("cuda"), torch.bfloat16)
-        gf = gpt_fast_model(cfg, t, torch.device("cuda"), max_pos)
-        for pos in positions:
+        gf = gpt_fast_model(cfg, t, torch.device("cuda"), max_pos) if compiled else None
+        for pos in positions if compiled else ():
             runs = [gpt_fast_tok_per_s(gf, pos0=pos, n_tokens=tokens, inductor_flags=True, warm=3 if i else 8)
                     for i in range(max(2, repeats // 2))]
             tps = [r["tok_per_s"] for r in runs]
@@ -114,7 +172,20 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
             for pos in positions:
                 tps, spread, note = hf_static_tok_s(cfg, t, pos, tokens)
                 add("HF generate() static cache", pos, tps, spread, note)
+        if prompts:
+            hfm = hf_model(cfg, t, "cuda", torch.bfloat16)
+            hfm.config._attn_implementation = "sdpa"
+            for n, prompt in prompts.items():
+                ids = torch.tensor([prompt], device="cuda")
+                ttft_hf(hfm, ids)                                             # warm
+                add_ttft("HF transformers prefill (sdpa)", n, [ttft_hf(hfm, ids) for _ in range(max(2, repeats // 2))])
+            del hfm
+            torch.cuda.empty_cache()
         del t
+    ours = {r["prompt"]: r["ms"] for r in out["ttft"] if r["path"].startswith("monokernel")}
+    for r in out["ttft"]:
+        if not r["path"].startswith("monokernel"):
+            r["monokernel_speedup"] = r["ms"] / ours[r["prompt"]]
     mono = {r["position"]: r["tok_s"] for r in out["rows"] if r["path"] == "monokernel"}
     for r in out["rows"]:
         if r["path"] not in ("monokernel",) and not r["path"].startswith("roofline"):
@@ -175,13 +246,20 @@ def format_rows(out: dict) -> str:
         x = f"{r['monokernel_speedup']:.2f}" if "monokernel_speedup" in r else ""
         lines.append(f"{r['path']:34s} {r['position']:6d} {r['us_per_token']:8.1f} {r['tok_s']:8.0f} {sp:>15s} "
                      f"{r['pct_roofline']:6.1f} {r.get('pct_weights_roofline', float('nan')):7.1f} {x:>7s}")
+    if out.get("ttft"):
+        lines += ["", "time to first token (the prompt, then the first new token)",
+                  f"{'path':34s} {'prompt':>6s} {'ms':>9s} {'spread':>17s} {'mono ×':>7s}"]
+        for r in out["ttft"]:
+            sp = f"{r['spread'][0]:.1f}–{r['spread'][1]:.1f}"
+            x = f"{r['monokernel_speedup']:.2f}" if "monokernel_speedup" in r else ""
+            lines.append(f"{r['path']:34s} {r['prompt']:6d} {r['ms']:9.1f} {sp:>17s} {x:>7s}  {r['note']}")
     return "\n".join(lines)
 
 
 def main(model: str, tokens: int, repeats: int, json_path: str | None, no_torch: bool, no_hf: bool,
-         positions=None) -> int:
+         positions=None, ttft=(), no_compile: bool = False) -> int:
     out = run_bench(model, tokens=tokens, repeats=repeats, torch_paths=not no_torch, hf=not no_hf,
-                    positions=positions)
+                    positions=positions, ttft=ttft, compiled=not no_compile)
     print(format_rows(out))
     if json_path:
         with open(json_path, "w") as f:
