@@ -548,6 +548,8 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", default=DEFAULT_MODEL)
     pl.add_argument("--max-seq", type=max_seq_arg)
     pl.add_argument("--decode-step", action="store_true", help="also the C++ decode loop generated from it")
+    pl.add_argument("--gpus", type=positive_int, default=1,
+                    help="also how N GPUs split each layer (tensor parallel) and what a token exchanges")
     be = sub.add_parser("bench", help="monokernel vs torch.compile, HF generate() and the bandwidth roofline (GPU)")
     be.add_argument("--model", default=DEFAULT_MODEL)
     be.add_argument("--tokens", type=positive_int, default=128, help="decode steps per timed run")
@@ -577,6 +579,10 @@ def cmd_plan(args) -> int:
     if args.decode_step:
         print()
         print(decode_step(cfg, plan.Launch()), end="")
+    if args.gpus > 1:
+        from .tp.shard import Sharding
+        print()
+        print(Sharding(cfg, args.gpus).describe())
     return 0
 
 
