@@ -14,6 +14,7 @@ logits with an unchunked fp64 run of the same math on the same weights.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -59,17 +60,35 @@ def _memory_problem(cfg, n_ctx, chunk, dtype, xp) -> str | None:
             f"and the kernel's cache, and {free / 1e9:.2f} GB are free: a shorter prompt or a smaller chunk")
 
 
+@contextlib.contextmanager
+def _tf32(xp, on: bool):
+    """fp32 matrix products on the tensor cores in TF32 while the prefill runs, the process's setting restored
+    after (CuPy's is global, and verification's own products must stay fp32). The weights are bf16 values, which
+    TF32's 10-bit mantissa holds exactly; only the activations are rounded, to 2⁻¹¹, before each product (fp32
+    accumulation), against the 2⁻⁹ of the bf16 cache every key and value is rounded to anyway."""
+    if not on or not hasattr(xp, "cuda"):
+        yield
+        return
+    from cupy._core import _routines_linalg as L
+    before = L.get_compute_type(np.float32)
+    L.set_compute_type(np.float32, L.COMPUTE_TYPE_TF32)
+    try:
+        yield
+    finally:
+        L.set_compute_type(np.float32, before)
+
+
 def _sync(xp):
     if hasattr(xp, "cuda"):
         xp.cuda.get_current_stream().synchronize()
 
 
 def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int = PREFILL_CHUNK,
-            dtype=np.float32) -> Prefilled:
+            dtype=np.float32, tf32: bool = True) -> Prefilled:
     """Feed `tokens` at positions pos0.. through every layer, chunk by chunk, writing their keys and values into
     k_cache / v_cache (the kernel's: bf16 bits [L, Hkv, max_seq, hd], positions < pos0 already filled). Returns the
-    last token's logits. Raises ValueError for an empty prompt, tokens outside the vocabulary, or positions past
-    the cache."""
+    last token's logits. On the GPU the fp32 products run in TF32 unless tf32=False (see _tf32). Raises ValueError
+    for an empty prompt, tokens outside the vocabulary, or positions past the cache."""
     from ..check.reference import KVCache, forward
     cfg, xp = p.cfg, p.xp
     tokens = xp.asarray(tokens).reshape(-1)
@@ -100,14 +119,15 @@ def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int 
         work.k[:, :, :pos0] = to_f32(k_cache[:, :, :pos0], xp)
         work.v[:, :, :pos0] = to_f32(v_cache[:, :, :pos0], xp)
     logits, chunks = None, 0
-    for start in range(0, n, chunk):
-        stop = min(n, start + chunk)
-        last = stop == n
-        out = forward(ctx, tokens[start:stop], xp.arange(pos0 + start, pos0 + stop), cache=work, kv_bf16=True,
-                      dtype=dtype, logit_rows=[stop - start - 1] if last else [])
-        chunks += 1
-        if last:
-            logits = out[0]
+    with _tf32(xp, tf32 and np.dtype(dtype) == np.float32):
+        for start in range(0, n, chunk):
+            stop = min(n, start + chunk)
+            last = stop == n
+            out = forward(ctx, tokens[start:stop], xp.arange(pos0 + start, pos0 + stop), cache=work, kv_bf16=True,
+                          dtype=dtype, logit_rows=[stop - start - 1] if last else [])
+            chunks += 1
+            if last:
+                logits = out[0]
     k_cache[:, :, pos0:end] = to_bf16(work.k[:, :, pos0:end], xp)
     v_cache[:, :, pos0:end] = to_bf16(work.v[:, :, pos0:end], xp)
     _sync(xp)
