@@ -167,7 +167,8 @@ def main():
     if "assembly" in a.only:
         # the shipped PTX section against its C++ version, verified and timed in one run, per stage
         R["assembly"] = run("assembly", [PY, "scripts/ab.py", "--model", "llama-3.2-1b", "--variant", "cpp:",
-                                         "--variant", "ptx:@embedding=ptx", "--stages"], out, 240)
+                                         "--variant", "ptx:@embedding=ptx", "--variant",
+                                         "gemv_ptx:@o_proj_residual=ptx", "--stages"], out, 300)
     if "prefill" in a.only:
         # time to first token against HF's prefill, then a long prefill verified and decoded after
         for m in ("llama-3.2-1b", "llama-3.1-8b"):

@@ -365,6 +365,18 @@ def test_the_ptx_embedding_verifies(stream):
     _verified(p, BuildOptions(variants=(("embedding", "ptx"),), stream=stream), prompt_len=6, max_new=12)
 
 
+@pytest.mark.parametrize("name", ["tiny", "qwen2.5-0.5b"])
+def test_the_ptx_gemv_verifies(name):
+    """kernels/sections/o_proj_residual@ptx.ptx (the O projection's GEMV in PTX): every stage of every layer on its
+    own inputs, then end to end; qwen2.5-0.5b's 896-wide rows take the per-piece tail of the loop."""
+    import cupy as cp
+
+    from workbench.model.weights import prepare, random_weights
+    cfg = get_config(name).with_(max_seq=4352)
+    p = prepare(random_weights(cfg, fresh_seed(), xp=cp, progress=False), xp=cp, progress=False)
+    _verified(p, BuildOptions(variants=(("o_proj_residual", "ptx"),)), prompt_len=6, max_new=12)
+
+
 def test_a_prefilled_prompt_continues_as_the_reference_does(tiny):
     """3,000 prompt tokens through the batched prefill into the kernel's cache, then the kernel from the last one:
     the cache and the prefill's last logits match the fp64 math, the kernel's logits after it match the reference

@@ -88,6 +88,45 @@ def test_the_ptx_embedding_assembles_and_its_sass_is_listed_by_its_lines():
     assert "LDG.E.U16" in _under(sass, f"embedding@ptx.ptx:{line} ", "//")     # the load it made, under its line
 
 
+OPROJ = BuildOptions(variants=(("o_proj_residual", "ptx"),))
+
+
+@pytest.mark.parametrize("model", ["tiny", "llama-3.2-1b", "llama-3.1-8b", "qwen3-0.6b"])
+def test_the_ptx_gemv_assembles_without_spills_and_its_loop_is_listed_by_its_lines(model):
+    """o_proj_residual@ptx.ptx, the O projection's warp GEMV in PTX: it uses the plan header's shared-memory
+    offset by name, assembles on every shape without stack, and its 16-byte weight loads and FMAs are listed under
+    the .ptx lines that asked for them."""
+    cfg = get_config(model)
+    asm = assemble(cfg, OPROJ)
+    (b,) = asm.ptx_bodies
+    assert dict(b.constants)["WB_SMEM_O_PROJ_RESIDUAL_ACT"] == "0"
+    cubin, ptx, _ = C.compile_nvidia(asm)
+    (r,) = C.resource_usage(cubin)
+    assert r.stack == C.resource_usage(C.compile_cubin(assemble(cfg))[0])[0].stack == 0
+    text = section_path("o_proj_residual", "ptx").read_text().splitlines()
+    tail = next(n for n, l in enumerate(text, 1) if l.startswith("$WB_TAIL"))
+    # rows of ≥ 1,024 elements take the four-piece loop (tiny's 192 only the tail: ptxas drops the loop)
+    load = next(n for n, l in enumerate(text, 1) if ("[%rd9+512]" in l if cfg.q_dim >= 1024 else
+                                                     n > tail and "ld.global.nc" in l))
+    fma = next(n for n, l in enumerate(text, 1) if "fma.rn.f32" in l and (cfg.q_dim >= 1024 or n > tail))
+    sass = C.dump_section(asm, "sass", "o_proj_residual")
+    assert re.search(r"LDG\.E(\.\w+)*\.128", _under(sass, f"o_proj_residual@ptx.ptx:{load} ", "//"))
+    assert "FFMA" in _under(sass, f"o_proj_residual@ptx.ptx:{fma} ", "//")
+
+
+def test_a_ptx_body_of_a_streamed_stage_is_refused_in_a_stream_build():
+    with pytest.raises(ValueError, match="its weights arrive through the ring"):
+        assemble(get_config("tiny"), BuildOptions(variants=(("o_proj_residual", "ptx"),), stream=True))
+    assemble(get_config("tiny"), BuildOptions(variants=(("embedding", "ptx"),), stream=True))   # no weight stream
+
+
+def test_the_plan_headers_integer_constants_reach_a_ptx_body():
+    from workbench.build.ptx import header_constants
+    got = header_constants("constexpr int A = 1, B_FLOATS = 20;\nconstexpr u32 C = 3u << 2;\n"
+                           "constexpr long long D = 5LL;\nconstexpr int E = 4 * 7;")
+    assert got == {"A": "1", "B_FLOATS": "20"}            # expressions and suffixed literals are left out
+
+
 @needs_ptxas
 @pytest.mark.parametrize("find, replace, says", [
     ("ld.global.nc.u16", "ld.global.nc.u17", "Unknown modifier '.u17'"),

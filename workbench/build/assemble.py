@@ -20,7 +20,7 @@ from pathlib import Path
 from .. import paths, plan
 from ..model.config import ModelConfig
 from .header import Params, decode_step, plan_header, stream_step  # noqa: F401  (Params: the host's mirror, used from here)
-from .ptx import PtxBody, constants as ptx_constants, cpp_params, is_ptx_variant, ptx_stub
+from .ptx import PtxBody, constants as ptx_constants, cpp_params, header_constants, is_ptx_variant, ptx_stub
 
 
 def threads_problem(n) -> str | None:
@@ -180,7 +180,9 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
     bodies = []
     paste(_display(kernels / "portability.cuh"), (kernels / "portability.cuh").read_text())
     launch = opt.launch
-    paste("<generated: plan header>", plan_header(cfg, launch))
+    header = plan_header(cfg, launch)
+    paste("<generated: plan header>", header)
+    body_constants = {**build_defines, **header_constants(header)}
     for name in plan.LIBRARY + plan.STAGE_NAMES + ("<decode step>", "monokernel"):
         if name == "<decode step>":
             paste("<generated: decode step>", decode_step(cfg, launch) + stream_step(cfg, launch))
@@ -190,11 +192,15 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
             # the C++ section declares the function (and is compiled); the .ptx file is its body
             if name not in overrides and not path.exists():
                 raise FileNotFoundError(f"section {name!r}: {_display(path)} does not exist")
+            if launch.stream and plan.stream_stage(cfg, name) is not None:
+                raise ValueError(f"section {name!r}: in a stream build its weights arrive through the ring "
+                                 f"(kernels/lib/stream.cuh), which a PTX body would have to take them from; build "
+                                 f"{_display(path)} without stream")
             cpp = section_path(name)
             cpp_text = cpp.read_text()
             bodies.append(PtxBody(name, _display(path), overrides[name] if name in overrides else path.read_text(),
                                   cpp_params(cpp_text, f"stage_{name}"),
-                                  ptx_constants(build_defines, opt.launch.stage_threads)))
+                                  ptx_constants(body_constants, opt.launch.stage_threads)))
             # the C++ section compiles (its helpers stay; its errors still show) with its stage renamed away, and
             # the stage becomes a stub that uses every parameter, so that the compiler keeps all of them in the
             # function whose body the .ptx replaces (it drops those a body leaves unused)

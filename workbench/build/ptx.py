@@ -10,8 +10,9 @@ before ptxas turns the module into machine code.
 Inside the body:
 * `[name]` is the stage's parameter `name`, as the C++ declaration names it (`ld.param.u64 %rd1, [embed];`);
 * the build's constants are there by their C++ names: the config's shapes and the build's switches (`WB_D`,
-  `WB_THREADS`, ..., see assemble.defines), and WB_STAGE_THREADS, the threads that run a stage (the block's,
-  less the streaming warp of a stream build);
+  `WB_THREADS`, ..., see assemble.defines), the plan header's integer constants (a stage's shared-memory regions,
+  `WB_SMEM_<STAGE>_<REGION>` in floats), and WB_STAGE_THREADS, the threads that run a stage (the block's, less
+  the streaming warp of a stream build); ptxas takes constant expressions (`WB_HEADS*WB_HEAD_DIM*2`);
 * `//` comments are taken out before ptxas sees the body (ptxas takes only ASCII).
 
 An assembler message about a line of the body is reported at that line of the .ptx file.
@@ -75,8 +76,19 @@ def ptx_stub(source: str, section: str) -> str:
         "}", ""])
 
 
+def header_constants(header: str) -> dict:
+    """The integer constants the generated plan header declares (`constexpr int A = 1, B = 2;`): shared-memory
+    offsets and sizes (WB_SMEM_*), tap offsets, ... by name, for a PTX body to use as the C++ sections do."""
+    out = {}
+    for decl in re.findall(r"constexpr\s+(?:unsigned\s+)?(?:int|long long|u32|u64)\s+([^;]+);", header):
+        for name, value in re.findall(r"([A-Za-z_]\w*)\s*=\s*(-?\d+)\b(?!\s*[*/+\-.(])", decl):
+            out[name] = value
+    return out
+
+
 def constants(defines: dict, stage_threads: int) -> tuple:
-    """What a body may write by name: every #define of the build, and WB_STAGE_THREADS (plan.Launch's)."""
+    """What a body may write by name: every #define of the build and the plan header's integer constants, and
+    WB_STAGE_THREADS (plan.Launch's)."""
     return (*((k, v) for k, v in defines.items()), ("WB_STAGE_THREADS", str(stage_threads)))
 
 
