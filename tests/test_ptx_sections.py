@@ -165,6 +165,24 @@ def test_the_amdgcn_variant_compiles_for_gfx942_with_its_instruction():
     assert "v_lshlrev_b32" in _under(listing, f"embedding@gcn.cuh:{line} ", ";")
 
 
+@needs_clang
+@pytest.mark.parametrize("model", ["tiny", "llama-3.2-1b"])
+def test_the_amdgcn_gemv_compiles_for_gfx942_with_packed_fmas_and_is_portable_code_on_nvidia(model):
+    """o_proj_residual@gcn.cuh: the O projection's dot products as v_pk_fma_f32 (two fp32 FMAs each) on gfx942,
+    listed under its asm line, without scratch; on NVIDIA the same file is the portable GEMV, without stack."""
+    cfg = get_config(model)
+    opt = BuildOptions(variants=(("o_proj_residual", "gcn"),))
+    asm = assemble(cfg, opt)
+    listing = C.dump_section(asm, "amdgcn", "o_proj_residual")
+    line = next(n for n, l in enumerate(section_path("o_proj_residual", "gcn").read_text().splitlines(), 1)
+                if l.strip().startswith('asm("v_pk_fma_f32'))
+    assert "v_pk_fma_f32" in _under(listing, f"o_proj_residual@gcn.cuh:{line} ", ";")
+    text, _ = C.compile_hip(asm)
+    assert all(r.stack == 0 for r in C.amdgpu_resources(text))
+    (r,) = C.resource_usage(C.compile_cubin(asm)[0])
+    assert r.stack == 0
+
+
 @needs_ptxas
 def test_the_loop_builds_a_ptx_section_and_keeps_a_wrong_edit_where_it_was(tmp_path):
     """Through a CPU-mode Workbench: the PTX variant builds; an edit of the .ptx that does not assemble is a
