@@ -87,8 +87,8 @@ def test_the_ttft_baseline_computes_what_the_prefill_computes(family):
     from workbench.run.prefill import prefill
     cfg = get_config("tiny").with_(max_seq=64, **({} if family == "llama" else {family: True}))
     w = random_weights(cfg, 4, progress=False)
-    model = hf_model(cfg, tensors_from_weights(w, "cpu", torch.float32), "cpu", torch.float32)
-    model.config._attn_implementation = "sdpa"
+    model = hf_model(cfg, tensors_from_weights(w, "cpu", torch.float32), "cpu", torch.float32, attn="sdpa")
+    assert model.config._attn_implementation == "sdpa"
     prompt = np.random.default_rng(0).integers(0, cfg.vocab, 40).tolist()
     theirs = hf_prefill(model, torch.tensor([prompt])).double().numpy()
     shape = (cfg.n_layers, cfg.n_kv_heads, cfg.max_seq, cfg.head_dim)

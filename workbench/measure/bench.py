@@ -173,8 +173,7 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
                 tps, spread, note = hf_static_tok_s(cfg, t, pos, tokens)
                 add("HF generate() static cache", pos, tps, spread, note)
         if prompts:
-            hfm = hf_model(cfg, t, "cuda", torch.bfloat16)
-            hfm.config._attn_implementation = "sdpa"
+            hfm = hf_model(cfg, t, "cuda", torch.bfloat16, attn="sdpa")
             for n, prompt in prompts.items():
                 ids = torch.tensor([prompt], device="cuda")
                 ttft_hf(hfm, ids)                                             # warm
@@ -193,15 +192,17 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
     return out
 
 
-def hf_model(cfg, tensors: dict, device, dtype):
+def hf_model(cfg, tensors: dict, device, dtype, attn: str | None = None):
     """The family's transformers model (LlamaForCausalLM, Qwen3ForCausalLM, Qwen2ForCausalLM) at `cfg`'s shapes,
-    on these HF-named tensors; every tensor must find its place (a tied LM head is the embedding)."""
+    on these HF-named tensors; every tensor must find its place (a tied LM head is the embedding). `attn`: the
+    attention implementation ("sdpa", "eager"; default transformers' choice)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     fields = cfg.to_hf_dict()
     hfc = AutoConfig.for_model(fields.pop("model_type"), **fields)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(hfc).to(dtype).eval()
+        model = AutoModelForCausalLM.from_config(hfc, **({"attn_implementation": attn} if attn else {}))
+        model = model.to(dtype).eval()
     sd = dict(tensors)
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight", None)
