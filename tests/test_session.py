@@ -349,3 +349,23 @@ def test_watcher_debounces_and_ignores_unchanged_saves(kernels):
     new.write_text("// new variant\n")
     (kernels / "sections" / ".sampling.cuh.x.tmp").write_text("temp")    # an atomic write's temporary
     assert w.poll_once(t + 4) is None and w.poll_once(t + 5) == [new]
+
+
+def test_the_loop_compile_time_script_times_each_mode(tmp_path, monkeypatch, capsys):
+    """scripts/loop_compile_time.py on tiny: a row per mode, the verdict before the record when the timed build
+    compiles beside it, the JSON written, and the checkout's kernels untouched (it edits a private copy)."""
+    import importlib.util
+    script = Path(__file__).resolve().parent.parent / "scripts" / "loop_compile_time.py"
+    spec = importlib.util.spec_from_file_location("loop_compile_time", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    before = {p: p.read_bytes() for p in paths.kernels_dir().rglob("*.cuh")}
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert mod.main(["--model", "tiny", "--edits", "2", "--levels", "max"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    first, beside = out[2].split(), out[3].split()
+    assert first[:2] == ["first", "min"] and beside[:2] == ["beside", "max"]
+    assert float(beside[4]) < float(beside[5])                  # edit → verdict before edit → record
+    rows = json.loads((tmp_path / "loop_compile_time.json").read_text())
+    assert [r["pipeline"] for r in rows] == [False, True] and all(len(r["runs"]) == 2 for r in rows)
+    assert {p: p.read_bytes() for p in paths.kernels_dir().rglob("*.cuh")} == before
