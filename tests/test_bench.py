@@ -4,12 +4,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from workbench.measure.bench import Row, bench_positions, format_rows
+from workbench.measure.bench import Row, bench_positions, cache_positions, format_rows
 
 
 def test_default_positions_reach_16k_and_32k_for_the_1b():
     assert bench_positions("llama-3.2-1b") == (128, 4096, 16384, 32768)
     assert bench_positions("llama-3.1-8b") == (128, 4096, 16384)
+
+
+def test_the_cache_holds_the_furthest_run_and_the_longest_prompt():
+    assert cache_positions((128, 4096), 128) == 4096 + 256 + 8            # no --ttft: the decode runs alone
+    assert cache_positions((128,), 32, (1024, 32768)) == 32768 + 8
+    assert cache_positions((16384,), 128, (4096,)) == 16384 + 256 + 8
 
 
 def test_the_table_shows_both_rooflines():

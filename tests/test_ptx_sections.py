@@ -123,8 +123,8 @@ def test_a_ptx_body_of_a_streamed_stage_is_refused_in_a_stream_build():
 def test_the_plan_headers_integer_constants_reach_a_ptx_body():
     from workbench.build.ptx import header_constants
     got = header_constants("constexpr int A = 1, B_FLOATS = 20;\nconstexpr u32 C = 3u << 2;\n"
-                           "constexpr long long D = 5LL;\nconstexpr int E = 4 * 7;")
-    assert got == {"A": "1", "B_FLOATS": "20"}            # expressions and suffixed literals are left out
+                           "constexpr long long D = 5LL;\nconstexpr int E = 4 * 7, F = 1 << 4, G = -2;")
+    assert got == {"A": "1", "B_FLOATS": "20", "D": "5", "G": "-2"}      # expressions are left out
 
 
 @needs_ptxas
@@ -262,3 +262,13 @@ def test_the_splice_finds_the_definition_and_maps_its_lines():
         assert (('\t.file\t2 "' in out) == bool(files)) and out.count(".file") == 2 * len(files)
         n = span.first + got.index("\tret;")
         assert span.line_of(n) == 3 and (not files or span.line_of(n - 1) == 2)   # a .loc counts as the line before
+
+
+def test_a_build_with_a_ptx_section_is_rebuilt_exactly_from_its_texts():
+    """What the loop keeps of a build to put it back (texts_of: the overrides that rebuild it) holds a PTX stage's
+    .ptx body, not its C++ declaration: the rebuilt source and bodies are the same, key for key."""
+    from workbench.loop.benchmark import texts_of
+    for opt in (OPROJ, PTX):
+        asm = assemble(get_config("tiny"), opt)
+        again = assemble(get_config("tiny"), opt, texts_of(asm))
+        assert again.key == asm.key and again.ptx_bodies == asm.ptx_bodies

@@ -44,6 +44,8 @@ def test_coverage_takes_every_attention_path():
     assert len([r for r in sampled if r.sampling]) == 4
     flat = [p for r in sampled for p in r.positions]
     assert len(flat) == len(set(flat)) and flat == sorted(flat) and flat[-1] == cfg.max_seq - 1
+    near = get_config("llama-3.2-1b", max_seq=4105)              # the end just past the 4,096 paths
+    assert len([r for r in coverage(near, launch, sampling=True) if r.sampling]) == 4
 
 
 def test_a_faithful_kernel_passes(tiny_p):

@@ -217,10 +217,10 @@ def _check_build(args):
 
 
 def _check_bench(args):
-    from .measure.bench import bench_positions
+    from .measure.bench import bench_positions, cache_positions
     cfg = _config(args.model, None)
     positions = args.positions or bench_positions(args.model)
-    need = max(positions) + 2 * args.tokens + 8                 # what run_bench sizes the KV cache for
+    need = cache_positions(positions, args.tokens)              # what run_bench sizes the KV cache for
     limit = cfg.max_positions or cfg.max_seq
     if need > limit:
         raise UsageError(f"position {max(positions)} and --tokens {args.tokens} need {need} positions, past the "
@@ -338,16 +338,18 @@ def cmd_generate(args) -> int:
     mk = _kernel(args, p, max_steps=len(fed) + args.tokens)
     s = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     timeout = getattr(args, "timeout", 5.0)
-    t0 = time.perf_counter()
     pre = mk.prefill(ids[:-1]) if prefilled else None
     tokens = mk.stream_tokens(fed, args.tokens, s, pos0=len(ids) - len(fed), eos=None if args.stop_on_eos else [],
                               timeout_s=timeout, host_timeout_s=max(20.0, 4 * timeout))
     first = []
 
     def timed(stream):
+        # the kernel launches when the stream is first asked for a token (after the text decoder has read the
+        # prompt): the time to first token is the prefill's and the launch's to the first token, not that reading
+        t0 = time.perf_counter()
         for t in stream:
             if not first:
-                first.append(time.perf_counter() - t0)
+                first.append(time.perf_counter() - t0 + (pre.seconds if pre else 0.0))
             yield t
     if tok is not None:
         for piece in stream_text(tok, timed(tokens), prompt=ids):

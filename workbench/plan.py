@@ -46,14 +46,15 @@ class Launch:
     @property
     def consumer_warps(self) -> int:
         """The warps that run the stages (NVIDIA's 32-lane warps: streaming is an sm_90 build)."""
-        return self.threads // 32 - (1 if self.stream else 0)
+        return self.threads // NV_WARP - (1 if self.stream else 0)
 
     @property
     def stage_threads(self) -> int:
         """The threads that run a stage (wb_ntid() in the kernel): the block's, less the streaming warp."""
-        return self.consumer_warps * 32
+        return self.consumer_warps * NV_WARP
 
 
+NV_WARP = 32                        # lanes of an NVIDIA warp (WB_WARP there, and in a stage's PTX body)
 MAX_WARPS = 32                      # warps in a 1024-thread block at the narrowest warp (32 lanes, NVIDIA)
 
 # ---- buffers --------------------------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ Inside the body:
 * `[name]` is the stage's parameter `name`, as the C++ declaration names it (`ld.param.u64 %rd1, [embed];`);
 * the build's constants are there by their C++ names: the config's shapes and the build's switches (`WB_D`,
   `WB_THREADS`, ..., see assemble.defines), the plan header's integer constants (a stage's shared-memory regions,
-  `WB_SMEM_<STAGE>_<REGION>` in floats), and WB_STAGE_THREADS, the threads that run a stage (the block's, less
-  the streaming warp of a stream build); ptxas takes constant expressions (`WB_HEADS*WB_HEAD_DIM*2`);
+  `WB_SMEM_<STAGE>_<REGION>` in floats), WB_STAGE_THREADS, the threads that run a stage (the block's, less the
+  streaming warp of a stream build), and WB_WARP; ptxas takes constant expressions (`WB_HEADS*WB_HEAD_DIM*2`);
 * `//` comments are taken out before ptxas sees the body (ptxas takes only ASCII).
 
 An assembler message about a line of the body is reported at that line of the .ptx file.
@@ -81,15 +81,19 @@ def header_constants(header: str) -> dict:
     offsets and sizes (WB_SMEM_*), tap offsets, ... by name, for a PTX body to use as the C++ sections do."""
     out = {}
     for decl in re.findall(r"constexpr\s+(?:unsigned\s+)?(?:int|long long|u32|u64)\s+([^;]+);", header):
-        for name, value in re.findall(r"([A-Za-z_]\w*)\s*=\s*(-?\d+)\b(?!\s*[*/+\-.(])", decl):
-            out[name] = value
+        for item in decl.split(","):
+            m = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*=\s*(-?\d+)[uUlL]*\s*", item)
+            if m:                              # a whole initializer that is one integer (a suffix dropped)
+                out[m[1]] = m[2]
     return out
 
 
 def constants(defines: dict, stage_threads: int) -> tuple:
-    """What a body may write by name: every #define of the build and the plan header's integer constants, and
-    WB_STAGE_THREADS (plan.Launch's)."""
-    return (*((k, v) for k, v in defines.items()), ("WB_STAGE_THREADS", str(stage_threads)))
+    """What a body may write by name: every #define of the build and the plan header's integer constants,
+    WB_STAGE_THREADS (plan.Launch's) and WB_WARP (the lanes of a warp, as the C++ sections name them)."""
+    from ..plan import NV_WARP
+    return (*((k, v) for k, v in defines.items()), ("WB_STAGE_THREADS", str(stage_threads)),
+            ("WB_WARP", str(NV_WARP)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,7 +74,7 @@ class PreparedView:
         self._inv = self.xp.asarray(np.argsort(qkv_row_order(self.cfg)))
 
     def _f(self, a):
-        return to_f32(a, self.xp).astype(self.dtype)
+        return to_f32(a, self.xp).astype(self.dtype, copy=False)    # fp32 asked: the conversion is the copy
 
     def layer(self, name: str, layer: int):
         if layer != self._layer:
@@ -188,10 +188,13 @@ def forward(source, tokens, positions=None, *, cache: KVCache | None = None, kv_
     check_cache(cfg, cache, kv_bf16, dtype)
     state: dict = {}
     out = None
+    no_logits = logit_rows is not None and len(logit_rows) == 0
     for stage_name, layer in plan.execution(cfg):
         st = plan.stage(stage_name)
         if st.reference is None:
             continue
+        if no_logits and "logits" in {u.buffer for u in st.reads + st.writes}:
+            continue                        # no row wanted: the LM head (and what reads it) has nothing to do
         if stage_name == "lm_head" and logit_rows is not None:
             sel = xp.asarray(list(logit_rows), dtype=xp.int64)
             sub = {"x": state["x"][sel]}

@@ -60,7 +60,7 @@ def coverage(cfg: ModelConfig, launch: plan.Launch, *, thorough: bool = False, s
     """The runs that take every declared code path: first a prompt from 0 with generated tokens (the generation
     path and the end-to-end check), then the positions each stage's `paths` names, grouped into runs of
     consecutive positions, in increasing position so that no run's cache rows overlap another's; with `sampling`,
-    one run per sampler mode after them."""
+    one run per sampler mode where there is room between them."""
     runs = [Run(0, first[0], first[1], why="prompt and generation from position 0")]
     used = set(runs[0].positions)
     want = set()
@@ -76,17 +76,17 @@ def coverage(cfg: ModelConfig, launch: plan.Launch, *, thorough: bool = False, s
         if p is not None:
             group.append(p)
     if sampling:
-        # after every path's positions but before the context's end (its last positions are a path too)
-        end = [r for r in runs[1:] if r.pos0 >= cfg.max_seq - 2]
-        body = [r for r in runs if r not in end]
-        pos = max(p for r in body for p in r.positions) + 1
-        limit = end[0].pos0 if end else cfg.max_seq
-        for s in SAMPLER_MODES:
-            if pos + 3 > limit:
+        # one run per mode, 3 positions each, in the first gap between the paths' runs that holds them all (the
+        # runs stay in increasing position: a later run reads as context what an earlier one wrote)
+        need = 3 * len(SAMPLER_MODES)
+        for i in range(len(runs)):
+            start = max(runs[i].positions) + 1
+            stop = runs[i + 1].pos0 if i + 1 < len(runs) else cfg.max_seq
+            if stop - start >= need:
+                modes = [Run(start + 3 * j, 2, 2, s, why=f"sampler T={s.temperature} top-k {s.top_k} top-p "
+                                                          f"{s.top_p}") for j, s in enumerate(SAMPLER_MODES)]
+                runs = runs[:i + 1] + modes + runs[i + 1:]
                 break
-            body.append(Run(pos, 2, 2, s, why=f"sampler T={s.temperature} top-k {s.top_k} top-p {s.top_p}"))
-            pos += 3
-        runs = body + end
     return runs
 
 

@@ -77,6 +77,7 @@ class Deferred:
     def __init__(self, fn, names: list, parallel: bool, undo=None):
         self.names, self.undo, self.t0 = list(names), undo, time.perf_counter()
         self.done_at = None
+        self.abandoned = False             # the round failed elsewhere: what this compiles is to be put back
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="wb-deferred-build")
         self._future = self._pool.submit(self._run, fn, parallel)
 
@@ -146,8 +147,9 @@ class CpuBackend:
         wall = time.perf_counter() - t0
         errors = [e for _, e in results if e is not None]
         if errors:
-            if d is not None:
-                d.wait()                        # nothing of it is installed: the round is over
+            if d is not None:                   # the round is over: what it compiles is never installed
+                d.abandoned = True
+                self._deferred = d
             raise errors[0]
         for name, key, (cubin, res) in (r for r, _ in results):
             self.cubins[name] = (key, cubin, res)
@@ -162,6 +164,8 @@ class CpuBackend:
         if d is None:
             return float("nan")
         wall, results = d.wait()
+        if d.abandoned:
+            return float("nan")
         errors = [e for _, e in results if e is not None]
         if errors:
             self.cubins = d.undo                # the whole round goes back
@@ -256,20 +260,23 @@ class GpuBackend:
         later = [n for n in builds if n in defer and n in self.kernels and self.kernels[n].same_launch(builds[n])]
         names = [n for n in builds if n not in later]
         # the deferred builds start first, so that they compile beside the others
-        d = Deferred(lambda n: one(n, phase=False), later, self.parallel) if later else None
-        t0 = time.perf_counter()
-        results = _map(one, names, self.parallel)
-        if self.parallel and any(e is not None and not isinstance(e, CompileError) for _, e in results):
-            # not a compile error: in case it came from building in threads, once more one after the other
-            results = [(r, None) if e is None else _map(one, [n], False)[0]
-                       for n, (r, e) in zip(names, results, strict=True)]
-        wall = time.perf_counter() - t0
+        d = Deferred(lambda n: one(n, phase=False), later, self.parallel, undo=(before, [])) if later else None
+        self._one = one
         try:
+            t0 = time.perf_counter()
+            results = _map(one, names, self.parallel)
+            if self.parallel and any(e is not None and not isinstance(e, CompileError) for _, e in results):
+                # not a compile error: in case it came from building in threads, once more one after the other
+                results = [(r, None) if e is None else _map(one, [n], False)[0]
+                           for n, (r, e) in zip(names, results, strict=True)]
+            wall = time.perf_counter() - t0
             self._install(results, before)
-        except Exception:
-            if d is not None:                   # the round is over: what the background compiled goes back too
-                _, done = d.wait()
-                self._put_back([res[1] for res, e in done if e is None], before)
+        except BaseException:
+            if d is not None:
+                # the round is over; the background compile is not waited for (the error is reported now): the
+                # next call that needs the kernels waits for it and puts back whatever it compiled
+                d.abandoned = True
+                self._deferred = d
             raise
         if d is not None:
             d.undo = (before, [self.kernels[n] for n in names])
@@ -297,8 +304,9 @@ class GpuBackend:
 
     def finish(self) -> float:
         """Wait for the deferred builds (the phase word says compiling meanwhile, so that a compiler hang is
-        caught) and put them in place → their compile wall time (nan: none). A compile error there puts the
-        builds compiled before it back too, and is raised."""
+        caught) and put them in place → their compile wall time (nan: none). A failure there that is not a compile
+        error is tried once more here, outside the thread; a compile error puts the builds compiled before it back
+        too, and is raised. A round abandoned at a failure of the other builds is waited for and put back."""
         d, self._deferred = self._deferred, None
         if d is None:
             return float("nan")
@@ -306,16 +314,27 @@ class GpuBackend:
             self.on_phase("compiling")
         try:
             wall, results = d.wait()
+            before, compiled = d.undo
+            if d.abandoned:
+                self._put_back([res[1] for res, e in results if e is None], before)
+                return float("nan")
+            if any(e is not None and not isinstance(e, CompileError) for _, e in results):
+                results = [(r, None) if e is None else _map(self._one, [n], False)[0]
+                           for n, (r, e) in zip(d.names, results, strict=True)]
+                wall = time.perf_counter() - d.t0
         finally:
             if self.on_phase:
                 self.on_phase("idle")
-        before, compiled = d.undo
         errors = [e for _, e in results if e is not None]
         if errors:
             self._put_back(compiled + [res[1] for res, e in results if e is None], before)
             raise errors[0]
         self._install(results, before)
         return wall
+
+    def deferred(self) -> list:
+        """The builds compiling in the background now (their kernels are the previous ones until finish)."""
+        return list(self._deferred.names) if self._deferred is not None else []
 
     def _settle(self):
         """A deferred round nobody finished (its caller stopped at a failure): wait for it, keep what it built."""
@@ -496,7 +515,7 @@ class GpuService:
 
     def build(self, builds: dict, overrides: dict, defer=()):
         wall = self.backend.build(builds, overrides, defer)
-        return wall, self._info()
+        return wall, self._info(skip=self.backend.deferred())      # a kernel compiling in the background: later
 
     def finish(self):
         wall = self.backend.finish()
@@ -505,9 +524,10 @@ class GpuService:
     def kernels(self) -> dict:
         return self._info()
 
-    def _info(self) -> dict:
+    def _info(self, skip=()) -> dict:
         from .benchmark import texts_of
-        return {n: (mk.asm.key, mk.resources(), texts_of(mk.asm)) for n, mk in self.backend.kernels.items()}
+        return {n: (mk.asm.key, mk.resources(), texts_of(mk.asm)) for n, mk in self.backend.kernels.items()
+                if n not in skip}
 
     def close(self):
         self.backend.close()
@@ -584,19 +604,23 @@ class WorkerBackend:
     def build(self, builds: dict, overrides: dict, defer=()) -> float:
         self._deferred = None
         wall, info = self._call("build", builds, overrides, defer)
-        self.info = info
+        self.info = {**self.info, **info}             # a deferred build's entry is its previous one until finish
         self._pending = (builds, info[next(iter(info))][2])
-        self._deferred = [n for n in builds if n in defer] or None
-        self._limit(wall)
+        self._deferred = [n for n in builds if n in defer and n not in info] or None
+        if not self._deferred:                       # else the limit follows the deferred build, in finish
+            self._limit(wall)
         return wall
 
     def finish(self) -> float:
+        from ..run.worker import WorkerFailure
         if not self._deferred:
             return float("nan")
         self._deferred = None
         try:
             wall, self.info = self._call("finish")
-        except CompileError:
+        except WorkerFailure:
+            raise
+        except Exception:
             self.info = self._call("kernels")           # the round went back: what the worker holds now
             raise
         self._limit(wall)

@@ -16,7 +16,8 @@ from .sections import _atomic_write, display_path, section_file
 
 
 def texts_of(asm) -> dict:
-    """{section: text} of an assembled source: enough overrides to rebuild exactly it (portability.cuh aside)."""
+    """{section: text} of an assembled source: enough overrides to rebuild exactly it (portability.cuh aside). A
+    stage written in PTX is its .ptx body (what an override of it replaces; its C++ declaration is read from disk)."""
     out = {}
     for _, path, text in asm.pieces:
         if path.startswith("<"):
@@ -24,6 +25,8 @@ def texts_of(asm) -> dict:
         stem = Path(path).stem.split("@")[0]
         if stem in plan.FILES:
             out[stem] = text
+    for b in asm.ptx_bodies:
+        out[b.section] = b.text
     return out
 
 

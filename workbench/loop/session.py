@@ -257,12 +257,13 @@ class Workbench:
                     if verify:
                         rec.verdict_s = time.perf_counter() - t0
                         self._tell(self.on_verdict, rec)
-                    if self._finish_into(rec) and timing and self.device == "gpu":
+                    timed_in = self._finish_into(rec)
+                    if timed_in and timing and self.device == "gpu":
                         self._time_into(rec, v)
                 except WorkerFailure as f:
                     self._failed(rec, f)
                 else:
-                    if hasattr(self.backend, "mark_good") and rec.status not in (COMPILE_ERROR,):
+                    if hasattr(self.backend, "mark_good") and timed_in:     # a round put back is not good
                         self.backend.mark_good()
             rec.total_s = time.perf_counter() - t0
             self._record(rec)
@@ -280,12 +281,22 @@ class Workbench:
         """The timed build, compiled in the background, in place → whether it compiled. If it did not, the round
         is a compile error and every build goes back to the last good one (the verdict already given stands for
         the verification build only)."""
+        verified = ("" if rec.passed is None else "; its verification had passed" if rec.passed else
+                    f"; its verification had failed: {rec.first_failure}")
         try:
             rec.timed_compile_s = self.backend.finish()
+        except WorkerFailure:
+            raise
         except CompileError as e:
             rec.status, rec.messages = COMPILE_ERROR, list(e.messages)
-            rec.error = ("the timed build did not compile (the verification build did, and was verified above); "
-                         "both builds are back to the last good ones\n" + format_compile_error(e))
+            rec.error = (f"the timed build did not compile (the verification build did{verified}); both builds "
+                         f"are back to the last good ones\n" + format_compile_error(e))
+            return False
+        except Exception as e:                 # assembly refused, not resident, driver errors: as build's would be
+            kind = ASSEMBLE_ERROR if isinstance(e, (ValueError, FileNotFoundError, OSError)) else RUN_ERROR
+            rec.status = kind
+            rec.error = (f"the timed build failed (the verification build compiled{verified}); both builds are back "
+                         f"to the last good ones: {type(e).__name__}: {e}")
             return False
         rec.resources = self.backend.resources("timed")
         return True

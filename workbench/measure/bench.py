@@ -37,6 +37,12 @@ def bench_positions(model: str) -> tuple[int, ...]:
     return (128, 4096, 16384, 32768) if model == "llama-3.2-1b" else (128, 4096, 16384)
 
 
+def cache_positions(positions, tokens: int, ttft=()) -> int:
+    """The KV cache the bench runs in: its furthest decode run (2·tokens past a position: HF's generate times n and
+    2n), and its longest prompt, each with a few positions to spare."""
+    return max([max(positions) + 2 * tokens + 8, *(n + 8 for n in ttft)])
+
+
 def ttft_lengths(model: str) -> tuple[int, ...]:
     """The prompt lengths `bench --ttft` times by default: 1k to 32k for the 1B, the agents' 4k otherwise."""
     return (1024, 4096, 16384, 32768) if model == "llama-3.2-1b" else (4096,)
@@ -100,7 +106,7 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
     cfg = get_config(model)
     positions = tuple(positions or bench_positions(model))
     ttft = tuple(ttft)
-    max_pos = max(max(positions) + 2 * tokens + 8, *(n + 8 for n in ttft))
+    max_pos = cache_positions(positions, tokens, ttft)
     if max_pos > cfg.max_seq:
         cfg = cfg.with_(max_seq=max_pos)
     w = random_weights(cfg, seed, xp=cp, progress=False)

@@ -46,7 +46,9 @@ def prefill_bytes(cfg, n_ctx: int, chunk: int, dtype=np.float32) -> int:
     cache = 2 * cfg.n_layers * cfg.n_kv_heads * n_ctx * cfg.head_dim * item
     rows = 4 * chunk * (cfg.qkv_rows + 2 * cfg.intermediate + 4 * cfg.hidden) * item
     layer = (cfg.qkv_rows * cfg.hidden + cfg.hidden * cfg.q_dim + 3 * cfg.intermediate * cfg.hidden) * item
-    return cache + rows + layer + 3 * SCORE_ELEMENTS * item
+    tables = 2 * cfg.vocab * cfg.hidden * item          # the embedding and the LM head, converted whole
+    one_layer = 2 * cfg.n_kv_heads * n_ctx * cfg.head_dim * 4   # the bf16 write's temporaries, a layer at a time
+    return cache + rows + layer + tables + one_layer + 3 * SCORE_ELEMENTS * item
 
 
 def _memory_problem(cfg, n_ctx, chunk, dtype, xp) -> str | None:
@@ -128,8 +130,9 @@ def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int 
             chunks += 1
             if last:
                 logits = out[0]
-    k_cache[:, :, pos0:end] = to_bf16(work.k[:, :, pos0:end], xp)
-    v_cache[:, :, pos0:end] = to_bf16(work.v[:, :, pos0:end], xp)
+    for layer in range(cfg.n_layers):            # a layer at a time: the conversion's temporaries stay small
+        k_cache[layer, :, pos0:end] = to_bf16(work.k[layer, :, pos0:end], xp)
+        v_cache[layer, :, pos0:end] = to_bf16(work.v[layer, :, pos0:end], xp)
     _sync(xp)
     seconds = time.perf_counter() - t0
     logits = logits.get() if hasattr(logits, "get") else np.asarray(logits)
