@@ -106,7 +106,7 @@ def test_the_ptx_gemv_assembles_without_spills_and_its_loop_is_listed_by_its_lin
     text = section_path("o_proj_residual", "ptx").read_text().splitlines()
     tail = next(n for n, l in enumerate(text, 1) if l.startswith("$WB_TAIL"))
     # rows of ≥ 1,024 elements take the four-piece loop (tiny's 192 only the tail: ptxas drops the loop)
-    load = next(n for n, l in enumerate(text, 1) if ("[%rd9+512]" in l if cfg.q_dim >= 1024 else
+    load = next(n for n, l in enumerate(text, 1) if ("[%rd9+WB_WARP*16]" in l if cfg.q_dim >= 1024 else
                                                      n > tail and "ld.global.nc" in l))
     fma = next(n for n, l in enumerate(text, 1) if "fma.rn.f32" in l and (cfg.q_dim >= 1024 or n > tail))
     sass = C.dump_section(asm, "sass", "o_proj_residual")
