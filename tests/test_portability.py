@@ -290,6 +290,7 @@ def test_assembly_notebook_executes():
                             resources={"metadata": {"path": str(path.parent)}}).execute()
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "gfx942" in text and "VGPRs" in text and "instruction lines attributed to" in text
+    assert "LDG.E.NA.128" in text and "v_pk_fma_f32" in text          # the GEMV's loop, on both vendors
     html = "".join(o.get("data", {}).get("text/html", "") for c in nb.cells if c.cell_type == "code"
                    for o in c.get("outputs", []))
     assert "PTX" in html and "SASS" in html and "AMDGCN" in html

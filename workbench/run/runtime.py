@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import threading
 import time
 from typing import Callable, Iterator
 
@@ -23,6 +24,7 @@ STATUS = {name: i for i, name in enumerate(plan.STATUS_WORDS)}
 ERROR = {name: i for i, name in enumerate(plan.ERRORS)}
 M_STATUS, M_ABORT, M_N_OUT, M_PROGRESS, M_WHERE, M_TOKENS = (
     plan.mapped_offset(n) for n in ("status", "host_abort", "n_out", "progress", "where", "tokens_out"))
+_ALLOC_LOCK = threading.Lock()
 _NP_DTYPES = {"f32": np.float32, "bf16": np.uint16, "i32": np.int32, "u32": np.uint32, "u64": np.uint64}
 BF16_NAN = 0x7FC0
 # Inside a worker process (workbench.run.worker): the shared block every kernel writes and the phase word it sets,
@@ -204,12 +206,13 @@ class Monokernel:
         self._external_mapped = mapped
         if self.grid > plan.MAX_BLOCKS:
             raise ValueError(f"{self.grid} blocks: the mapped block holds where-words for {plan.MAX_BLOCKS}")
-        free = cupy.cuda.runtime.memGetInfo()[0] + cupy.get_default_memory_pool().free_bytes()
-        problem = plan.memory_problem(self.cfg, free, self.launch, weights_resident=True)
-        if problem:                                   # one line, not an allocator's traceback
-            from ..errors import GpuMemoryError
-            raise GpuMemoryError(problem)
-        self._alloc()
+        with _ALLOC_LOCK:                # two kernels built in parallel threads must not both count the same memory
+            free = cupy.cuda.runtime.memGetInfo()[0] + cupy.get_default_memory_pool().free_bytes()
+            problem = plan.memory_problem(self.cfg, free, self.launch, weights_resident=True)
+            if problem:                               # one line, not an allocator's traceback
+                from ..errors import GpuMemoryError
+                raise GpuMemoryError(problem)
+            self._alloc()
 
     # -- build ---------------------------------------------------------------------------------------------------
     def _install(self, options: BuildOptions, overrides: dict[str, str] | None, phase: bool = True):
