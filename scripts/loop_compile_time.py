@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from workbench import paths  # noqa: E402
-from workbench.loop.benchmark import EDIT_SECTIONS, _medians, _timed_edit  # noqa: E402
+from workbench.loop.benchmark import EDIT_SECTIONS, medians, timed_edit  # noqa: E402
 from workbench.loop.sections import section_file  # noqa: E402
 
 
@@ -46,13 +46,13 @@ def main(argv=None) -> int:
                 wb.pipeline, wb.verify_fast_compile = pipeline, level
                 wb.reload()                            # the mode's first build
                 names = [EDIT_SECTIONS[i % len(EDIT_SECTIONS)] for i in range(a.edits)]
-                runs = [_timed_edit(wb, n, originals[n] + f"\n// loop_compile_time {i} {time.time_ns()}\n")
+                runs = [timed_edit(wb, n, originals[n] + f"\n// loop_compile_time {i} {time.time_ns()}\n")
                         for i, n in enumerate(names)]
                 bad = [r for r in runs if r["status"] != "compiled; no GPU to run"]
                 if bad:
                     print(f"an edit did not compile: {bad[0]['error']}", file=sys.stderr)
                     return 1
-                rows.append({"pipeline": pipeline, "verify_fast_compile": level, **_medians(runs), "runs": runs})
+                rows.append({"pipeline": pipeline, "verify_fast_compile": level, **medians(runs), "runs": runs})
             wb.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -13,6 +13,7 @@ took, and undoes each; `scripts/mutation_suite.py` runs it and prints the table.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 
@@ -190,7 +191,7 @@ def run_suite(wb, mutants=MUTANTS, log=print) -> list[Outcome]:
         written = time.perf_counter() - t0
         rec = wb.reload(trigger="edit", section=m.section)
         whole = time.perf_counter() - t0
-        dt = written + rec.verdict_s if rec.verdict_s == rec.verdict_s else whole
+        dt = written + rec.verdict_s if math.isfinite(rec.verdict_s) else whole
         named = rec.failure.stage if rec.failure is not None else None
         caught = rec.passed is False and named == m.expect
         out.append(Outcome(m, rec.status, named, caught, dt, rec.compile_s, rec.verify_s, rec.first_failure,

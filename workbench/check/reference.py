@@ -205,17 +205,23 @@ def forward(source, tokens, positions=None, *, cache: KVCache | None = None, kv_
         if hook is not None:
             res = hook(stage_name, layer, res)
         for buf, val in res.items():
-            b = plan.BUFFERS[buf]
-            if b.kind == "cache":
-                val = round_bf16(val) if kv_bf16 else val
-                c = (cache.k if buf == "k_cache" else cache.v)[layer]          # [Hkv, max_seq, hd], a view
-                c[:, positions] = val.reshape(val.shape[0], cfg.n_kv_heads, cfg.head_dim).transpose(1, 0, 2)
+            if plan.BUFFERS[buf].kind == "cache":
+                val = store_kv(cache, buf, layer, positions, val, kv_bf16)
             state[buf] = val
             if taps is not None:
                 taps[stage_name, buf, layer] = val
         if stage_name == "lm_head":
             out = res["logits"]
     return out
+
+
+def store_kv(cache: KVCache, buf: str, layer: int, positions, val, kv_bf16: bool):
+    """A stage's rows of k or v ([n, Hkv·hd], Hkv the cache's: a rank's share too) into the cache at their
+    positions, rounded to bf16 when kv_bf16 as the kernel's cache holds them → the rows as stored."""
+    val = round_bf16(val) if kv_bf16 else val
+    c = (cache.k if buf == "k_cache" else cache.v)[layer]                  # [Hkv, max_seq, hd], a view
+    c[:, positions] = val.reshape(val.shape[0], c.shape[0], c.shape[2]).transpose(1, 0, 2)
+    return val
 
 
 def _integers(xp, a, what: str):

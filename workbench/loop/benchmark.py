@@ -44,7 +44,7 @@ def wrong_rope(text: str) -> str:
 EDIT_SECTIONS = (*plan.STAGE_NAMES, "matvec")
 
 
-def _timed_edit(wb, name: str, text: str) -> dict:
+def timed_edit(wb, name: str, text: str) -> dict:
     """One harmless edit → reload, with the edit → verdict and edit → record times (the write included)."""
     t1 = time.perf_counter()
     wb.edit(name, text)
@@ -60,7 +60,7 @@ LOOP_TIMES = ("compile_s", "timed_compile_s", "verify_s", "verdict_s", "time_s",
               "edit_to_record_s")
 
 
-def _medians(runs: list) -> dict:
+def medians(runs: list) -> dict:
     return {k: float(np.median([r[k] for r in runs if r[k] is not None] or [math.nan])) for k in LOOP_TIMES}
 
 
@@ -97,9 +97,9 @@ def loop_benchmark(model: str = "llama-3.2-1b", *, sections: tuple = EDIT_SECTIO
         for i in range(edits):
             name = sections[i % len(sections)]
             text = originals[name].decode() + f"\n// loop_benchmark: harmless edit {i} at {time.time_ns()}\n"
-            runs.append(_timed_edit(wb, name, text))
+            runs.append(timed_edit(wb, name, text))
         out["edit_runs"] = runs
-        out["edit"] = _medians(runs)
+        out["edit"] = medians(runs)
         out["edit"]["all_passed"] = all(r["passed"] for r in runs)
         # the verification build's fast-compile level (its compile is the verdict's; its speed is never read)
         levels = {}
@@ -107,10 +107,10 @@ def loop_benchmark(model: str = "llama-3.2-1b", *, sections: tuple = EDIT_SECTIO
         for level in fast_compile_levels:
             wb.verify_fast_compile = level
             wb.reload(trigger="manual")                 # the level's first build (CuPy may have it cached)
-            lr = [_timed_edit(wb, name, originals[name].decode() + f"\n// loop_benchmark: -Ofc={level} edit {i} "
+            lr = [timed_edit(wb, name, originals[name].decode() + f"\n// loop_benchmark: -Ofc={level} edit {i} "
                                                                    f"at {time.time_ns()}\n")
                   for i, name in enumerate(sections[:level_edits])]
-            levels[level] = {**_medians(lr), "all_passed": all(r["passed"] for r in lr), "runs": lr}
+            levels[level] = {**medians(lr), "all_passed": all(r["passed"] for r in lr), "runs": lr}
         wb.verify_fast_compile = kept
         if levels:
             wb.reload(trigger="manual")

@@ -54,7 +54,8 @@ def prefill_bytes(cfg, n_ctx: int, chunk: int, dtype=np.float32) -> int:
 def _memory_problem(cfg, n_ctx, chunk, dtype, xp) -> str | None:
     if not hasattr(xp, "cuda"):
         return None
-    free = xp.cuda.runtime.memGetInfo()[0] + xp.get_default_memory_pool().free_bytes()
+    from .runtime import free_device_bytes
+    free = free_device_bytes(xp)
     need = prefill_bytes(cfg, n_ctx, chunk, dtype)
     if need <= free:
         return None

@@ -25,6 +25,11 @@ ERROR = {name: i for i, name in enumerate(plan.ERRORS)}
 M_STATUS, M_ABORT, M_N_OUT, M_PROGRESS, M_WHERE, M_TOKENS = (
     plan.mapped_offset(n) for n in ("status", "host_abort", "n_out", "progress", "where", "tokens_out"))
 _ALLOC_LOCK = threading.Lock()
+
+
+def free_device_bytes(cp) -> int:
+    """What the current GPU can still give this process: the driver's free memory and CuPy's cached free blocks."""
+    return cp.cuda.runtime.memGetInfo()[0] + cp.get_default_memory_pool().free_bytes()
 _NP_DTYPES = {"f32": np.float32, "bf16": np.uint16, "i32": np.int32, "u32": np.uint32, "u64": np.uint64}
 BF16_NAN = 0x7FC0
 # Inside a worker process (workbench.run.worker): the shared block every kernel writes and the phase word it sets,
@@ -207,7 +212,7 @@ class Monokernel:
         if self.grid > plan.MAX_BLOCKS:
             raise ValueError(f"{self.grid} blocks: the mapped block holds where-words for {plan.MAX_BLOCKS}")
         with _ALLOC_LOCK:                # two kernels built in parallel threads must not both count the same memory
-            free = cupy.cuda.runtime.memGetInfo()[0] + cupy.get_default_memory_pool().free_bytes()
+            free = free_device_bytes(cupy)
             problem = plan.memory_problem(self.cfg, free, self.launch, weights_resident=True)
             if problem:                               # one line, not an allocator's traceback
                 from ..errors import GpuMemoryError

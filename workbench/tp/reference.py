@@ -18,8 +18,7 @@ import dataclasses
 import numpy as np
 
 from .. import plan
-from ..check import stages as S
-from ..check.reference import KVCache, _integers, _rope_np, round_bf16, view
+from ..check.reference import _IO, KVCache, _integers, store_kv, view
 from .shard import SPLIT_ACTIVATIONS, Sharding
 
 
@@ -43,34 +42,21 @@ def reduction(stage: plan.Stage) -> str | None:
     return None
 
 
-class _RankIO(S.StageIO):
+class _RankIO(_IO):
     """One rank's view of a stage: its weight slices, its share of the cache, the replicated and its split
     activations, and zeros in place of the residual base where the stage's output is a partial sum."""
 
     def __init__(self, w, sh: Sharding, r: int, state: dict, cache: KVCache, positions, tokens, layer, xp, dtype,
                  zero: str | None):
-        self.w, self.sh, self.r, self.state, self._cache = w, sh, r, state, cache
-        self.cfg, self.positions, self.token, self.layer = sh.cfg, positions, tokens, layer
-        self.xp, self.dtype, self.zero, self.eps = xp, dtype, zero, sh.cfg.rms_eps
+        super().__init__(w, sh.cfg, state, cache, positions, tokens, layer, xp, dtype)
+        self.sh, self.r, self.zero = sh, r, zero
 
     def act(self, buffer):
-        v = self.state[buffer]
-        if buffer == self.zero:
-            return self.xp.zeros_like(v)
-        return v
+        v = super().act(buffer)
+        return self.xp.zeros_like(v) if buffer == self.zero else v
 
     def weight(self, name):
-        t = self.w.layer(name, self.layer) if self.layer >= 0 else self.w.model(name)
-        return self.sh.weight(name, t, self.r)
-
-    def cache(self, which):
-        c = self._cache.k if which == "k" else self._cache.v
-        return c[self.layer, :, :int(self.positions.max()) + 1]
-
-    def rope(self):
-        cos, sin = _rope_np(self.cfg)
-        p = self.positions.get() if hasattr(self.positions, "get") else np.asarray(self.positions)
-        return (self.xp.asarray(cos[p]).astype(self.dtype), self.xp.asarray(sin[p]).astype(self.dtype))
+        return self.sh.weight(name, super().weight(name), self.r)
 
 
 def merge_argmax(pairs) -> tuple[float, int]:
@@ -121,7 +107,7 @@ def tp_forward(source, tokens, ranks: int, positions=None, *, caches: list | Non
             for o in outs:
                 o[zero] = total
             exchanges.append(Exchange(stage_name, layer, "all-reduce", sh.all_reduce_bytes()))
-        if stage_name == "lm_head":                   # the vocabulary slices, joined in order
+        if "logits" in {u.buffer for u in st.writes}:   # the vocabulary slices, joined in order
             joined = xp.concatenate([o["logits"] for o in outs], axis=-1)
             exchanges.append(Exchange(stage_name, layer, "gather", 8))   # each rank's (max, index)
             for o in outs:
@@ -130,10 +116,7 @@ def tp_forward(source, tokens, ranks: int, positions=None, *, caches: list | Non
         for r, res in enumerate(outs):
             for buf, val in res.items():
                 if plan.BUFFERS[buf].kind == "cache":
-                    val = round_bf16(val) if kv_bf16 else val
-                    c = (caches[r].k if buf == "k_cache" else caches[r].v)[layer]
-                    kv = c.shape[0]
-                    c[:, positions] = val.reshape(val.shape[0], kv, cfg.head_dim).transpose(1, 0, 2)
+                    val = store_kv(caches[r], buf, layer, positions, val, kv_bf16)
                 state[r][buf] = val
     # the greedy token as the ranks find it: each its own slice's best, then the best of those
     picked = []
