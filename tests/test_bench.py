@@ -124,3 +124,17 @@ def test_the_ttft_table_follows_the_decode_table():
     assert ours.startswith("monokernel (batched prefill)") and ours.split()[3:6] == ["4096", "61.0", "60.0–63.0"]
     assert ours.endswith("prefill 55.0 ms in 2 chunks")
     assert hf.startswith("HF transformers prefill (sdpa)") and hf.split()[-3:] == ["70.0", "69.0–71.0", "1.15"]
+
+
+@pytest.mark.parametrize("argv", [["--ttft"], ["--positions", "128", "--ttft", "1024", "32768"], []])
+def test_the_benchs_worker_has_room_for_every_step_its_kernel_runs(argv):
+    """The bench's kernel runs to its furthest position or its longest prompt (cache_positions), past the model's
+    default context; the worker's mapped block, sized before the kernel exists, must stream that many steps (a
+    32k prompt once stopped the bench with 'the mapped block has 17429 words, 33820 needed')."""
+    from workbench import plan
+    from workbench.cli import _check_bench, _parser, worker_tokens
+    args = _parser().parse_args(["bench", "--model", "llama-3.2-1b", "--tokens", "32", *argv])
+    _check_bench(args)
+    steps = args.cache_positions                      # run_bench's Monokernel(max_steps=...)
+    assert steps == cache_positions(args.positions or bench_positions("llama-3.2-1b"), 32, args.ttft)
+    assert plan.mapped_words(worker_tokens(args)) >= plan.mapped_words(steps + 1)

@@ -220,7 +220,7 @@ def _check_bench(args):
     from .measure.bench import bench_positions, cache_positions
     cfg = _config(args.model, None)
     positions = args.positions or bench_positions(args.model)
-    need = cache_positions(positions, args.tokens)              # what run_bench sizes the KV cache for
+    need = cache_positions(positions, args.tokens)
     limit = cfg.max_positions or cfg.max_seq
     if need > limit:
         raise UsageError(f"position {max(positions)} and --tokens {args.tokens} need {need} positions, past the "
@@ -234,6 +234,14 @@ def _check_bench(args):
             raise UsageError(f"--ttft {max(args.ttft)}: past the {limit} of max_position_embeddings of {cfg.name}")
     else:
         args.ttft = ()
+    args.cache_positions = cache_positions(positions, args.tokens, args.ttft)   # what run_bench's kernel runs to
+
+
+def worker_tokens(args) -> int:
+    """The streamed tokens the worker's mapped block must hold for this command: its kernel's steps, which for the
+    bench run to its furthest position or longest prompt (set by _check_bench) and otherwise to the context."""
+    max_seq = get_config(args.model, max_seq=getattr(args, "max_seq", None)).max_seq
+    return max(max_seq, getattr(args, "cache_positions", 0), 1 << 14) + 2
 
 
 def gpu_problem() -> str | None:
@@ -694,8 +702,7 @@ def _in_worker(args) -> int:
     fields["tokenizer"] = None                              # opened again in the worker
     from . import paths
     fields["kernels_dir"] = str(paths.kernels_dir())
-    max_seq = get_config(args.model, max_seq=getattr(args, "max_seq", None)).max_seq
-    worker = Worker(CliService, hang_s=30.0, compile_s=300.0, max_tokens=max(max_seq, 1 << 14) + 2)
+    worker = Worker(CliService, hang_s=30.0, compile_s=300.0, max_tokens=worker_tokens(args))
     try:
         worker.start()
         return worker.call("run", args.cmd, fields)
