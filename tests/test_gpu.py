@@ -253,7 +253,9 @@ def test_generate_streams_whole_characters_through_a_splitting_tokenizer(tmp_pat
         r = subprocess.run([sys.executable, "-m", "workbench", "generate", "--tokens", "40", *argv],
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
-        body, summary = r.stdout.rstrip("\n").rsplit("\n", 1)
+        # the streamed tokens, then the time to first token, then the summary
+        body, first, summary = r.stdout.rstrip("\n").rsplit("\n", 2)
+        assert first.startswith("time to first token") and " ms: " in first, r.stdout
         assert summary.startswith("40 tokens") and "tok/s" in summary, r.stdout
         return body
 
