@@ -83,7 +83,9 @@ class PreparedView:
             gu = self._f(self.p.wgu[layer]).reshape(c.intermediate, 2, c.hidden)
             ones = xp.ones(c.hidden, dtype=self.dtype)
             self._tensors = {"wq": qkv[:c.q_dim], "wk": qkv[c.q_dim:c.q_dim + c.kv_dim], "wv": qkv[c.q_dim + c.kv_dim:],
-                             "wo": self._f(self.p.wo[layer]), "wg": gu[:, 0], "wu": gu[:, 1],
+                             # gate and up apart once per layer, not in every product that reads them strided
+                             "wo": self._f(self.p.wo[layer]), "wg": xp.ascontiguousarray(gu[:, 0]),
+                             "wu": xp.ascontiguousarray(gu[:, 1]),
                              "wd": self._f(self.p.wd[layer]), "attn_norm": ones, "mlp_norm": ones}
             if c.qkv_bias:                              # fp32 already, in wqkv's row order
                 b = xp.asarray(self.p.bqkv[layer], dtype=self.dtype)[self._inv]
@@ -197,22 +199,32 @@ def forward(source, tokens, positions=None, *, cache: KVCache | None = None, kv_
             continue                        # no row wanted: the LM head (and what reads it) has nothing to do
         if stage_name == "lm_head" and logit_rows is not None:
             sel = xp.asarray(list(logit_rows), dtype=xp.int64)
-            sub = {"x": state["x"][sel]}
-            io = _IO(w, cfg, sub, cache, positions[sel], tokens[sel], layer, xp, dtype)
+            res = run_stage(w, stage_name, layer, {"x": state["x"][sel]}, cache, positions[sel], tokens[sel],
+                            kv_bf16, hook)
+            state.update(res)
         else:
-            io = _IO(w, cfg, state, cache, positions, tokens, layer, xp, dtype)
-        res = st.reference(io)
-        if hook is not None:
-            res = hook(stage_name, layer, res)
-        for buf, val in res.items():
-            if plan.BUFFERS[buf].kind == "cache":
-                val = store_kv(cache, buf, layer, positions, val, kv_bf16)
-            state[buf] = val
-            if taps is not None:
+            res = run_stage(w, stage_name, layer, state, cache, positions, tokens, kv_bf16, hook)
+        if taps is not None:
+            for buf, val in res.items():
                 taps[stage_name, buf, layer] = val
         if stage_name == "lm_head":
             out = res["logits"]
     return out
+
+
+def run_stage(w, stage_name: str, layer: int, state: dict, cache: KVCache, positions, tokens, kv_bf16: bool,
+              hook=None) -> dict:
+    """One stage of the plan on the rows of `state` (fed tokens at positions): its reference math on a weight
+    view, its keys and values stored into the cache, its outputs put into state and returned by buffer."""
+    io = _IO(w, w.cfg, state, cache, positions, tokens, layer, w.xp, w.dtype)
+    res = plan.stage(stage_name).reference(io)
+    if hook is not None:
+        res = hook(stage_name, layer, res)
+    for buf, val in list(res.items()):
+        if plan.BUFFERS[buf].kind == "cache":
+            res[buf] = store_kv(cache, buf, layer, positions, val, kv_bf16)
+        state[buf] = res[buf]
+    return res
 
 
 def store_kv(cache: KVCache, buf: str, layer: int, positions, val, kv_bf16: bool):

@@ -101,9 +101,10 @@ def head_rmsnorm(a, gain, head_dim: int, eps: float, name: str = "gain"):
     return rmsnorm(heads, gain, eps).reshape(a.shape)
 
 
-# Attention over a block of query rows materialises scores [Hkv, G, rows, keys]; this caps it at 2^25 elements,
-# so 4,200 positions with 32 heads runs in blocks of ~250 rows.
-SCORE_ELEMENTS = 1 << 25
+# Attention over a block of query rows materialises scores [Hkv, G·rows, keys]; this caps it at 2^27 elements
+# (512 MB in fp32), so a 32k prompt with 32 heads runs in blocks of 128 rows: large enough that each block's two
+# batched products run near cuBLAS's peak, small enough that the rows' causal prefixes waste little.
+SCORE_ELEMENTS = 1 << 27
 
 
 def attention_decode(q, k_cache, v_cache, positions):
@@ -125,17 +126,107 @@ def attention_decode(q, k_cache, v_cache, positions):
     qg = q.reshape(n, n_kv, group, hd)
     out = xp.empty((n, n_kv * group * hd), dtype=q.dtype)
     rows = max(1, min(n, SCORE_ELEMENTS // max(1, n_kv * group * n_ctx)))
-    keys = xp.arange(n_ctx)
     for start in range(0, n, rows):
         end = min(n, start + rows)
+        r = end - start
         ctx = int(positions[start:end].max()) + 1
-        scores = xp.einsum("nkgd,kjd->nkgj", qg[start:end], k_cache[:, :ctx]) * hd ** -0.5
-        future = keys[None, :ctx] > positions[start:end, None]                  # [rows, ctx]
-        scores = xp.where(future[:, None, None, :], -xp.inf, scores)
-        p = xp.exp(scores - scores.max(axis=-1, keepdims=True))                 # max-subtracted: shift-invariant
-        p /= p.sum(axis=-1, keepdims=True)
-        out[start:end] = xp.einsum("nkgj,kjd->nkgd", p, v_cache[:, :ctx]).reshape(end - start, -1)
+        # each kv head's queries (its group's heads × the block's rows) as one matrix: one batched product each way
+        qb = qg[start:end].transpose(1, 2, 0, 3).reshape(n_kv, group * r, hd)
+        scores = qb @ k_cache[:, :ctx].transpose(0, 2, 1)                   # [Hkv, G·r, ctx]
+        p = causal_softmax(scores.reshape(n_kv * group, r, ctx), positions[start:end], hd ** -0.5)
+        o = p.reshape(n_kv, group * r, ctx) @ v_cache[:, :ctx]               # [Hkv, G·r, hd]
+        out[start:end] = o.reshape(n_kv, group, r, hd).transpose(2, 0, 1, 3).reshape(r, -1)
     return out
+
+
+def causal_softmax(scores, last, scale: float):
+    """softmax(scale·scores) over the last axis of [B, rows, ctx], row i over its keys 0..last[i] only (0 past
+    them), max-subtracted (shift-invariant). On the GPU one fused pass (_causal_softmax_gpu) in place of the five
+    whole-array passes the array code makes, which dominated a long prefill; a NaN anywhere in a row's prefix
+    makes that row NaN either way."""
+    xp = xp_of(scores)
+    if xp is not np:
+        return _causal_softmax_gpu(scores, last, scale)
+    ctx = scores.shape[-1]
+    future = np.arange(ctx)[None, :] > np.asarray(last)[:, None]             # [rows, ctx]
+    s = np.where(future[None], -np.inf, scores * scale)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    return p
+
+
+_SOFTMAX_SRC = r"""
+template <typename T> __device__ __forceinline__ T wb_exp(T x);
+template <> __device__ __forceinline__ float wb_exp<float>(float x) { return expf(x); }
+template <> __device__ __forceinline__ double wb_exp<double>(double x) { return exp(x); }
+template <typename T> __device__ __forceinline__ T wb_neg_inf();      // NVRTC has no <math.h>, so no INFINITY
+template <> __device__ __forceinline__ float wb_neg_inf<float>() { return __int_as_float(0xff800000); }
+template <> __device__ __forceinline__ double wb_neg_inf<double>() { return __longlong_as_double(0xfff0000000000000ull); }
+
+// x, reduced over the block by op (a NaN survives: fmax drops it, so the max uses a comparison that keeps it)
+template <typename T, bool MAX>
+__device__ T block_reduce(T x, T* red) {
+    for (int o = 16; o; o >>= 1) {
+        T y = __shfl_xor_sync(0xffffffffu, x, o);
+        x = MAX ? ((y > x || y != y) ? y : x) : x + y;
+    }
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = x;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        x = threadIdx.x < (blockDim.x >> 5) ? red[threadIdx.x] : (MAX ? wb_neg_inf<T>() : T(0));
+        for (int o = 16; o; o >>= 1) {
+            T y = __shfl_xor_sync(0xffffffffu, x, o);
+            x = MAX ? ((y > x || y != y) ? y : x) : x + y;
+        }
+        if (threadIdx.x == 0) red[0] = x;
+    }
+    __syncthreads();
+    x = red[0];
+    __syncthreads();
+    return x;
+}
+
+// one block per row of s [B·rows, ctx], in place; the row's query attends to keys 0..last[row % rows]
+template <typename T>
+__global__ void causal_softmax(T* s, const long long* last, int rows, int ctx, T scale) {
+    __shared__ T red[32];
+    T* r = s + (long long)blockIdx.x * ctx;
+    const int n = (int)last[blockIdx.x % rows] + 1;
+    T m = wb_neg_inf<T>();
+    for (int j = threadIdx.x; j < n; j += blockDim.x) { T y = r[j] * scale; m = (y > m || y != y) ? y : m; }
+    m = block_reduce<T, true>(m, red);
+    T sum = 0;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) sum += wb_exp(r[j] * scale - m);
+    sum = block_reduce<T, false>(sum, red);
+    const T inv = T(1) / sum;
+    for (int j = threadIdx.x; j < ctx; j += blockDim.x) r[j] = j < n ? wb_exp(r[j] * scale - m) * inv : T(0);
+}
+"""
+
+
+def _softmax_kernel(dtype):
+    import cupy
+    name = f"causal_softmax<{'float' if dtype == np.float32 else 'double'}>"
+    if name not in _SOFTMAX_KERNELS:
+        mod = cupy.RawModule(code=_SOFTMAX_SRC, options=("--std=c++17",), name_expressions=[name])
+        _SOFTMAX_KERNELS[name] = mod.get_function(name)
+    return _SOFTMAX_KERNELS[name]
+
+
+_SOFTMAX_KERNELS: dict = {}
+
+
+def _causal_softmax_gpu(scores, last, scale: float):
+    import cupy
+    if scores.dtype not in (np.float32, np.float64):
+        raise TypeError(f"causal softmax on the GPU takes float32 or float64 scores, got {scores.dtype}")
+    B, rows, ctx = scores.shape
+    s = cupy.ascontiguousarray(scores)
+    last = cupy.ascontiguousarray(cupy.asarray(last, dtype=cupy.int64).reshape(-1))
+    if last.size != rows:
+        raise ValueError(f"{last.size} positions for {rows} rows")
+    _softmax_kernel(s.dtype)((B * rows,), (256,), (s, last, np.int32(rows), np.int32(ctx), s.dtype.type(scale)))
+    return s
 
 
 def o_proj_residual(x, wo, o):
