@@ -217,6 +217,16 @@ __device__ __forceinline__ void wb_bulk_g2s(void* dst, const void* src, u32 byte
                  :: "r"(wb_smem_addr(dst)), "l"(src), "r"(bytes), "r"(wb_smem_addr(bar)), "l"(policy) : "memory");
 }
 #define WB_INF __int_as_float(0x7f800000)
+// D += A·B on the tensor cores: one m16n8k16 product of bf16 with fp32 accumulation, operands in the PTX ISA's
+// register fragments (a: 4 registers of bf16 pairs, rows g and g+8 of the 16; b: 2; d: rows g and g+8, two columns
+// each, g = lane / 4). The prefill's attention (kernels/prefill/attention.cuh) is built on it; the decode
+// sections are matrix-vector products and never need it.
+__device__ __forceinline__ void wb_mma_bf16_16816(float* d, const u32* a, const u32* b) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
 #endif
 
 // ---- vendor-neutral helpers built on the layer above ---------------------------------------------------------

@@ -379,6 +379,45 @@ def test_the_ptx_gemv_verifies(name):
     _verified(p, BuildOptions(variants=(("o_proj_residual", "ptx"),)), prompt_len=6, max_new=12)
 
 
+@pytest.mark.parametrize("heads,kv_heads,hd,n,pos0", [(32, 8, 64, 700, 1500), (6, 2, 32, 130, 0),
+                                                       (8, 8, 96, 65, 63), (16, 4, 128, 257, 4100)])
+def test_the_prefills_attention_kernel_is_the_references_attention(heads, kv_heads, hd, n, pos0):
+    """kernels/prefill/attention.cuh against stages.attention_decode in fp64 on the same inputs: rows at pos0..
+    over a cache holding every earlier position (a later chunk) and a little past them (which must be masked), row
+    counts off the 64-row tile, keys off the 64-key tile, GQA groups 4, 3, 1 and 4, head_dim 64, 32, 96 and 128.
+    Tolerance: both products carry fp32-level accuracy (queries and probabilities each split in two bf16, 2⁻¹⁷
+    relative; keys and values are bf16 already), so 3e-4 relative over the whole output and 2⁻¹¹ of the values'
+    scale per element leave room for the tensor cores' accumulation and expf. Probabilities rounded to one bf16
+    measured 1.0-1.3e-3 relative: caught. A wrong mask, a wrong GQA head or an unscaled score is off by order 1."""
+    import cupy as cp
+
+    from workbench.check import stages as S
+    from workbench.model.weights import to_bf16, to_f32
+    from workbench.run.prefill import flash_attention
+    rng = np.random.default_rng(fresh_seed())
+    n_ctx = pos0 + n + 37
+    q = cp.asarray(rng.standard_normal((n, heads * hd)) * 1.5, dtype=cp.float32)
+    k, v = (to_f32(to_bf16(cp.asarray(rng.standard_normal((kv_heads, n_ctx, hd)), dtype=cp.float32), cp), cp)
+            for _ in range(2))
+    positions = cp.arange(pos0, pos0 + n)
+    got = flash_attention(q, k, v, positions, heads)
+    want = S.attention_decode(q.astype(cp.float64), k.astype(cp.float64), v.astype(cp.float64), positions)
+    assert bool(cp.isfinite(got).all())
+    err = cp.abs(got.astype(cp.float64) - want)
+    rel = float(cp.linalg.norm(got - want) / cp.linalg.norm(want))
+    print(f"max |Δ| {float(err.max()):.2e}, rel {rel:.2e}")
+    assert float(err.max()) <= 2 ** -11 * float(cp.abs(v).max()) and rel <= 3e-4
+
+    later = flash_attention(q, k, v, positions + 1, heads)                # each row one key further: the mask
+    want = S.attention_decode(q.astype(cp.float64), k.astype(cp.float64), v.astype(cp.float64), positions + 1)
+    assert float(cp.abs(later - want).max()) <= 2 ** -11 * float(cp.abs(v).max())
+    q[n // 2, :hd] = cp.nan                                               # a NaN query: its row and head, alone
+    bad = flash_attention(q, k, v, positions, heads)
+    assert bool(cp.isnan(bad[n // 2, :hd]).all())
+    bad[n // 2, :hd] = got[n // 2, :hd]
+    assert bool(cp.isfinite(bad).all())
+
+
 def test_a_prefilled_prompt_continues_as_the_reference_does(tiny):
     """3,000 prompt tokens through the batched prefill into the kernel's cache, then the kernel from the last one:
     the cache and the prefill's last logits match the fp64 math, the kernel's logits after it match the reference

@@ -105,8 +105,50 @@ def test_what_a_prefill_needs_grows_with_the_context_and_the_chunk():
     cfg = get_config("llama-3.1-8b")
     cache = 2 * 32 * 8 * 32768 * 128 * 4                       # fp32 keys and values of 32k positions
     tables = 2 * cfg.vocab * cfg.hidden * 4                    # the embedding and the LM head in fp32
+    residual = 2 * 32768 * cfg.hidden * 4                       # every row's residual, and the joined copy
     need = prefill_bytes(cfg, 32768, 2048)
-    assert cache + tables < need < cache + tables + 4e9            # a chunk's rows and a layer's weights
-    # 32k positions more: their fp32 cache, and one layer's more of the bf16 write's temporaries
-    assert prefill_bytes(cfg, 65536, 2048) - need == cache + cache // 32
+    # beside those: a chunk's rows, a layer's weights and the score block (1 GB in fp32), under 4 GB together
+    assert cache + tables + residual < need < cache + tables + residual + 4e9
+    # 32k positions more: their fp32 cache and residual, and one layer's more of the bf16 write's temporaries
+    assert prefill_bytes(cfg, 65536, 2048) - need == cache + residual + cache // 32
     assert prefill_bytes(cfg, 32768, 4096) > need
+
+
+def test_the_attention_kernel_compiles_for_every_presets_head_dim():
+    """kernels/prefill/attention.cuh through NVRTC and ptxas for sm_90 (no GPU needed), at each head_dim a preset
+    has: no local memory (a spill would run the score tiles through it), and the static shared memory of two tiles;
+    head_dims the kernel does not take fall back to the reference's attention."""
+    from workbench.build.compile import nvrtc_program, resource_usage
+    from workbench.model.config import PRESETS
+    from workbench.run.prefill import flash_source, flash_supported
+    dims = sorted({get_config(name).head_dim for name in PRESETS})
+    assert 64 in dims and 128 in dims
+    for hd in dims:
+        ok, log, _, cubin = nvrtc_program(flash_source(hd), ["--std=c++17", "-arch=sm_90"])
+        assert ok, log
+        (r,) = [r for r in resource_usage(cubin) if r.kernel == "prefill_attention"]
+        assert r.stack == 0 and r.registers <= 255, r
+    ok, log, _, _ = nvrtc_program(flash_source(144), ["--std=c++17", "-arch=sm_90"], cubin=False)
+    assert not ok and "head_dim" in log                               # the kernel's own static_assert says why
+    cfg = get_config("tiny")
+    assert not flash_supported(cfg.with_(head_dim=144), np, np.float32)
+    assert not flash_supported(cfg, np, np.float32)                    # numpy: the reference's attention
+
+
+def test_the_prefill_times_its_stages_when_asked():
+    """prefill(..., timings={}): every stage of the plan that has math, the weights' conversion and the cache's
+    write, each a positive time, and nothing else; the values are those of the untimed prefill."""
+    from workbench import plan
+    cfg = CFGS["tiny"]
+    p = prepare(random_weights(cfg, 3, progress=False), progress=False)
+    toks = np.random.default_rng(4).integers(0, cfg.vocab, 40)
+    shape = (cfg.n_layers, cfg.n_kv_heads, cfg.max_seq, cfg.head_dim)
+    caches = [(np.zeros(shape, np.uint16), np.zeros(shape, np.uint16)) for _ in range(2)]
+    timings: dict = {}
+    plain = prefill(p, toks, *caches[0], chunk=16)
+    timed = prefill(p, toks, *caches[1], chunk=16, timings=timings)
+    stages = {s.name for s in plan.STAGES if s.reference is not None}
+    assert set(timings) == stages | {"(weights to fp32)", "(cache to bf16)"}
+    assert all(t > 0 for t in timings.values())
+    np.testing.assert_array_equal(timed.logits, plain.logits)
+    np.testing.assert_array_equal(caches[1][0], caches[0][0])

@@ -158,6 +158,11 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
         ttft_monokernel(mk, prompt)                                          # warm (CuPy's kernels, cuBLAS)
         runs = [ttft_monokernel(mk, prompt) for _ in range(max(2, repeats // 2))]
         add_ttft("monokernel (batched prefill)", n, [r[0] for r in runs], runs[-1][1])
+        stages: dict = {}                                                    # one more, synchronised per stage
+        mk.prefill(prompt[:-1], timings=stages)
+        out.setdefault("ttft_stages", {})[str(n)] = {k: 1e3 * v for k, v in stages.items()}
+        log(f"  prefill of {n - 1} tokens by stage (ms, synchronised): "
+            + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in sorted(stages.items(), key=lambda kv: -kv[1])))
 
     if torch_paths:
         import torch

@@ -1,9 +1,11 @@
-"""The prompt as matrix products (issue: time to first token). Every prompt token of a chunk goes through each stage
-at once: the plan's own stage math (workbench.check.reference.forward, one row per token), on whatever array
-module holds the prepared weights, so on the GPU every projection is one CuPy matrix product (cuBLAS). Attention
-is causal over the chunk and everything cached before it; chunks bound the score matrix's memory for long
-prompts. The keys and values land in the monokernel's cache ([L, Hkv, max_seq, hd], bf16 bits), so the kernel
-continues at the position after the prompt and never replays it.
+"""The prompt as matrix products (issue: time to first token). Every prompt token goes through each stage at once,
+layer by layer: the plan's own stage math (workbench.check.reference.run_stage, one row per token) on whatever
+array module holds the prepared weights, so on the GPU every projection is one CuPy matrix product (cuBLAS, TF32).
+Attention is causal over everything cached before a row: on an NVIDIA GPU one flash-style kernel on the tensor
+cores (kernels/prefill/attention.cuh, whose scores never leave the registers), elsewhere the reference's blocked
+attention. Rows go in chunks, which bound the activations' memory for long prompts. The keys and values land in
+the monokernel's cache ([L, Hkv, max_seq, hd], bf16 bits), so the kernel continues at the position after the
+prompt and never replays it.
 
     pre = prefill(p, prompt[:-1], k_cache, v_cache)     # positions 0 .. n-2 cached
     mk.generate(prompt[-1:], max_new, pos0=len(prompt) - 1)
@@ -16,15 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import time
 
 import numpy as np
 
+from .. import plan
 from ..model.weights import Prepared, to_bf16, to_f32
 
-# Rows per chunk: the score matrix of a chunk is [rows, Hq, context] (the reference's attention splits it further
-# to bound memory), and each projection is a [rows, K] × [K, N] product, large enough to run cuBLAS near its peak.
+# Rows per chunk: each projection is a [rows, K] × [K, N] product, large enough to run cuBLAS near its peak, and a
+# chunk's activations stay a few hundred MB for the 8B.
 PREFILL_CHUNK = 2048
 
 
@@ -39,16 +43,19 @@ class Prefilled:
 
 def prefill_bytes(cfg, n_ctx: int, chunk: int, dtype=np.float32) -> int:
     """Device memory a prefill needs beside the weights and the kernel's cache: the math's own cache of the
-    context, in `dtype`; one chunk's activations (a few live at once); one layer's weights in `dtype` (the view
-    converts a layer at a time); and attention's score blocks (stages.SCORE_ELEMENTS, with their exp and mask)."""
+    context, in `dtype`; the residual of every prompt row (and its copy as the chunks are joined after a layer);
+    one chunk's activations (a few live at once); one layer's weights in `dtype` (the view converts a layer at a
+    time); and attention's score block (stages.SCORE_ELEMENTS: the product's output, softmaxed in place, and the
+    product's workspace)."""
     from ..check.stages import SCORE_ELEMENTS
     item = np.dtype(dtype).itemsize
     cache = 2 * cfg.n_layers * cfg.n_kv_heads * n_ctx * cfg.head_dim * item
+    residual = 2 * n_ctx * cfg.hidden * item
     rows = 4 * chunk * (cfg.qkv_rows + 2 * cfg.intermediate + 4 * cfg.hidden) * item
     layer = (cfg.qkv_rows * cfg.hidden + cfg.hidden * cfg.q_dim + 3 * cfg.intermediate * cfg.hidden) * item
     tables = 2 * cfg.vocab * cfg.hidden * item          # the embedding and the LM head, converted whole
     one_layer = 2 * cfg.n_kv_heads * n_ctx * cfg.head_dim * 4   # the bf16 write's temporaries, a layer at a time
-    return cache + rows + layer + tables + one_layer + 3 * SCORE_ELEMENTS * item
+    return cache + residual + rows + layer + tables + one_layer + 2 * SCORE_ELEMENTS * item
 
 
 def _memory_problem(cfg, n_ctx, chunk, dtype, xp) -> str | None:
@@ -61,6 +68,65 @@ def _memory_problem(cfg, n_ctx, chunk, dtype, xp) -> str | None:
         return None
     return (f"prefilling {n_ctx} positions of {cfg.name} needs {need / 1e9:.2f} GB of GPU memory beside the weights "
             f"and the kernel's cache, and {free / 1e9:.2f} GB are free: a shorter prompt or a smaller chunk")
+
+
+# ---- attention on the tensor cores (kernels/prefill/attention.cuh) -------------------------------------------------
+
+FLASH_THREADS = 128          # four warps of 16 query rows: the kernel's static_assert holds it to its tile
+FLASH_ROWS = 64
+
+
+def flash_source(head_dim: int) -> str:
+    """The prefill attention kernel's source for one head_dim: the portability layer, then the kernel, both from
+    the kernels in use, or both from the shipped ones for a workspace copied before the kernel existed."""
+    from .. import paths
+    k = paths.kernels_dir()
+    if not (k / "prefill" / "attention.cuh").is_file():
+        k = paths.template_dir()
+    return (f"#define WB_HD {head_dim}\n#define WB_THREADS {FLASH_THREADS}\n"
+            + (k / "portability.cuh").read_text() + (k / "prefill" / "attention.cuh").read_text())
+
+
+def flash_supported(cfg, xp, dtype) -> bool:
+    """The kernel takes fp32 rows on an NVIDIA GPU, head_dim a multiple of 16 up to 128; else the reference's
+    attention runs (cuBLAS products, fused softmax)."""
+    return hasattr(xp, "cuda") and np.dtype(dtype) == np.float32 and cfg.head_dim % 16 == 0 and cfg.head_dim <= 128
+
+
+_FLASH: dict = {}
+
+
+def _flash_kernel(head_dim: int):
+    import cupy
+    src = flash_source(head_dim)
+    if _FLASH.get(head_dim, (None,))[0] != src:            # an edited kernel file is compiled again
+        _FLASH[head_dim] = (src, cupy.RawModule(code=src, options=("--std=c++17",)).get_function("prefill_attention"))
+    return _FLASH[head_dim][1]
+
+
+def flash_attention(q, k_layer, v_layer, positions, n_heads: int):
+    """o [n, Hq·hd] of queries q [n, Hq·hd] (fp32, RoPE applied) over one layer's cache k_layer, v_layer
+    [Hkv, n_ctx, hd] (fp32 holding bf16 values), row i over keys 0..positions[i]: what stages.attention_decode
+    computes, in one kernel (kernels/prefill/attention.cuh, which argues its precision)."""
+    import cupy
+    n_kv, n_ctx, hd = k_layer.shape
+    n = q.shape[0]
+    if q.shape != (n, n_heads * hd) or n_heads % n_kv or v_layer.shape != k_layer.shape:
+        raise ValueError(f"q {q.shape}, k {k_layer.shape}, v {v_layer.shape}: expected q [n, {n_heads}·hd] over "
+                         f"[Hkv, n_ctx, hd] caches, Hkv dividing {n_heads}")
+    if any(a.dtype != cupy.float32 for a in (q, k_layer, v_layer)):
+        raise TypeError("the prefill's attention kernel takes float32 queries, keys and values")
+    q, k_layer, v_layer = (cupy.ascontiguousarray(a) for a in (q, k_layer, v_layer))
+    pos = cupy.ascontiguousarray(cupy.asarray(positions, dtype=cupy.int64).reshape(-1))
+    if pos.size != n:
+        raise ValueError(f"{n} query rows but {pos.size} positions")
+    if n and int(pos.max()) >= n_ctx:
+        raise ValueError(f"position {int(pos.max())} is not in a cache of {n_ctx} positions")
+    out = cupy.empty_like(q)
+    _flash_kernel(hd)(((n + FLASH_ROWS - 1) // FLASH_ROWS, n_heads), (FLASH_THREADS,),
+                      (q, k_layer, v_layer, pos, out, np.int32(n), np.int32(n_ctx), np.int32(n_heads),
+                       np.int32(n_heads // n_kv), np.float32(hd ** -0.5)))
+    return out
 
 
 @contextlib.contextmanager
@@ -87,12 +153,15 @@ def _sync(xp):
 
 
 def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int = PREFILL_CHUNK,
-            dtype=np.float32, tf32: bool = True) -> Prefilled:
+            dtype=np.float32, tf32: bool = True, flash: bool = True, timings: dict | None = None) -> Prefilled:
     """Feed `tokens` at positions pos0.. through every layer, chunk by chunk, writing their keys and values into
     k_cache / v_cache (the kernel's: bf16 bits [L, Hkv, max_seq, hd], positions < pos0 already filled). Returns the
-    last token's logits. On the GPU the fp32 products run in TF32 unless tf32=False (see _tf32). Raises ValueError
-    for an empty prompt, tokens outside the vocabulary, or positions past the cache."""
-    from ..check.reference import KVCache, forward
+    last token's logits. On the GPU the fp32 products run in TF32 unless tf32=False (see _tf32), and attention in
+    the prefill's kernel unless flash=False or the shapes are not its (flash_supported). `timings`, a dict, gets
+    the seconds of each stage over all layers and chunks, of converting the weights and of writing the cache (the
+    GPU synchronised around each, which costs a little). Raises ValueError for an empty prompt, tokens outside
+    the vocabulary, or positions past the cache."""
+    from ..check.reference import KVCache, run_stage, view
     cfg, xp = p.cfg, p.xp
     tokens = xp.asarray(tokens).reshape(-1)
     n = int(tokens.size)
@@ -115,25 +184,58 @@ def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int 
         raise GpuMemoryError(problem)
     t0 = time.perf_counter()
     # the math's cache holds the context only (not max_seq), in the compute precision; bf16 values, as the
-    # kernel's are (forward rounds what it writes)
+    # kernel's are (run_stage rounds what it stores)
     ctx = dataclasses.replace(p, cfg=dataclasses.replace(cfg, max_seq=end))
     work = KVCache.empty(ctx.cfg, dtype, xp)
     if pos0:
         work.k[:, :, :pos0] = to_f32(k_cache[:, :, :pos0], xp)
         work.v[:, :, :pos0] = to_f32(v_cache[:, :, :pos0], xp)
-    logits, chunks = None, 0
+    w = view(ctx, dtype)
+    positions = xp.arange(pos0, end)
+    bounds = [(a, min(n, a + chunk)) for a in range(0, n, chunk)]
+    state: dict = {}
+    flash = flash and flash_supported(cfg, xp, dtype)
+
+    @contextlib.contextmanager
+    def clock(what: str):
+        if timings is None:
+            yield
+            return
+        _sync(xp)
+        t = time.perf_counter()
+        yield
+        _sync(xp)
+        timings[what] = timings.get(what, 0.0) + time.perf_counter() - t
     with _tf32(xp, tf32 and np.dtype(dtype) == np.float32):
-        for start in range(0, n, chunk):
-            stop = min(n, start + chunk)
-            last = stop == n
-            out = forward(ctx, tokens[start:stop], xp.arange(pos0 + start, pos0 + stop), cache=work, kv_bf16=True,
-                          dtype=dtype, logit_rows=[stop - start - 1] if last else [])
-            chunks += 1
-            if last:
-                logits = out[0]
-    for layer in range(cfg.n_layers):            # a layer at a time: the conversion's temporaries stay small
-        k_cache[layer, :, pos0:end] = to_bf16(work.k[layer, :, pos0:end], xp)
-        v_cache[layer, :, pos0:end] = to_bf16(work.v[layer, :, pos0:end], xp)
+        # layer by layer over every chunk, so each layer's weights are converted once; within a layer the chunks
+        # go in order, so each chunk's attention finds every earlier chunk's keys and values of that layer cached
+        for layer, stages in itertools.groupby(plan.execution(cfg), key=lambda e: e[1]):
+            names = [name for name, _ in stages if plan.stage(name).reference is not None]
+            if layer < 0 and "x" in state:                  # after the layers: the LM head on the last row only
+                last = {"x": state["x"][n - 1:]}
+                for name in names:
+                    with clock(name):
+                        run_stage(w, name, layer, last, work, positions[n - 1:], tokens[n - 1:], True)
+                logits = last["logits"][0]
+                continue
+            if layer >= 0:
+                with clock("(weights to fp32)"):
+                    w.layer("wo", layer)                        # the view converts the whole layer on first use
+            rows = [{"x": state["x"][a:b]} if "x" in state else {} for a, b in bounds]
+            for (a, b), st in zip(bounds, rows):
+                for name in names:
+                    with clock(name):
+                        if name == "attention_decode" and flash:
+                            st["o"] = flash_attention(st["q"], work.k[layer], work.v[layer], positions[a:b],
+                                                      cfg.n_heads)
+                        else:
+                            run_stage(w, name, layer, st, work, positions[a:b], tokens[a:b], True)
+            state = {"x": xp.concatenate([st["x"] for st in rows]) if len(rows) > 1 else rows[0]["x"]}
+    chunks = len(bounds)
+    with clock("(cache to bf16)"):
+        for layer in range(cfg.n_layers):        # a layer at a time: the conversion's temporaries stay small
+            k_cache[layer, :, pos0:end] = to_bf16(work.k[layer, :, pos0:end], xp)
+            v_cache[layer, :, pos0:end] = to_bf16(work.v[layer, :, pos0:end], xp)
     _sync(xp)
     seconds = time.perf_counter() - t0
     logits = logits.get() if hasattr(logits, "get") else np.asarray(logits)

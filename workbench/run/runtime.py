@@ -361,13 +361,14 @@ class Monokernel:
             for layer in range(self.cfg.n_layers):
                 cache[layer, :, :upto] = to_bf16(rng.standard_normal(cache[layer, :, :upto].shape, dtype=cp.float32), cp)
 
-    def prefill(self, tokens, *, pos0: int = 0, chunk: int | None = None, tf32: bool = True):
+    def prefill(self, tokens, *, pos0: int = 0, chunk: int | None = None, **options):
         """The prompt as batched matrix products (workbench.run.prefill), into this kernel's KV cache at positions
         pos0..: afterwards the kernel continues from the position after them (generate(..., pos0=...)) without
-        replaying them. → prefill.Prefilled (its last token's logits, the seconds it took)."""
+        replaying them. `options`: prefill's (tf32, flash, timings). → prefill.Prefilled (its last token's
+        logits, the seconds it took)."""
         from .prefill import PREFILL_CHUNK, prefill
         return prefill(self.p, tokens, self.k_cache, self.v_cache, pos0=pos0, chunk=chunk or PREFILL_CHUNK,
-                       tf32=tf32)
+                       **options)
 
     # -- run -----------------------------------------------------------------------------------------------------
     def _params(self, n_in, n_steps, max_new, pos0, sampling: Sampling, eos, n_draws, timing_steps, timeout_s):
