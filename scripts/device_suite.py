@@ -83,6 +83,7 @@ keys = ("section", "compile_s", "timed_compile_s", "verify_s", "time_s", "edit_t
         "passed")
 for r in out["edit_runs"]:
     print({k: r[k] for k in keys})
+    print("   verify:", {k: round(v, 3) for k, v in (r["verify_parts"] or {}).items()})
 print("median", out["edit"])
 for level, m in out["verify_fast_compile"]["levels"].items():
     print(f"verification build -Ofc={level}:", {k: v for k, v in m.items() if k != "runs"})

@@ -358,7 +358,9 @@ class GpuBackend:
             runs = coverage(self.cfg, mk.launch, sampling=sampling and mk.opt.sampler == "full", first=self.first_run)
             table, results = verify_stages(mk, runs=runs, seed=self.verify_seed, timeout_s=self.timeout_s)
             first = results[0]
+            t1 = time.perf_counter()
             e2e = end_to_end(self.p, first, runs[0].n_prompt, DEFAULT_RTOL)
+            table.seconds["end to end"] = time.perf_counter() - t1
         bad_e2e = [c for c in e2e if not (c.finite and c.rel_err <= DEFAULT_RTOL)]
         tok = [c.token_ok for c in e2e if c.token_ok is not None]
         tokens_ok = None if not tok else all(tok)

@@ -174,4 +174,6 @@ def _brief(rec: ReloadRecord | None) -> dict | None:
             "compile_s": num(rec.compile_s), "verify_s": num(rec.verify_s), "time_s": num(rec.time_s),
             "total_s": num(rec.total_s), "verdict_s": num(rec.verdict_s), "timed_compile_s": num(rec.timed_compile_s),
             "tok_per_s": num(rec.tok_per_s), "error": rec.error,
-            "stages_summary": rec.stages.summary() if rec.stages is not None else None}
+            "stages_summary": rec.stages.summary() if rec.stages is not None else None,
+            # where verify_s went: filling the cache, the taps runs, the stage checks, the end-to-end check
+            "verify_parts": dict(rec.stages.seconds) if rec.stages is not None else None}
