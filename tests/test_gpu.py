@@ -379,6 +379,31 @@ def test_the_ptx_gemv_verifies(name):
     _verified(p, BuildOptions(variants=(("o_proj_residual", "ptx"),)), prompt_len=6, max_new=12)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_fused_causal_softmax_is_the_array_codes(dtype):
+    """stages.causal_softmax on the GPU (one fused kernel) against its numpy version on the same scores: several
+    batches and rows (the kernel finds a row's last key as blockIdx % rows), rows whose keys stop short of the
+    row, one key or all of them; a NaN among a row's keys makes that row NaN, one past its last key changes
+    nothing. fp32: a few ulps of exp and of the sums' order; fp64 the same at its own ulp."""
+    import cupy as cp
+
+    from workbench.check import stages as S
+    rng = np.random.default_rng(fresh_seed())
+    B, rows, ctx = 3, 5, 700
+    last = np.array([0, 699, 257, 31, 512])
+    scores = (rng.standard_normal((B, rows, ctx)) * 4).astype(dtype)
+    scores[1, 2, 300] = np.nan                              # past row 2's last key (257): no effect
+    scores[2, 3, 7] = np.nan                                # among row 3's keys: that row, in that batch, only
+    got = S.causal_softmax(cp.asarray(scores), cp.asarray(last), 0.125).get()
+    want = S.causal_softmax(scores, last, 0.125)
+    assert np.isnan(got[2, 3]).all() and np.isnan(want[2, 3]).all()
+    got[2, 3], want[2, 3] = 0, 0
+    assert np.isfinite(got).all()
+    rtol = 1e-5 if dtype == np.float32 else 1e-12
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * 1e-3)
+    assert (got[:, :, 1:][:, last == 0] == 0).all() and np.allclose(got.sum(-1)[got.sum(-1) > 0], 1, rtol=rtol)
+
+
 @pytest.mark.parametrize("heads,kv_heads,hd,n,pos0", [(32, 8, 64, 700, 1500), (6, 2, 32, 130, 0),
                                                        (8, 8, 96, 65, 63), (16, 4, 128, 257, 4100)])
 def test_the_prefills_attention_kernel_is_the_references_attention(heads, kv_heads, hd, n, pos0):

@@ -7,8 +7,8 @@
 // Precision (the prefill is held to the end-to-end tolerance against fp64, check_prefill):
 // - Q·Kᵀ: each scaled query is split as hi + lo, two bf16 with |q − hi − lo| ≤ 2⁻¹⁷|q|, and both are multiplied,
 //   so the scores are accurate to about 2⁻¹⁷ of their terms, at the cost of two products instead of one.
-// - P·V: the probabilities are split the same way. Rounded to one bf16 each (2⁻⁹ relative, independent across
-//   keys), they moved the output by 1.0–1.3e-3 of its size on random inputs (measured: the weighted sum of random
+// - P·V: the probabilities are split the same way. Rounded to one bf16 each (2⁻⁸ relative at most, 2⁻⁹ typically,
+//   independent across keys), they moved the output by 1.0–1.3e-3 of its size on random inputs (measured: the weighted sum of random
 //   values is no larger than its rounding noise), the same order as the bf16 cache's own rounding, which is too
 //   much to add on top of it. The sum the output is divided by is kept in fp32, from the unrounded weights.
 // - A NaN in a query or a key makes its row's output NaN: the max skips it, but exp(NaN) enters the sum.
@@ -85,7 +85,7 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_attention(
         for (int e = threadIdx.x * 4; e < PA_BN * WB_HD; e += WB_THREADS * 4) {
             const int key = e / WB_HD, d = e % WB_HD;
             float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), vv = kv;
-            if (j0 + key < n_ctx) {
+            if (j0 + key <= last_key) {      // past it every row masks the key: zeros, so that 0·x is never 0·NaN
                 kv = *(const float4*)(kb + (long long)(j0 + key) * WB_HD + d);
                 vv = *(const float4*)(vb + (long long)(j0 + key) * WB_HD + d);
             }

@@ -90,7 +90,10 @@ def flash_source(head_dim: int) -> str:
 def flash_supported(cfg, xp, dtype) -> bool:
     """The kernel takes fp32 rows on an NVIDIA GPU, head_dim a multiple of 16 up to 128; else the reference's
     attention runs (cuBLAS products, fused softmax)."""
-    return hasattr(xp, "cuda") and np.dtype(dtype) == np.float32 and cfg.head_dim % 16 == 0 and cfg.head_dim <= 128
+    if not (hasattr(xp, "cuda") and np.dtype(dtype) == np.float32 and cfg.head_dim % 16 == 0 and cfg.head_dim <= 128):
+        return False
+    # bf16 mma.sync is sm_80's and later; the portability header has it on NVIDIA only
+    return not xp.cuda.runtime.is_hip and int(xp.cuda.Device().compute_capability) >= 80
 
 
 _FLASH: dict = {}
@@ -123,6 +126,8 @@ def flash_attention(q, k_layer, v_layer, positions, n_heads: int):
     if n and int(pos.max()) >= n_ctx:
         raise ValueError(f"position {int(pos.max())} is not in a cache of {n_ctx} positions")
     out = cupy.empty_like(q)
+    if n == 0:
+        return out
     _flash_kernel(hd)(((n + FLASH_ROWS - 1) // FLASH_ROWS, n_heads), (FLASH_THREADS,),
                       (q, k_layer, v_layer, pos, out, np.int32(n), np.int32(n_ctx), np.int32(n_heads),
                        np.int32(n_heads // n_kv), np.float32(hd ** -0.5)))
@@ -134,7 +139,7 @@ def _tf32(xp, on: bool):
     """fp32 matrix products on the tensor cores in TF32 while the prefill runs, the process's setting restored
     after (CuPy's is global, and verification's own products must stay fp32). The weights are bf16 values, which
     TF32's 10-bit mantissa holds exactly; only the activations are rounded, to 2⁻¹¹, before each product (fp32
-    accumulation), against the 2⁻⁹ of the bf16 cache every key and value is rounded to anyway."""
+    accumulation), against the 2⁻⁸ at most (2⁻⁹ typically) of the bf16 cache every key and value is rounded to anyway."""
     if not on or not hasattr(xp, "cuda"):
         yield
         return
@@ -221,8 +226,9 @@ def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int 
             if layer >= 0:
                 with clock("(weights to fp32)"):
                     w.layer("wo", layer)                        # the view converts the whole layer on first use
-            rows = [{"x": state["x"][a:b]} if "x" in state else {} for a, b in bounds]
-            for (a, b), st in zip(bounds, rows):
+            x_next = None
+            for a, b in bounds:
+                st = {"x": state["x"][a:b]} if "x" in state else {}
                 for name in names:
                     with clock(name):
                         if name == "attention_decode" and flash:
@@ -230,7 +236,11 @@ def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int 
                                                       cfg.n_heads)
                         else:
                             run_stage(w, name, layer, st, work, positions[a:b], tokens[a:b], True)
-            state = {"x": xp.concatenate([st["x"] for st in rows]) if len(rows) > 1 else rows[0]["x"]}
+                if x_next is None:
+                    x_next = xp.empty((n, st["x"].shape[1]), dtype=st["x"].dtype)
+                x_next[a:b] = st["x"]
+                del st                                  # only the residual outlives its chunk
+            state = {"x": x_next}
     chunks = len(bounds)
     with clock("(cache to bf16)"):
         for layer in range(cfg.n_layers):        # a layer at a time: the conversion's temporaries stay small
