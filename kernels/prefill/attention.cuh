@@ -13,16 +13,21 @@
 //   much to add on top of it. The sum the output is divided by is kept in fp32, from the unrounded weights.
 // - A NaN in a query or a key makes its row's output NaN: the max skips it, but exp(NaN) enters the sum.
 //
-// Set by the launcher: WB_HD (head_dim, a multiple of 16, at most 128: two tiles must fit the 48 KB of static
-// shared memory) and WB_THREADS (128).
+// Set by the launcher (workbench/run/prefill.py): WB_HD (head_dim, a multiple of 16, at most 128: two tiles must fit
+// the 48 KB of static shared memory), WB_THREADS and WB_PA_ROWS (the rows a block takes, as its grid counts them).
 
-#define PA_BM 64
-#define PA_BN 64
+// The tile, in mma.sync's m16n8k16 fragments: each warp 16 query rows (one fragment's M), a tile 8 fragments' N of keys
+#define PA_FRAG_M 16
+#define PA_FRAG_N 8
+#define PA_WARPS 4
+#define PA_BM (PA_WARPS * PA_FRAG_M)
+#define PA_BN (8 * PA_FRAG_N)
 #define PA_KS (WB_HD + 8)   // row stride of the key tile, in bf16: the 8 keys of a fragment load fall on distinct banks
 #define PA_VS (PA_BN + 8)   // row stride of the value tile, stored transposed ([d][key]) so a fragment's pair is one word
 
 static_assert(WB_HD % 16 == 0 && WB_HD <= 128, "head_dim: a multiple of 16, at most 128");
-static_assert(WB_THREADS == 2 * PA_BM, "four warps of 16 rows each");
+static_assert(WB_THREADS == PA_WARPS * WB_WARP, "one warp per 16 query rows");
+static_assert(WB_PA_ROWS == PA_BM, "the launcher's grid counts rows in this tile's");
 
 __device__ __forceinline__ u32 pa_pack(float first, float second) {   // a bf16 pair, the first in the low half
     return (u32)f32_to_bf16(first) | ((u32)f32_to_bf16(second) << 16);
@@ -46,10 +51,10 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_attention(
     __shared__ __align__(16) bf16 vt[WB_HD * PA_VS];
     __shared__ int last_key;
     const int h = blockIdx.y, kvh = h / group;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int warp = threadIdx.x / WB_WARP, lane = threadIdx.x % WB_WARP, g = lane >> 2, t = lane & 3;
     const long long stride = (long long)n_heads * WB_HD;              // of q's rows and out's
     // this lane's two rows; a row past n attends to key 0 alone and is not written
-    const int ra = blockIdx.x * PA_BM + warp * 16 + g, rb = ra + 8;
+    const int ra = blockIdx.x * PA_BM + warp * PA_FRAG_M + g, rb = ra + 8;
     const int pa = ra < n ? (int)pos[ra] : 0, pb = rb < n ? (int)pos[rb] : 0;
     if (threadIdx.x == 0) last_key = 0;
     __syncthreads();

@@ -72,8 +72,8 @@ def _memory_problem(cfg, n_ctx, chunk, dtype, xp) -> str | None:
 
 # ---- attention on the tensor cores (kernels/prefill/attention.cuh) -------------------------------------------------
 
-FLASH_THREADS = 128          # four warps of 16 query rows: the kernel's static_assert holds it to its tile
-FLASH_ROWS = 64
+FLASH_THREADS = 128          # four warps of 16 query rows, and so 64 rows a block: the kernel's static_asserts
+FLASH_ROWS = 64              # hold both to its tile
 
 
 def flash_source(head_dim: int) -> str:
@@ -83,7 +83,7 @@ def flash_source(head_dim: int) -> str:
     k = paths.kernels_dir()
     if not (k / "prefill" / "attention.cuh").is_file():
         k = paths.template_dir()
-    return (f"#define WB_HD {head_dim}\n#define WB_THREADS {FLASH_THREADS}\n"
+    return (f"#define WB_HD {head_dim}\n#define WB_THREADS {FLASH_THREADS}\n#define WB_PA_ROWS {FLASH_ROWS}\n"
             + (k / "portability.cuh").read_text() + (k / "prefill" / "attention.cuh").read_text())
 
 
