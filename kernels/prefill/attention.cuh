@@ -87,16 +87,23 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_attention(
 
     for (int tile = 0; tile < tiles; ++tile) {
         const int j0 = tile * PA_BN;
+        // keys past the block's last are zeros: every row masks them, and 0·x is then never 0·NaN
+        // the keys: a thread takes 4 consecutive d of one key (rows read whole, pairs stored on distinct banks)
         for (int e = threadIdx.x * 4; e < PA_BN * WB_HD; e += WB_THREADS * 4) {
             const int key = e / WB_HD, d = e % WB_HD;
-            float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), vv = kv;
-            if (j0 + key <= last_key) {      // past it every row masks the key: zeros, so that 0·x is never 0·NaN
-                kv = *(const float4*)(kb + (long long)(j0 + key) * WB_HD + d);
-                vv = *(const float4*)(vb + (long long)(j0 + key) * WB_HD + d);
-            }
+            float4 kv = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (j0 + key <= last_key) kv = *(const float4*)(kb + (long long)(j0 + key) * WB_HD + d);
             u32* kw = (u32*)(ks + key * PA_KS + d);
             kw[0] = pa_pack(kv.x, kv.y);
             kw[1] = pa_pack(kv.z, kv.w);
+        }
+        // the values, transposed: consecutive lanes take consecutive keys of the same 4 d, so each of a warp's
+        // 16-bit stores into a row of vt covers 16 consecutive words (taken d-major, as the keys are, the lanes'
+        // rows of vt were 4·PA_VS apart, on two banks: a 16-way conflict)
+        for (int e = threadIdx.x; e < PA_BN * (WB_HD / 4); e += WB_THREADS) {
+            const int key = e % PA_BN, d = (e / PA_BN) * 4;
+            float4 vv = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (j0 + key <= last_key) vv = *(const float4*)(vb + (long long)(j0 + key) * WB_HD + d);
             vt[(d + 0) * PA_VS + key] = f32_to_bf16(vv.x);
             vt[(d + 1) * PA_VS + key] = f32_to_bf16(vv.y);
             vt[(d + 2) * PA_VS + key] = f32_to_bf16(vv.z);
