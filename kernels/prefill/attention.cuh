@@ -7,10 +7,11 @@
 // Precision (the prefill is held to the end-to-end tolerance against fp64, check_prefill):
 // - Q·Kᵀ: each scaled query is split as hi + lo, two bf16 with |q − hi − lo| ≤ 2⁻¹⁷|q|, and both are multiplied,
 //   so the scores are accurate to about 2⁻¹⁷ of their terms, at the cost of two products instead of one.
-// - P·V: the probabilities are split the same way. Rounded to one bf16 each (2⁻⁸ relative at most, 2⁻⁹ typically,
-//   independent across keys), they moved the output by 1.0–1.3e-3 of its size on random inputs (measured: the weighted sum of random
-//   values is no larger than its rounding noise), the same order as the bf16 cache's own rounding, which is too
-//   much to add on top of it. The sum the output is divided by is kept in fp32, from the unrounded weights.
+// - P·V: the probabilities are split the same way. Rounded to one bf16 each (2⁻⁸ relative at most, 2⁻⁹
+//   typically, independent across keys), they moved the output by 1.0–1.3e-3 of its size on random inputs
+//   (measured: the weighted sum of random values is no larger than its rounding noise), the same order as the bf16
+//   cache's own rounding, which is too much to add on top of it. The sum the output is divided by is kept in fp32,
+//   from the unrounded weights.
 // - A NaN in a query or a key makes its row's output NaN: the max skips it, but exp(NaN) enters the sum.
 //
 // Set by the launcher (workbench/run/prefill.py): WB_HD (head_dim, a multiple of 16, at most 128: two tiles must fit
