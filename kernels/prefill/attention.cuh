@@ -24,7 +24,7 @@
 #define PA_BM (PA_WARPS * PA_FRAG_M)
 #define PA_BN (8 * PA_FRAG_N)
 #define PA_KS (WB_HD + 8)   // row stride of the key tile, in bf16: the 8 keys of a fragment load fall on distinct banks
-#define PA_VS (PA_BN + 8)   // row stride of the value tile, stored transposed ([d][key]) so a fragment's pair is one word
+#define PA_VS (PA_BN + 8)   // row stride of the value tile, stored transposed ([d][key]): a fragment's pair is a word
 
 static_assert(WB_HD % 16 == 0 && WB_HD <= 128, "head_dim: a multiple of 16, at most 128");
 static_assert(WB_THREADS == PA_WARPS * WB_WARP, "one warp per 16 query rows");

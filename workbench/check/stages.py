@@ -161,7 +161,9 @@ template <> __device__ __forceinline__ float wb_exp<float>(float x) { return exp
 template <> __device__ __forceinline__ double wb_exp<double>(double x) { return exp(x); }
 template <typename T> __device__ __forceinline__ T wb_neg_inf();      // NVRTC has no <math.h>, so no INFINITY
 template <> __device__ __forceinline__ float wb_neg_inf<float>() { return __int_as_float(0xff800000); }
-template <> __device__ __forceinline__ double wb_neg_inf<double>() { return __longlong_as_double(0xfff0000000000000ull); }
+template <> __device__ __forceinline__ double wb_neg_inf<double>() {
+    return __longlong_as_double(0xfff0000000000000ull);
+}
 
 // x, reduced over the block by op (a NaN survives: fmax drops it, so the max uses a comparison that keeps it)
 template <typename T, bool MAX>

@@ -139,7 +139,8 @@ def _tf32(xp, on: bool):
     """fp32 matrix products on the tensor cores in TF32 while the prefill runs, the process's setting restored
     after (CuPy's is global, and verification's own products must stay fp32). The weights are bf16 values, which
     TF32's 10-bit mantissa holds exactly; only the activations are rounded, to 2⁻¹¹, before each product (fp32
-    accumulation), against the 2⁻⁸ at most (2⁻⁹ typically) of the bf16 cache every key and value is rounded to anyway."""
+    accumulation), against the 2⁻⁸ at most (2⁻⁹ typically) of the bf16 cache every key and value is rounded to
+    anyway."""
     if not on or not hasattr(xp, "cuda"):
         yield
         return
