@@ -171,7 +171,11 @@ def main():
                                          "--variant", "ptx:@embedding=ptx", "--variant",
                                          "gemv_ptx:@o_proj_residual=ptx", "--stages"], out, 300)
     if "prefill" in a.only:
-        # time to first token against HF's prefill, then a long prefill verified and decoded after
+        # the prefill's own kernels against the reference first, then time to first token against HF's prefill
+        # (with the prefill's time per stage), then a long prefill verified and decoded after
+        R["prefill-kernels"] = run("prefill-kernels", [PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
+                                                       "-s", "tests/test_gpu.py", "-k",
+                                                       "prefills_attention or fused_causal_softmax"], out, 180)
         for m in ("llama-3.2-1b", "llama-3.1-8b"):
             R[f"ttft-{m}"] = run(f"ttft-{m}", [PY, "-m", "workbench", "bench", "--model", m, "--positions", "128",
                                                "--tokens", "32", "--repeats", "3", "--no-hf", "--no-compile",
