@@ -379,6 +379,25 @@ def test_the_ptx_gemv_verifies(name):
     _verified(p, BuildOptions(variants=(("o_proj_residual", "ptx"),)), prompt_len=6, max_new=12)
 
 
+@pytest.mark.parametrize("name", ["tiny", "llama-3.2-1b"])
+def test_the_units_build_verifies(name):
+    """The build in units (workbench/build/units.py: a unit per stage, linked, as the loop's verification build may
+    be made) verifies stage by stage and end to end, and generates the whole build's greedy tokens."""
+    import cupy as cp
+
+    from workbench.build.units import units_linkable
+    from workbench.model.weights import prepare, random_weights
+    from workbench.run.runtime import Monokernel
+    if not units_linkable():
+        pytest.skip("no nvJitLink on this machine")
+    cfg = get_config(name).with_(max_seq=4352)
+    p = prepare(random_weights(cfg, fresh_seed(), xp=cp, progress=False), xp=cp, progress=False)
+    taps, _ = _verified(p, BuildOptions(units=True), prompt_len=6, max_new=12)
+    assert taps.opt.units and taps.fn.attributes["local_size_bytes"] > 0       # the linked kernel, its ABI saves
+    whole = Monokernel(p, BuildOptions(), max_steps=64).generate([1, 2, 3], 12, eos=[]).tokens
+    assert Monokernel(p, BuildOptions(units=True), max_steps=64).generate([1, 2, 3], 12, eos=[]).tokens == whole
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_the_fused_causal_softmax_is_the_array_codes(dtype):
     """stages.causal_softmax on the GPU (one fused kernel) against its numpy version on the same scores: several

@@ -46,6 +46,8 @@ class BuildOptions:
     sampler: str = "full"        # "full": temperature, top-k, top-p; "greedy": argmax only (less code to compile)
     stream: bool = False         # WB_STREAM: the block's last warp streams the weights into a shared-memory ring
                                  # (sm_90; measured 6% slower than the register path so far, NOTES.md round 7)
+    units: bool = False          # NVIDIA: built as one unit per stage, each cached, then linked (workbench/build/
+                                 # units.py): an edit recompiles one stage; the kernel runs slower (verification only)
 
     def __post_init__(self):
         if self.sampler not in ("full", "greedy"):
@@ -125,6 +127,7 @@ class Assembled:
     flags: tuple = ()      # compiler options the build asks for beyond the common ones (NVRTC)
     ptx_bodies: tuple = ()  # PtxBody per stage whose variant is written in PTX (spliced in before ptxas)
     ptxas_opt: int = 3
+    units: int = 0          # the block's threads when built in units (workbench/build/units.py), else 0
 
     def text_of(self, path: str) -> str | None:
         """The text that was compiled for a section file (an unsaved edit included)."""
@@ -216,9 +219,11 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
     source = "\n".join(out) + "\n"
     flags = (() if opt.ptxas_opt == 3 else (f"--ptxas-options=-O{opt.ptxas_opt}",)) + \
         (() if opt.fast_compile == "0" else (f"-Ofc={opt.fast_compile}",))
-    key = hashlib.sha256((source + " ".join(flags) + "".join(b.display + b.text for b in bodies)).encode()
-                         ).hexdigest()[:16]
-    return Assembled(source, pieces, key, flags, tuple(bodies), opt.ptxas_opt)
+    from .units import units_problem
+    units = opt.threads if opt.units and units_problem(bool(bodies), opt.stream) is None else 0
+    key = hashlib.sha256((source + " ".join(flags) + "".join(b.display + b.text for b in bodies)
+                          + (" units" if units else "")).encode()).hexdigest()[:16]
+    return Assembled(source, pieces, key, flags, tuple(bodies), opt.ptxas_opt, units)
 
 
 def smem_bytes(cfg: ModelConfig, opt: BuildOptions = BuildOptions()) -> int:

@@ -90,6 +90,10 @@ def compile_error(log: str, asm: Assembled | None) -> CompileError:
 def compile_nvidia(asm: Assembled, arch: str = "sm_90", ptx_only: bool = False) -> tuple[bytes, str, str]:
     """One NVRTC compile without a driver → (cubin, PTX text, log); the cubin is made from exactly that PTX
     (`ptx_only`: no cubin, b""; NVRTC stops at PTX). Raises CompileError with mapped messages."""
+    if asm.units and not ptx_only:
+        from .units import link, split, units_linkable
+        if units_linkable():                   # else the whole build, as below
+            return link(split(asm), arch, asm.units).cubin, "", ""
     # a build with PTX sections: NVRTC stops at PTX (a virtual architecture: its own ptxas would assemble a
     # module about to change), and ptxas runs once, on the spliced module
     virtual = bool(asm.ptx_bodies) or ptx_only

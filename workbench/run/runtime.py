@@ -18,6 +18,7 @@ import numpy as np
 from .. import plan
 from ..build.assemble import Assembled, BuildOptions, Params, assemble
 from ..build.compile import NVRTC_OPTIONS, compile_error
+from ..build.units import units_linkable
 from ..model.weights import Prepared
 
 STATUS = {name: i for i, name in enumerate(plan.STATUS_WORDS)}
@@ -273,7 +274,7 @@ class Monokernel:
 
     def _compile(self, asm: Assembled):
         cp = self.cp
-        if asm.ptx_bodies:
+        if asm.ptx_bodies or (asm.units and units_linkable()):
             return self._load_spliced(asm)
         try:
             mod = cp.RawModule(code=asm.source, options=(*NVRTC_OPTIONS, *asm.flags), backend="nvrtc")
@@ -286,7 +287,8 @@ class Monokernel:
 
     def _load_spliced(self, asm: Assembled):
         """A build with stages written in PTX (workbench.build.ptx): NVRTC's PTX of the module with their bodies in
-        place, through ptxas (its messages at the .ptx files' lines) to a cubin, which the driver loads."""
+        place, through ptxas (its messages at the .ptx files' lines) to a cubin, which the driver loads. A build in
+        units (workbench.build.units) comes the same way, as the cubin its linked units make."""
         import os
         import tempfile
 
@@ -307,9 +309,9 @@ class Monokernel:
                 fn = mod.get_function("wb_generate")
                 fn.kernel                   # loaded now, while the file exists
             except cp.cuda.driver.CUDADriverError as e:
-                b = asm.ptx_bodies[0]
-                raise CompileError([(b.display, 0, "error", f"the driver did not load the spliced module: {e}",
-                                     "")], str(e)) from None
+                where = asm.ptx_bodies[0].display if asm.ptx_bodies else "<the build's linked units>"
+                raise CompileError([(where, 0, "error", f"the driver did not load the module: {e}", "")],
+                                   str(e)) from None
         finally:
             os.unlink(path)
         return mod, fn
