@@ -4,6 +4,9 @@ or before it, and the verification build at each NVRTC -Ofc level asked for. Wha
 not here: on a CPU the verdict comes once the verification build has compiled.
 
     python scripts/loop_compile_time.py [--model llama-3.2-1b] [--edits 5] [--levels min mid max] [--no-serial]
+                                        [--units]
+
+`--units` adds a mode with the verification build in units (workbench.build.units, at -Ofc=min).
 
 Prints a table of medians and writes loop_compile_time.json under $OUT.
 """
@@ -31,19 +34,21 @@ def main(argv=None) -> int:
     ap.add_argument("--edits", type=int, default=5, help="edits per mode, over the sections in turn")
     ap.add_argument("--levels", nargs="+", default=["min", "mid", "max"], choices=("0", "min", "mid", "max"))
     ap.add_argument("--no-serial", action="store_true", help="leave out the both-builds-first mode")
+    ap.add_argument("--units", action="store_true", help="also the verification build in units, one per stage")
     a = ap.parse_args(argv)
     from workbench.loop.session import Workbench
     work = Path(tempfile.mkdtemp(prefix="wb-loop-compile-"))
     shutil.copytree(paths.kernels_dir(), work / "kernels", ignore=shutil.ignore_patterns(".history"))
-    modes = ([] if a.no_serial else [(False, "min")]) + [(True, level) for level in a.levels]
+    modes = ([] if a.no_serial else [(False, "min", False)]) + [(True, level, False) for level in a.levels] + \
+        ([(True, "min", True)] if a.units else [])
     rows = []
     try:
         with paths.use_kernels_dir(work / "kernels"):
             wb = Workbench(a.model, device="cpu", activate=False, history_dir=work / "history",
                            parallel_compile=True, cpu_reference=False)
             originals = {n: section_file(n).read_text() for n in EDIT_SECTIONS}
-            for pipeline, level in modes:
-                wb.pipeline, wb.verify_fast_compile = pipeline, level
+            for pipeline, level, units in modes:
+                wb.pipeline, wb.verify_fast_compile, wb.verify_units = pipeline, level, units
                 wb.reload()                            # the mode's first build
                 names = [EDIT_SECTIONS[i % len(EDIT_SECTIONS)] for i in range(a.edits)]
                 runs = [timed_edit(wb, n, originals[n] + f"\n// loop_compile_time {i} {time.time_ns()}\n")
@@ -52,7 +57,8 @@ def main(argv=None) -> int:
                 if bad:
                     print(f"an edit did not compile: {bad[0]['error']}", file=sys.stderr)
                     return 1
-                rows.append({"pipeline": pipeline, "verify_fast_compile": level, **medians(runs), "runs": runs})
+                rows.append({"pipeline": pipeline, "verify_fast_compile": level + (" units" if units else ""),
+                             **medians(runs), "runs": runs})
             wb.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -66,11 +66,12 @@ def medians(runs: list) -> dict:
 
 def loop_benchmark(model: str = "llama-3.2-1b", *, sections: tuple = EDIT_SECTIONS, edits: int = 10,
                    overhead_tokens: int = 256, overhead_repeats: int = 5, fast_compile_levels: tuple = (),
-                   level_edits: int = 4, **workbench_kw) -> dict:
+                   level_edits: int = 4, units: bool = False, **workbench_kw) -> dict:
     """Measure the editing loop on a GPU: `edits` harmless edits (a comment appended, different text each time, so
     every compile is a real one), to `sections` in turn → reload (compile, verify, time), with edit → verdict (the
     verification build's; the timed build compiles beside it) and edit → record (timing included); then
-    `level_edits` more at each of `fast_compile_levels` for the verification build (NVRTC -Ofc); a deliberately wrong edit
+    `level_edits` more at each of `fast_compile_levels` for the verification build (NVRTC -Ofc), and with `units`
+    `level_edits` more with the verification build in units (workbench.build.units); a deliberately wrong edit
     (wrong_rope, as a variant) → the first failing stage; and the tok/s of the plain build against the timing build
     and the taps build (instrumentation overhead). Restores every file it touched; its edit history goes to a
     temporary folder. Returns a dict (JSON-ready)."""
@@ -112,6 +113,14 @@ def loop_benchmark(model: str = "llama-3.2-1b", *, sections: tuple = EDIT_SECTIO
                   for i, name in enumerate(sections[:level_edits])]
             levels[level] = {**medians(lr), "all_passed": all(r["passed"] for r in lr), "runs": lr}
         wb.verify_fast_compile = kept
+        if units:
+            wb.verify_units = True
+            wb.reload(trigger="manual")                 # every unit's first compile
+            ur = [timed_edit(wb, name, originals[name].decode() + f"\n// loop_benchmark: units edit {i} "
+                                                                   f"at {time.time_ns()}\n")
+                  for i, name in enumerate(sections[:level_edits])]
+            levels["units"] = {**medians(ur), "all_passed": all(r["passed"] for r in ur), "runs": ur}
+            wb.verify_units = False
         if levels:
             wb.reload(trigger="manual")
         out["verify_fast_compile"] = {"kept": kept, "levels": levels}

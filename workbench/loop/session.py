@@ -103,7 +103,9 @@ class Workbench:
     compile_limit_s: a compile running longer than this is a compiler hang, and its worker is replaced (default:
     four times the last compile, at least 10 s). pipeline: compile the timed build in the background while the
     verification build is verified, so that the verdict (on_verdict, ReloadRecord.verdict_s) does not wait for the
-    slower build (default); False compiles both before verifying."""
+    slower build (default); False compiles both before verifying. verify_units: build the verification build in
+    units (workbench.build.units: one per stage, cached, linked), so that an edit recompiles only its section's
+    (off until its verdict time and its mutants are measured on the GPU; the PTX and stream builds stay whole)."""
 
     def __init__(self, model: str = "llama-3.2-1b", *, weights: str | None = None, seed: int = 0,
                  max_seq: int | None = None, device: str = "auto", threads: int = 512, variants=None,
@@ -112,7 +114,7 @@ class Workbench:
                  history_dir: str | Path | None = None, watch: bool = False, activate: bool = True,
                  build: bool = True, progress: bool = False, build_options: dict | None = None,
                  verify_fast_compile: str = "min", isolate: bool = True, hang_s: float = 2.0,
-                 compile_limit_s: float | None = None, pipeline: bool = True):
+                 compile_limit_s: float | None = None, pipeline: bool = True, verify_units: bool = False):
         global _ACTIVE
         if device not in ("auto", "gpu", "cpu"):
             raise ValueError(f"device must be auto, gpu or cpu, got {device!r}")
@@ -123,6 +125,7 @@ class Workbench:
         self.threads = threads
         self.build_options = dict(build_options or {})      # more BuildOptions fields for every build
         self.verify_fast_compile = verify_fast_compile
+        self.verify_units = verify_units
         self.variants = norm_variants(variants)
         self.overrides: dict[str, str] = dict(overrides or {})
         self.verify_seed = verify_seed
@@ -199,7 +202,7 @@ class Workbench:
 
     def options(self, which: str, variants=None) -> BuildOptions:
         v = self.variants if variants is None else norm_variants(variants)
-        fast = {"fast_compile": self.verify_fast_compile} if which == "debug" else {}
+        fast = {"fast_compile": self.verify_fast_compile, "units": self.verify_units} if which == "debug" else {}
         return BuildOptions(**{"sampler": self._sampler(v), **fast, **self.build_options, "threads": self.threads,
                                "taps": which == "debug", "timing": which == "timed",
                                "variants": tuple(sorted(v.items()))})
