@@ -134,11 +134,16 @@ def main():
     ap.add_argument("--pytest-args", nargs="*", default=[])
     ap.add_argument("--commit", default="unknown", help="the commit the recorded traces are labelled with")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds for the whole suite")
+    ap.add_argument("--wheels", help="a folder of wheels to install first, without an index (a GPU machine without "
+                                     "network: cuda-bindings for the verification build in units)")
     a = ap.parse_args()
     BUDGET[0] = a.budget
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     R = {}
+    if a.wheels:
+        wheels = sorted(str(w) for w in Path(a.wheels).glob("*.whl"))
+        R["wheels"] = run("wheels", [PY, "-m", "pip", "install", "--no-index", "--no-deps", *wheels], out, 120)
     if "smoke" in a.only:
         R["smoke"] = run("smoke", [PY, "-c", SMOKE], out, 240)
     if "mutants" in a.only:
