@@ -71,7 +71,7 @@ def loop_benchmark(model: str = "llama-3.2-1b", *, sections: tuple = EDIT_SECTIO
     every compile is a real one), to `sections` in turn → reload (compile, verify, time), with edit → verdict (the
     verification build's; the timed build compiles beside it) and edit → record (timing included); then
     `level_edits` more at each of `fast_compile_levels` for the verification build (NVRTC -Ofc), and with `units`
-    `level_edits` more with the verification build in units (workbench.build.units); a deliberately wrong edit
+    `edits` more with the verification build in units (workbench.build.units); a deliberately wrong edit
     (wrong_rope, as a variant) → the first failing stage; and the tok/s of the plain build against the timing build
     and the taps build (instrumentation overhead). Restores every file it touched; its edit history goes to a
     temporary folder. Returns a dict (JSON-ready)."""
@@ -116,9 +116,10 @@ def loop_benchmark(model: str = "llama-3.2-1b", *, sections: tuple = EDIT_SECTIO
         if units:
             wb.verify_units = True
             wb.reload(trigger="manual")                 # every unit's first compile
+            # as many edits as the whole build's, over the sections in turn: the figure issue 15 asks for
             ur = [timed_edit(wb, name, originals[name].decode() + f"\n// loop_benchmark: units edit {i} "
                                                                    f"at {time.time_ns()}\n")
-                  for i, name in enumerate(sections[:level_edits])]
+                  for i, name in ((i, sections[i % len(sections)]) for i in range(edits))]
             levels["units"] = {**medians(ur), "all_passed": all(r["passed"] for r in ur), "runs": ur}
             wb.verify_units = False
         if levels:
