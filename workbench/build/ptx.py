@@ -53,17 +53,24 @@ def cpp_params(source: str, function: str) -> tuple[str, ...]:
     return tuple(names)
 
 
+def stage_signature(source: str, section: str, why: str) -> tuple[str, str]:
+    """(return type, parameter list) of `WB_SECTION ... stage_<section>(...) {` in a C++ section; ValueError
+    naming `why` (what needs the definition) when the section does not define it so."""
+    fn = f"stage_{section}"
+    m = re.search(rf"WB_SECTION\s+(?P<ret>[^;{{}}()]*?)\s*\b{re.escape(fn)}\s*\((?P<params>[^)]*)\)\s*\{{", source)
+    if not m:
+        raise ValueError(f"no `WB_SECTION ... {fn}(...) {{` in its C++ section: {why}")
+    return m["ret"].strip(), " ".join(m["params"].split())
+
+
 def ptx_stub(source: str, section: str) -> str:
     """What NVRTC compiles for a stage written in PTX: `stage_<section>_ptx`, out of line, with the declaration's
     parameters and a body that uses each (an empty asm), which the .ptx body replaces; and `stage_<section>` itself,
     inlined into the decode step, passing its arguments through an opaque move. The compiler would otherwise drop
     a parameter the body leaves unused, or one every call passes the same value for (the shared-memory pointer)."""
     fn = f"stage_{section}"
-    m = re.search(rf"WB_SECTION\s+(?P<ret>[^;{{}}()]*?)\s*\b{re.escape(fn)}\s*\((?P<params>[^)]*)\)\s*\{{", source)
-    if not m:
-        raise ValueError(f"no `WB_SECTION ... {fn}(...) {{` in the C++ section: a PTX body replaces that function's")
+    ret, params = stage_signature(source, section, "a PTX body replaces that function's")
     names = cpp_params(source, fn)
-    ret, params = m["ret"].strip(), " ".join(m["params"].split())
     back = "" if ret == "void" else "return "
     return "\n".join([
         f"#undef {fn}",

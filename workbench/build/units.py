@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .. import plan
 from .assemble import Assembled
+from .ptx import stage_signature
 
 DECODE_UNIT = "<decode step>"
 _MARK = re.compile(r'^#line 1 "(.*)"$')
@@ -52,11 +53,8 @@ def units_problem(ptx_bodies: bool, stream: bool) -> str | None:
 
 
 def _prototype(stage: str, text: str) -> str:
-    fn = f"stage_{stage}"
-    m = re.search(rf"WB_SECTION\s+(?P<ret>[^;{{}}()]*?)\s*\b{fn}\s*\((?P<params>[^)]*)\)\s*\{{", text)
-    if not m:
-        raise ValueError(f"no `WB_SECTION ... {fn}(...) {{` in its section: the decode step's unit declares it")
-    return f"WB_SECTION {m['ret'].strip()} {fn}({' '.join(m['params'].split())});"
+    ret, params = stage_signature(text, stage, "the decode step's unit declares it")
+    return f"WB_SECTION {ret} stage_{stage}({params});"
 
 
 def _private_library(lines: list[str]) -> list[str]:

@@ -107,10 +107,11 @@ def _flash_kernel(head_dim: int):
     return _FLASH[head_dim][1]
 
 
-def flash_attention(q, k_layer, v_layer, positions, n_heads: int):
+def flash_attention(q, k_layer, v_layer, positions, n_heads: int, kernel=None):
     """o [n, Hq·hd] of queries q [n, Hq·hd] (fp32, RoPE applied) over one layer's cache k_layer, v_layer
     [Hkv, n_ctx, hd] (fp32 holding bf16 values), row i over keys 0..positions[i]: what stages.attention_decode
-    computes, in one kernel (kernels/prefill/attention.cuh, which argues its precision)."""
+    computes, in one kernel (kernels/prefill/attention.cuh, which argues its precision). `kernel`: the compiled
+    one for this head_dim, if the caller holds it (else it is looked up from the source on disk)."""
     import cupy
     n_kv, n_ctx, hd = k_layer.shape
     n = q.shape[0]
@@ -128,7 +129,7 @@ def flash_attention(q, k_layer, v_layer, positions, n_heads: int):
     out = cupy.empty_like(q)
     if n == 0:
         return out
-    _flash_kernel(hd)(((n + FLASH_ROWS - 1) // FLASH_ROWS, n_heads), (FLASH_THREADS,),
+    (kernel or _flash_kernel(hd))(((n + FLASH_ROWS - 1) // FLASH_ROWS, n_heads), (FLASH_THREADS,),
                       (q, k_layer, v_layer, pos, out, np.int32(n), np.int32(n_ctx), np.int32(n_heads),
                        np.int32(n_heads // n_kv), np.float32(hd ** -0.5)))
     return out
@@ -200,7 +201,10 @@ def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int 
     positions = xp.arange(pos0, end)
     bounds = [(a, min(n, a + chunk)) for a in range(0, n, chunk)]
     state: dict = {}
-    flash = flash and flash_supported(cfg, xp, dtype)
+    from ..check.stages import attention_decode_io
+    # the stage whose math the kernel computes is the one the plan gives stages.attention_decode's binding; its
+    # source is read (and compiled when it changed) once per prefill, not per layer and chunk
+    attend = _flash_kernel(cfg.head_dim) if flash and flash_supported(cfg, xp, dtype) else None
 
     @contextlib.contextmanager
     def clock(what: str):
@@ -232,9 +236,9 @@ def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int 
                 st = {"x": state["x"][a:b]} if "x" in state else {}
                 for name in names:
                     with clock(name):
-                        if name == "attention_decode" and flash:
+                        if attend is not None and plan.stage(name).reference is attention_decode_io:
                             st["o"] = flash_attention(st["q"], work.k[layer], work.v[layer], positions[a:b],
-                                                      cfg.n_heads)
+                                                      cfg.n_heads, kernel=attend)
                         else:
                             run_stage(w, name, layer, st, work, positions[a:b], tokens[a:b], True)
                 if x_next is None:
