@@ -227,6 +227,23 @@ __device__ __forceinline__ void wb_mma_bf16_16816(float* d, const u32* a, const 
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+// 16 bytes global → shared without passing through registers (sm_80's cp.async, L1 bypassed), zeros instead when
+// !valid: a tile's rows past the data need no separate clearing. Groups of them complete in issue order.
+__device__ __forceinline__ void wb_cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
+                 :: "r"(wb_smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void wb_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// wait until at most `pending` of this thread's groups are still in flight
+template <int pending> __device__ __forceinline__ void wb_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(pending) : "memory");
+}
+// Four 8×8 bf16 matrices from shared memory, transposed, into mma.sync's B fragments: lane L gives the address of
+// row L % 8 of matrix L / 8; out[m] holds that matrix's column g = lane / 4, rows 2t and 2t+1 (t = lane % 4).
+__device__ __forceinline__ void wb_ldmatrix_x4_trans(u32* out, const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(out[0]), "=r"(out[1]), "=r"(out[2]), "=r"(out[3]) : "r"(wb_smem_addr(row)));
+}
 #endif
 
 // ---- vendor-neutral helpers built on the layer above ---------------------------------------------------------

@@ -77,7 +77,7 @@ for name in ("tiny", "llama-3.2-1b"):
 LOOP = r"""
 import json, os, sys
 from workbench.loop.benchmark import loop_benchmark
-out = loop_benchmark("llama-3.2-1b", edits=10, fast_compile_levels=("mid",), units=True)
+out = loop_benchmark("llama-3.2-1b", edits=10, fast_compile_levels=("mid",), whole=True)
 json.dump(out, open(os.path.join(sys.argv[1], "loop.json"), "w"), indent=1, default=str)
 keys = ("section", "compile_s", "timed_compile_s", "verify_s", "time_s", "edit_to_verdict_s", "edit_to_record_s",
         "passed")
@@ -86,7 +86,7 @@ for r in out["edit_runs"]:
     print("   verify:", {k: round(v, 3) for k, v in (r["verify_parts"] or {}).items()})
 print("median", out["edit"])
 for level, m in out["verify_fast_compile"]["levels"].items():
-    print(f"verification build {'in units' if level == 'units' else '-Ofc=' + level}:",
+    print(f"verification build {'whole' if level == 'whole' else 'whole, -Ofc=' + level}:",
           {k: v for k, v in m.items() if k != "runs"})
 print("wrong edit:", out["wrong_edit"]["first_failure"], out["wrong_edit"]["caught_as_q_layer0"])
 print("overhead", {k: v for k, v in out["overhead"].items() if k.endswith("pct") or k.endswith("tok_s")})
@@ -129,8 +129,8 @@ def main():
     ap.add_argument("--no-torch", action="store_true", help="bench without the PyTorch rows")
     ap.add_argument("--mutant-levels", nargs="*", default=[], choices=("0", "min", "mid", "max"),
                     help="run the mutation suite again with the verification build at each NVRTC -Ofc level")
-    ap.add_argument("--mutant-units", action="store_true",
-                    help="run the mutation suite again with the verification build in units (workbench.build.units)")
+    ap.add_argument("--mutant-whole", action="store_true",
+                    help="run the mutation suite again with the verification build whole, not in units")
     ap.add_argument("--pytest-args", nargs="*", default=[])
     ap.add_argument("--commit", default="unknown", help="the commit the recorded traces are labelled with")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds for the whole suite")
@@ -153,10 +153,10 @@ def main():
             R[f"mutants-Ofc-{level}"] = run(f"mutants-Ofc-{level}", [
                 PY, "scripts/mutation_suite.py", "--model", "llama-3.2-1b", "--verify-fast-compile", level,
                 "--json", str(out / f"mutants_Ofc_{level}.json")], out, 480)
-        if a.mutant_units:
-            R["mutants-units"] = run("mutants-units", [
-                PY, "scripts/mutation_suite.py", "--model", "llama-3.2-1b", "--verify-units",
-                "--json", str(out / "mutants_units.json")], out, 480)
+        if a.mutant_whole:
+            R["mutants-whole"] = run("mutants-whole", [
+                PY, "scripts/mutation_suite.py", "--model", "llama-3.2-1b", "--verify-whole",
+                "--json", str(out / "mutants_whole.json")], out, 480)
     if "failures" in a.only:
         R["failures"] = run("failures", [PY, "scripts/failure_suite.py", "--model", "llama-3.2-1b", "--json",
                                          str(out / "failures.json")], out, 360)
@@ -187,7 +187,7 @@ def main():
         # (with the prefill's time per stage), then a long prefill verified and decoded after
         R["prefill-kernels"] = run("prefill-kernels", [PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                                                        "-s", "tests/test_gpu.py", "-k",
-                                                       "prefills_attention or fused_causal_softmax"], out, 180)
+                                                       "prefills_attention or prefills_gpu_path or fused_causal_softmax"], out, 240)
         for m in ("llama-3.2-1b", "llama-3.1-8b"):
             R[f"ttft-{m}"] = run(f"ttft-{m}", [PY, "-m", "workbench", "bench", "--model", m, "--positions", "128",
                                                "--tokens", "32", "--repeats", "3", "--no-hf", "--no-compile",

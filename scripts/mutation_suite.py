@@ -66,12 +66,12 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write every outcome here")
     ap.add_argument("--verify-fast-compile", choices=("0", "min", "mid", "max"),
                     help="NVRTC's -Ofc level for the verification build (default: the workbench's)")
-    ap.add_argument("--verify-units", action="store_true",
-                    help="the verification build in units, one per stage, linked (workbench.build.units)")
+    ap.add_argument("--verify-whole", action="store_true",
+                    help="the verification build whole, not in units (the -Ofc levels are the whole build's)")
     a = ap.parse_args(argv)
     kw = {"verify_fast_compile": a.verify_fast_compile} if a.verify_fast_compile else {}
-    if a.verify_units:
-        kw["verify_units"] = True
+    if a.verify_whole or a.verify_fast_compile:
+        kw["verify_units"] = False
     mutants = [by_name(n) for n in a.only] if a.only else list(MUTANTS)
     t0 = time.perf_counter()
     results, all_after, not_run = [], True, []
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     caught = sum(o.caught for o in outcomes)
     secs = sorted(o.seconds for o in outcomes)
     models = ", ".join(sorted({m for m, _ in results}))
-    how = ", ".join([f"-Ofc={a.verify_fast_compile}"] * bool(a.verify_fast_compile) + ["in units"] * a.verify_units)
+    how = ", ".join([f"-Ofc={a.verify_fast_compile}"] * bool(a.verify_fast_compile) + ["whole"] * (a.verify_whole and not a.verify_fast_compile))
     print(f"{models}{' (verification build ' + how + ')' if how else ''}: "
           f"{caught}/{len(outcomes)} caught and named; edit → verdict median {secs[len(secs) // 2]:.2f} s "
           f"(min {secs[0]:.2f}, max {secs[-1]:.2f}); suite {time.perf_counter() - t0:.0f} s; unmutated after: "

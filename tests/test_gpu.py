@@ -402,8 +402,8 @@ def test_the_units_build_verifies(name):
 def test_the_fused_causal_softmax_is_the_array_codes(dtype):
     """stages.causal_softmax on the GPU (one fused kernel) against its numpy version on the same scores: several
     batches and rows (the kernel finds a row's last key as blockIdx % rows), rows whose keys stop short of the
-    row, one key or all of them; a NaN among a row's keys makes that row NaN, one past its last key changes
-    nothing. fp32: a few ulps of exp and of the sums' order; fp64 the same at its own ulp."""
+    row, one key or all of them; a NaN among a row's keys makes that row NaN up to its last key (the masked
+    keys past it stay 0), one past its last key changes nothing. fp32: a few ulps of exp and of the sums' order; fp64 the same at its own ulp."""
     import cupy as cp
 
     from workbench.check import stages as S
@@ -415,7 +415,8 @@ def test_the_fused_causal_softmax_is_the_array_codes(dtype):
     scores[2, 3, 7] = np.nan                                # among row 3's keys: that row, in that batch, only
     got = S.causal_softmax(cp.asarray(scores), cp.asarray(last), 0.125).get()
     want = S.causal_softmax(scores, last, 0.125)
-    assert np.isnan(got[2, 3]).all() and np.isnan(want[2, 3]).all()
+    for probs in (got, want):                               # NaN up to row 3's last key (31), zeros past it
+        assert np.isnan(probs[2, 3, :last[3] + 1]).all() and (probs[2, 3, last[3] + 1:] == 0).all()
     got[2, 3], want[2, 3] = 0, 0
     assert np.isfinite(got).all()
     rtol = 1e-5 if dtype == np.float32 else 1e-12
@@ -437,29 +438,78 @@ def test_the_prefills_attention_kernel_is_the_references_attention(heads, kv_hea
 
     from workbench.check import stages as S
     from workbench.model.weights import to_bf16, to_f32
-    from workbench.run.prefill import flash_attention
+    from workbench.run.prefill_gpu import flash_attention
     rng = np.random.default_rng(fresh_seed())
     n_ctx = pos0 + n + 37
     q = cp.asarray(rng.standard_normal((n, heads * hd)) * 1.5, dtype=cp.float32)
-    k, v = (to_f32(to_bf16(cp.asarray(rng.standard_normal((kv_heads, n_ctx, hd)), dtype=cp.float32), cp), cp)
-            for _ in range(2))
+    kb, vb = (to_bf16(cp.asarray(rng.standard_normal((kv_heads, n_ctx, hd)), dtype=cp.float32), cp) for _ in range(2))
+    k, v = to_f32(kb, cp).astype(cp.float64), to_f32(vb, cp).astype(cp.float64)
     positions = cp.arange(pos0, pos0 + n)
-    got = flash_attention(q, k, v, positions, heads)
-    want = S.attention_decode(q.astype(cp.float64), k.astype(cp.float64), v.astype(cp.float64), positions)
+    got = flash_attention(q, kb, vb, positions, heads)
+    want = S.attention_decode(q.astype(cp.float64), k, v, positions)
     assert bool(cp.isfinite(got).all())
     err = cp.abs(got.astype(cp.float64) - want)
     rel = float(cp.linalg.norm(got - want) / cp.linalg.norm(want))
     print(f"max |Δ| {float(err.max()):.2e}, rel {rel:.2e}")
     assert float(err.max()) <= 2 ** -11 * float(cp.abs(v).max()) and rel <= 3e-4
 
-    later = flash_attention(q, k, v, positions + 1, heads)                # each row one key further: the mask
-    want = S.attention_decode(q.astype(cp.float64), k.astype(cp.float64), v.astype(cp.float64), positions + 1)
+    later = flash_attention(q, kb, vb, positions + 1, heads)              # each row one key further: the mask
+    want = S.attention_decode(q.astype(cp.float64), k, v, positions + 1)
     assert float(cp.abs(later - want).max()) <= 2 ** -11 * float(cp.abs(v).max())
     q[n // 2, :hd] = cp.nan                                               # a NaN query: its row and head, alone
-    bad = flash_attention(q, k, v, positions, heads)
+    bad = flash_attention(q, kb, vb, positions, heads)
     assert bool(cp.isnan(bad[n // 2, :hd]).all())
     bad[n // 2, :hd] = got[n // 2, :hd]
     assert bool(cp.isfinite(bad).all())
+    kb[0, pos0 + n] = 0x7FC0                                              # a NaN key past every row: no effect
+    again = flash_attention(q, kb, vb, positions, heads)
+    again[n // 2, :hd] = got[n // 2, :hd]
+    assert bool((again == bad).all())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "hd96"])
+def test_the_prefills_gpu_path_is_the_interpreters(family):
+    """workbench.run.prefill_gpu (bf16 products of split activations, the fused row kernels, the attention kernel
+    on the kernel's own cache) against the interpreter's path (the plan's reference math in fp64) on the same random
+    weights: Llama-shaped, Qwen3's q/k norms, Qwen2's biases, head_dim 96; chunks off the 64-row tile, a second
+    prefill continuing the first's cache. Tolerances: both compute in fp32-level precision and round the cache to
+    bf16, so a key or value may round the other way (one bf16 ulp, 2⁻⁸ relative) where the two sides straddle a
+    rounding boundary, and rarely; relative L2 over a layer stays within 2e-3, and the last logits within check_prefill's
+    end-to-end tolerance, which a wrong stage misses by far (check_prefill's own test)."""
+    import cupy as cp
+
+    from workbench.model.weights import prepare, random_weights, to_f32
+    from workbench.run.prefill import check_prefill, prefill
+    from workbench.run.prefill_gpu import covers
+    base = get_config("tiny")
+    cfg = {"llama": base, "qwen3": base.with_(qk_norm=True), "qwen2": base.with_(qkv_bias=True),
+           "hd96": base.with_(head_dim=96)}[family].with_(max_seq=1400)
+    seed = fresh_seed()
+    p = prepare(random_weights(cfg, seed, xp=cp, progress=False), xp=cp, progress=False)
+    assert covers(cfg)
+    toks = np.random.default_rng(seed).integers(0, cfg.vocab, 1300)
+    shape = (cfg.n_layers, cfg.n_kv_heads, cfg.max_seq, cfg.head_dim)
+    k, v = cp.zeros(shape, cp.uint16), cp.zeros(shape, cp.uint16)
+    k2, v2 = cp.zeros(shape, cp.uint16), cp.zeros(shape, cp.uint16)
+    timings: dict = {}
+    first = prefill(p, toks[:1000], k, v, chunk=333, timings=timings)
+    assert "(weights to fp32)" not in timings and "attention_decode" in timings      # the GPU path ran
+    fast = prefill(p, toks[1000:], k, v, pos0=1000, chunk=333)
+    slow = prefill(p, toks, k2, v2, chunk=700, gpu=False, dtype=np.float64)
+    assert not k[:, :, 1300:].any() and not v[:, :, 1300:].any()
+    for a, b in ((k, k2), (v, v2)):
+        a, b = to_f32(a[:, :, :1300], cp), to_f32(b[:, :, :1300], cp)
+        rel = [float(cp.linalg.norm(a[l] - b[l]) / cp.linalg.norm(b[l])) for l in range(cfg.n_layers)]
+        print(family, "cache rel", [f"{r:.1e}" for r in rel])
+        assert max(rel) <= 2e-3
+    rel = float(np.linalg.norm(fast.logits - slow.logits) / np.linalg.norm(slow.logits))
+    print(family, "logits rel", f"{rel:.1e}", "first", first.seconds, "s")
+    from workbench.check.verify import DEFAULT_RTOL
+    assert np.isfinite(fast.logits).all() and rel <= DEFAULT_RTOL
+    k3, v3 = cp.zeros(shape, cp.uint16), cp.zeros(shape, cp.uint16)
+    pre = prefill(p, toks, k3, v3, chunk=512)
+    pc = check_prefill(p, toks, pre, k3, v3)
+    assert pc.passed, pc.summary()
 
 
 def test_a_prefilled_prompt_continues_as_the_reference_does(tiny):

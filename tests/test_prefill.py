@@ -11,7 +11,7 @@ import pytest
 from workbench.check.reference import KVCache, forward
 from workbench.model.config import get_config
 from workbench.model.weights import prepare, random_weights, to_f32
-from workbench.run.prefill import check_prefill, prefill
+from workbench.run.prefill import check_prefill, prefill, prefill_bytes
 
 # tiny at a short context (the caches are [L, Hkv, max_seq, hd]), and a Qwen3 and a Qwen2 shape (q/k norms, biases)
 CFGS = {"tiny": dataclasses.replace(get_config("tiny"), max_seq=96),
@@ -114,25 +114,52 @@ def test_what_a_prefill_needs_grows_with_the_context_and_the_chunk():
     assert prefill_bytes(cfg, 32768, 4096) > need
 
 
-def test_the_attention_kernel_compiles_for_every_presets_head_dim():
-    """kernels/prefill/attention.cuh through NVRTC and ptxas for sm_90 (no GPU needed), at each head_dim a preset
-    has: no local memory (a spill would run the score tiles through it), and the static shared memory of two tiles;
-    head_dims the kernel does not take fall back to the reference's attention."""
+def test_the_prefills_kernels_compile_for_every_presets_head_dim():
+    """kernels/prefill/attention.cuh and layer.cuh through NVRTC and ptxas for sm_90 (no GPU needed), attention at
+    each head_dim a preset has: no local memory (a spill would run the score tiles through it), the static shared
+    memory of two stages of both tiles; head_dims the kernel does not take go the interpreter's way."""
     from workbench.build.compile import nvrtc_program, resource_usage
     from workbench.model.config import PRESETS
-    from workbench.run.prefill import flash_source, flash_supported
+    from workbench.run.prefill_gpu import covers, flash_source, flash_supported, layer_source
     dims = sorted({get_config(name).head_dim for name in PRESETS})
     assert 64 in dims and 128 in dims
     for hd in dims:
         ok, log, _, cubin = nvrtc_program(flash_source(hd), ["--std=c++17", "-arch=sm_90"])
         assert ok, log
         (r,) = [r for r in resource_usage(cubin) if r.kernel == "prefill_attention"]
-        assert r.stack == 0 and r.registers <= 255, r
+        assert r.stack == 0 and r.registers <= 255 and r.shared <= 48 * 1024, r
     ok, log, _, _ = nvrtc_program(flash_source(144), ["--std=c++17", "-arch=sm_90"], cubin=False)
     assert not ok and "head_dim" in log                               # the kernel's own static_assert says why
+    ok, log, _, cubin = nvrtc_program(layer_source(), ["--std=c++17", "-arch=sm_90"])
+    assert ok, log
+    kernels = {r.kernel: r for r in resource_usage(cubin)}
+    assert set(kernels) == {"prefill_norm_split", "prefill_split", "prefill_silu_mul_split", "prefill_qkv_rope"}
+    assert all(r.stack == 0 for r in kernels.values()), kernels
     cfg = get_config("tiny")
     assert not flash_supported(cfg.with_(head_dim=144), np, np.float32)
-    assert not flash_supported(cfg, np, np.float32)                    # numpy: the reference's attention
+    assert not flash_supported(cfg, np, np.float32)                    # numpy: the interpreter's path
+    assert all(covers(get_config(name)) for name in PRESETS)         # every family's layer stages have theirs
+
+
+def test_a_layer_stage_the_gpu_path_lacks_sends_the_prefill_the_interpreters_way(monkeypatch):
+    """prefill_gpu implements the plan's stages by their reference bindings; a plan whose layer stage has no
+    implementation there is not half run on that path."""
+    from workbench.check import stages as S
+    from workbench.run import prefill_gpu as G
+    cfg = get_config("tiny")
+    monkeypatch.delitem(G.IMPLEMENTS, S.gate_up_silu_io)
+    assert not G.covers(cfg)
+    monkeypatch.undo()
+    monkeypatch.delitem(G.IMPLEMENTS, S.lm_head_io)                  # a token stage: its reference runs instead
+    assert G.covers(cfg)
+
+
+def test_the_gpu_path_needs_less_memory_than_the_interpreter():
+    """It holds no cache of its own and converts no weights: beside the residual, one chunk's activations."""
+    cfg = get_config("llama-3.1-8b")
+    gpu, interp = prefill_bytes(cfg, 32768, 2048, gpu=True), prefill_bytes(cfg, 32768, 2048)
+    residual = 2 * 32768 * cfg.hidden * 4
+    assert residual < gpu < residual + 2e9 and gpu < interp / 3
 
 
 def test_the_prefill_times_its_stages_when_asked():

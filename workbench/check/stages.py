@@ -143,7 +143,7 @@ def causal_softmax(scores, last, scale: float):
     """softmax(scale·scores) over the last axis of [B, rows, ctx], row i over its keys 0..last[i] only (0 past
     them), max-subtracted (shift-invariant). On the GPU one fused pass (_causal_softmax_gpu) in place of the five
     whole-array passes the array code makes, which dominated a long prefill; a NaN anywhere in a row's prefix
-    makes that row NaN either way."""
+    makes that row's prefix NaN either way, and its masked keys stay 0."""
     xp = xp_of(scores)
     if xp is not np:
         return _causal_softmax_gpu(scores, last, scale)
@@ -152,6 +152,7 @@ def causal_softmax(scores, last, scale: float):
     s = np.where(future[None], -np.inf, scores * scale)
     p = np.exp(s - s.max(axis=-1, keepdims=True))
     p /= p.sum(axis=-1, keepdims=True)
+    p[:, future] = 0                                   # a NaN row's masked keys too, as the GPU's kernel leaves them
     return p
 
 

@@ -66,12 +66,13 @@ def medians(runs: list) -> dict:
 
 def loop_benchmark(model: str = "llama-3.2-1b", *, sections: tuple = EDIT_SECTIONS, edits: int = 10,
                    overhead_tokens: int = 256, overhead_repeats: int = 5, fast_compile_levels: tuple = (),
-                   level_edits: int = 4, units: bool = False, **workbench_kw) -> dict:
+                   level_edits: int = 4, whole: bool = False, **workbench_kw) -> dict:
     """Measure the editing loop on a GPU: `edits` harmless edits (a comment appended, different text each time, so
     every compile is a real one), to `sections` in turn → reload (compile, verify, time), with edit → verdict (the
     verification build's; the timed build compiles beside it) and edit → record (timing included); then
-    `level_edits` more at each of `fast_compile_levels` for the verification build (NVRTC -Ofc), and with `units`
-    `edits` more with the verification build in units (workbench.build.units); a deliberately wrong edit
+    `level_edits` more at each of `fast_compile_levels` for the verification build built whole (NVRTC -Ofc), and
+    with `whole` `edits` more with it built whole at the workbench's level, against the units build (the default,
+    workbench.build.units); a deliberately wrong edit
     (wrong_rope, as a variant) → the first failing stage; and the tok/s of the plain build against the timing build
     and the taps build (instrumentation overhead). Restores every file it touched; its edit history goes to a
     temporary folder. Returns a dict (JSON-ready)."""
@@ -102,9 +103,11 @@ def loop_benchmark(model: str = "llama-3.2-1b", *, sections: tuple = EDIT_SECTIO
         out["edit_runs"] = runs
         out["edit"] = medians(runs)
         out["edit"]["all_passed"] = all(r["passed"] for r in runs)
-        # the verification build's fast-compile level (its compile is the verdict's; its speed is never read)
+        # the verification build built whole, at each fast-compile level (its compile is the verdict's; its
+        # speed is never read), against the default build in units
         levels = {}
-        kept = wb.verify_fast_compile
+        kept, kept_units = wb.verify_fast_compile, wb.verify_units
+        wb.verify_units = False
         for level in fast_compile_levels:
             wb.verify_fast_compile = level
             wb.reload(trigger="manual")                 # the level's first build (CuPy may have it cached)
@@ -113,15 +116,14 @@ def loop_benchmark(model: str = "llama-3.2-1b", *, sections: tuple = EDIT_SECTIO
                   for i, name in enumerate(sections[:level_edits])]
             levels[level] = {**medians(lr), "all_passed": all(r["passed"] for r in lr), "runs": lr}
         wb.verify_fast_compile = kept
-        if units:
-            wb.verify_units = True
-            wb.reload(trigger="manual")                 # every unit's first compile
-            # as many edits as the whole build's, over the sections in turn: the figure issue 15 asks for
-            ur = [timed_edit(wb, name, originals[name].decode() + f"\n// loop_benchmark: units edit {i} "
+        if whole:
+            wb.reload(trigger="manual")                 # the whole build's first compile
+            # as many edits as the default build's, over the sections in turn
+            wr = [timed_edit(wb, name, originals[name].decode() + f"\n// loop_benchmark: whole edit {i} "
                                                                    f"at {time.time_ns()}\n")
                   for i, name in ((i, sections[i % len(sections)]) for i in range(edits))]
-            levels["units"] = {**medians(ur), "all_passed": all(r["passed"] for r in ur), "runs": ur}
-            wb.verify_units = False
+            levels["whole"] = {**medians(wr), "all_passed": all(r["passed"] for r in wr), "runs": wr}
+        wb.verify_units = kept_units
         if levels:
             wb.reload(trigger="manual")
         out["verify_fast_compile"] = {"kept": kept, "levels": levels}

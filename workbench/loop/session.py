@@ -105,7 +105,8 @@ class Workbench:
     verification build is verified, so that the verdict (on_verdict, ReloadRecord.verdict_s) does not wait for the
     slower build (default); False compiles both before verifying. verify_units: build the verification build in
     units (workbench.build.units: one per stage, cached, linked), so that an edit recompiles only its section's
-    (off until its verdict time and its mutants are measured on the GPU; the PTX and stream builds stay whole)."""
+    (default; on the H200 edit → verdict 0.42 s against 1.57 s whole, every mutant still caught). The PTX and
+    stream builds stay whole, as does any build where nvJitLink is missing; False builds it whole always."""
 
     def __init__(self, model: str = "llama-3.2-1b", *, weights: str | None = None, seed: int = 0,
                  max_seq: int | None = None, device: str = "auto", threads: int = 512, variants=None,
@@ -114,7 +115,7 @@ class Workbench:
                  history_dir: str | Path | None = None, watch: bool = False, activate: bool = True,
                  build: bool = True, progress: bool = False, build_options: dict | None = None,
                  verify_fast_compile: str = "min", isolate: bool = True, hang_s: float = 2.0,
-                 compile_limit_s: float | None = None, pipeline: bool = True, verify_units: bool = False):
+                 compile_limit_s: float | None = None, pipeline: bool = True, verify_units: bool = True):
         global _ACTIVE
         if device not in ("auto", "gpu", "cpu"):
             raise ValueError(f"device must be auto, gpu or cpu, got {device!r}")

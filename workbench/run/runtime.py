@@ -366,7 +366,7 @@ class Monokernel:
     def prefill(self, tokens, *, pos0: int = 0, chunk: int | None = None, **options):
         """The prompt as batched matrix products (workbench.run.prefill), into this kernel's KV cache at positions
         pos0..: afterwards the kernel continues from the position after them (generate(..., pos0=...)) without
-        replaying them. `options`: prefill's (tf32, flash, timings). → prefill.Prefilled (its last token's
+        replaying them. `options`: prefill's (gpu, tf32, timings). → prefill.Prefilled (its last token's
         logits, the seconds it took)."""
         from .prefill import PREFILL_CHUNK, prefill
         return prefill(self.p, tokens, self.k_cache, self.v_cache, pos0=pos0, chunk=chunk or PREFILL_CHUNK,

@@ -1,0 +1,119 @@
+// The batched prefill's own row-wise work around its matrix products (workbench/run/prefill_gpu.py): each stage of
+// the plan is one or two bf16 products on the tensor cores (cuBLAS) between these kernels, which fuse what the
+// reference does in several whole-array passes. They compute what the stage references compute (workbench/check/
+// stages.py) in fp32, and check_prefill holds the result to fp64.
+//
+// Products take bf16 operands, and an activation is not bf16: each is split as hi + lo, two bf16 rows with
+// |a − hi − lo| ≤ 2⁻¹⁷|a| (hi is a rounded, lo the rounded rest, which a − hi holds exactly in fp32), and the
+// product is W·hi + W·lo, accumulated in fp32. The weights are bf16 already, so the product is as accurate as an
+// fp32 one, 2⁻¹⁷ against TF32's 2⁻¹¹, at the cost of two bf16 products (each twice TF32's rate on the H200).
+//
+// Set by the launcher: WB_THREADS (threads a block, a multiple of the warp).
+
+static_assert(WB_THREADS % WB_WARP == 0 && WB_THREADS <= 1024, "whole warps, one block");
+
+__device__ __forceinline__ void pf_split(float a, bf16& hi, bf16& lo) {
+    hi = f32_to_bf16(a);
+    lo = f32_to_bf16(a - bf16_to_f32(hi));
+}
+
+__device__ __forceinline__ float pf_warp_sum(float v) {
+#pragma unroll
+    for (int m = WB_WARP / 2; m > 0; m >>= 1) v += wb_shfl_xor(v, m);
+    return v;
+}
+
+__device__ __forceinline__ float pf_block_sum(float v) {
+    __shared__ float part[WB_THREADS / WB_WARP];
+    v = pf_warp_sum(v);
+    if (threadIdx.x % WB_WARP == 0) part[threadIdx.x / WB_WARP] = v;
+    __syncthreads();
+    float s = 0.f;
+#pragma unroll
+    for (int w = 0; w < WB_THREADS / WB_WARP; ++w) s += part[w];
+    return s;
+}
+
+// RMSNorm of each row (its gain is folded into the weights that read it, as the decode path's is), split for the
+// product: one block a row
+extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_norm_split(
+    const float* __restrict__ x, int cols, float eps, bf16* __restrict__ hi, bf16* __restrict__ lo)
+{
+    const long long row = blockIdx.x;
+    const float* xr = x + row * cols;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < cols; i += WB_THREADS) ss += xr[i] * xr[i];
+    const float r = 1.f / sqrtf(pf_block_sum(ss) / (float)cols + eps);
+    for (int i = threadIdx.x; i < cols; i += WB_THREADS) pf_split(xr[i] * r, hi[row * cols + i], lo[row * cols + i]);
+}
+
+// an activation split for the product as it is (attention's output before o_proj, the MLP's before down)
+extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_split(
+    const float* __restrict__ a, long long count, bf16* __restrict__ hi, bf16* __restrict__ lo)
+{
+    for (long long i = blockIdx.x * (long long)WB_THREADS + threadIdx.x; i < count; i += (long long)gridDim.x * WB_THREADS)
+        pf_split(a[i], hi[i], lo[i]);
+}
+
+// silu(gate)·up of each row's interleaved products (wgu's rows: gate j, then up j), split for the down product;
+// silu as stages.silu computes it, a / (1 + e^−a)
+extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_silu_mul_split(
+    const float* __restrict__ gu, long long count, bf16* __restrict__ hi, bf16* __restrict__ lo)
+{
+    for (long long i = blockIdx.x * (long long)WB_THREADS + threadIdx.x; i < count; i += (long long)gridDim.x * WB_THREADS) {
+        const float2 p = *(const float2*)(gu + 2 * i);
+        pf_split(p.x / (1.f + wb_exp_precise(-p.x)) * p.y, hi[i], lo[i]);
+    }
+}
+
+// The q/k/v products' epilogue, one warp a head of one row: the bias (Qwen2), each head's RMSNorm with its gain
+// (Qwen3), RoPE on q and k; q out in HF order for attention, k and v rounded to bf16 into the kernel's cache at
+// the row's position. y's rows are wqkv's (workbench.model.weights.qkv_row_order): q heads, k heads, v heads, and
+// in q's and k's each rotate-half pair (i, i + hd/2) side by side, so a lane takes whole pairs.
+extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_qkv_rope(
+    const float* __restrict__ y,         // [n, qkv_rows]
+    const float* __restrict__ bias,      // [qkv_rows] in y's order (zeros without biases)
+    const float* __restrict__ qk_gain,   // [2, hd]: q's, then k's norm gain, HF order (read when qk_norm)
+    const float* __restrict__ cos_t,     // [max_seq, hd/2]
+    const float* __restrict__ sin_t,
+    const long long* __restrict__ pos,   // [n]
+    float* __restrict__ q,               // [n, Hq·hd]
+    bf16* __restrict__ kc,               // this layer's [Hkv, max_seq, hd]
+    bf16* __restrict__ vc,
+    int n, int head_dim, int n_heads, int n_kv, int max_seq, float eps, int qk_norm)
+{
+    const int row = blockIdx.x, slot = blockIdx.y * (WB_THREADS / WB_WARP) + threadIdx.x / WB_WARP;
+    const int lane = threadIdx.x % WB_WARP, half = head_dim / 2;
+    if (row >= n || slot >= n_heads + 2 * n_kv) return;              // whole warps leave: no block barrier follows
+    const long long rows = (long long)(n_heads + 2 * n_kv) * head_dim, p = pos[row];
+    const float* yr = y + row * rows + (long long)slot * head_dim;
+    const float* br = bias + (long long)slot * head_dim;
+    if (slot >= n_heads + n_kv) {                                    // a value head: as it is
+        bf16* dst = vc + ((long long)(slot - n_heads - n_kv) * max_seq + p) * head_dim;
+        for (int d = lane; d < head_dim; d += WB_WARP) dst[d] = f32_to_bf16(yr[d] + br[d]);
+        return;
+    }
+    const bool is_q = slot < n_heads;
+    float ss = 0.f;
+    for (int i = lane; i < half; i += WB_WARP) {
+        const float a = yr[2 * i] + br[2 * i], b = yr[2 * i + 1] + br[2 * i + 1];
+        ss += a * a + b * b;
+    }
+    const float r = qk_norm ? 1.f / sqrtf(pf_warp_sum(ss) / (float)head_dim + eps) : 1.f;
+    const float* gain = qk_gain + (is_q ? 0 : head_dim);
+    for (int i = lane; i < half; i += WB_WARP) {
+        float a = yr[2 * i] + br[2 * i], b = yr[2 * i + 1] + br[2 * i + 1];      // dims i and i + half
+        if (qk_norm) { a = a * r * gain[i]; b = b * r * gain[i + half]; }
+        const float c = cos_t[p * half + i], s = sin_t[p * half + i];
+        const float ra = a * c - b * s, rb = b * c + a * s;
+        if (is_q) {
+            float* dst = q + row * (long long)n_heads * head_dim + (long long)slot * head_dim;
+            dst[i] = ra;
+            dst[i + half] = rb;
+        } else {
+            bf16* dst = kc + ((long long)(slot - n_heads) * max_seq + p) * head_dim;
+            dst[i] = f32_to_bf16(ra);
+            dst[i + half] = f32_to_bf16(rb);
+        }
+    }
+}

@@ -1,0 +1,279 @@
+"""The batched prefill's own GPU path (workbench.run.prefill picks it where it runs): each of the plan's stages as
+bf16 products on the tensor cores (cuBLAS gemmEx, fp32 accumulation) between fused row-wise kernels
+(kernels/prefill/layer.cuh), with causal attention in one flash-style kernel (kernels/prefill/attention.cuh). It
+reads the prepared weights as they are (bf16, the kernel's row order: nothing converted to fp32) and writes the
+kernel's bf16 cache directly, which attention then reads.
+
+A stage is found by its reference binding in the plan (IMPLEMENTS), as the interpreter finds its math, so the plan
+stays the one declaration of the step. Where the plan has a layer stage this module has no implementation of, the
+prefill takes the interpreter's path instead (`covers`); a token stage without one (the sampler) runs the
+reference's math on its rows.
+
+Each implementation computes its stage reference's math (workbench/check/stages.py) in fp32, to within fp32's
+rounding (the kernels' comments argue it), and check_prefill holds the result to fp64:
+
+    x → qkv_rope_append → q (+ k, v into the cache) → attention → o → o_proj_residual → x → gate_up_silu → hmlp
+      → down_residual → x
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ..check import stages as S
+from ..model.weights import Prepared, to_f32
+
+ATTN_THREADS = 128           # four warps of 16 query rows, and so 64 rows a block: the kernel's static_asserts
+ATTN_ROWS = 64               # hold both to its tile
+LAYER_THREADS = 256          # the row-wise kernels' blocks (a multiple of the warp on both vendors)
+
+
+def _kernels_dir():
+    """The kernels in use, or the shipped ones for a workspace copied before the prefill's kernels existed."""
+    from .. import paths
+    k = paths.kernels_dir()
+    return k if (k / "prefill" / "layer.cuh").is_file() else paths.template_dir()
+
+
+def flash_source(head_dim: int) -> str:
+    """The prefill attention kernel's source for one head_dim: the portability layer, then the kernel."""
+    k = _kernels_dir()
+    return (f"#define WB_HD {head_dim}\n#define WB_THREADS {ATTN_THREADS}\n#define WB_PA_ROWS {ATTN_ROWS}\n"
+            + (k / "portability.cuh").read_text() + (k / "prefill" / "attention.cuh").read_text())
+
+
+def layer_source() -> str:
+    k = _kernels_dir()
+    return (f"#define WB_THREADS {LAYER_THREADS}\n" + (k / "portability.cuh").read_text()
+            + (k / "prefill" / "layer.cuh").read_text())
+
+
+def flash_supported(cfg, xp, dtype) -> bool:
+    """This path takes fp32 on an NVIDIA GPU of sm_80 or later (bf16 mma.sync and cp.async, which the portability
+    header has on NVIDIA only), head_dim a multiple of 16 up to 128; elsewhere the interpreter's path runs."""
+    if not (hasattr(xp, "cuda") and np.dtype(dtype) == np.float32 and cfg.head_dim % 16 == 0 and cfg.head_dim <= 128):
+        return False
+    return not xp.cuda.runtime.is_hip and int(xp.cuda.Device().compute_capability) >= 80
+
+
+_MODULES: dict = {}
+
+
+def module(src: str):
+    """The compiled module of this source (an edited kernel file is compiled again)."""
+    import cupy
+    if src not in _MODULES:
+        if len(_MODULES) >= 8:
+            _MODULES.clear()
+        _MODULES[src] = cupy.RawModule(code=src, options=("--std=c++17",))
+    return _MODULES[src]
+
+
+def flash_attention(q, k_layer, v_layer, positions, n_heads: int, kernel=None):
+    """o [n, Hq·hd] of queries q [n, Hq·hd] (fp32, RoPE applied) over one layer's cache k_layer, v_layer
+    [Hkv, n_ctx, hd] (bf16 bits, the kernel's cache as it is), row i over keys 0..positions[i]: what
+    stages.attention_decode computes, in one kernel (kernels/prefill/attention.cuh, which argues its precision).
+    `kernel`: the compiled one for this head_dim, if the caller holds it."""
+    import cupy
+    n_kv, n_ctx, hd = k_layer.shape
+    n = q.shape[0]
+    if q.shape != (n, n_heads * hd) or n_heads % n_kv or v_layer.shape != k_layer.shape:
+        raise ValueError(f"q {q.shape}, k {k_layer.shape}, v {v_layer.shape}: expected q [n, {n_heads}·hd] over "
+                         f"[Hkv, n_ctx, hd] caches, Hkv dividing {n_heads}")
+    if q.dtype != cupy.float32 or k_layer.dtype != cupy.uint16 or v_layer.dtype != cupy.uint16:
+        raise TypeError("the prefill's attention kernel takes float32 queries over bf16 (uint16 bits) keys and values")
+    if not (k_layer.flags.c_contiguous and v_layer.flags.c_contiguous):
+        raise ValueError("the keys and values must be one layer of the cache, contiguous")
+    q = cupy.ascontiguousarray(q)
+    pos = cupy.ascontiguousarray(cupy.asarray(positions, dtype=cupy.int64).reshape(-1))
+    if pos.size != n:
+        raise ValueError(f"{n} query rows but {pos.size} positions")
+    if n and int(pos.max()) >= n_ctx:
+        raise ValueError(f"position {int(pos.max())} is not in a cache of {n_ctx} positions")
+    out = cupy.empty_like(q)
+    if n == 0:
+        return out
+    kernel = kernel or module(flash_source(hd)).get_function("prefill_attention")
+    kernel(((n + ATTN_ROWS - 1) // ATTN_ROWS, n_heads), (ATTN_THREADS,),
+           (q, k_layer, v_layer, pos, out, np.int32(n), np.int32(n_ctx), np.int32(n_heads), np.int32(n_heads // n_kv),
+            np.float32(hd ** -0.5)))
+    return out
+
+
+# ---- products ---------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Split:
+    """An fp32 activation [rows, cols] as two bf16 arrays (uint16 bits), a ≈ hi + lo to 2⁻¹⁷ (layer.cuh)."""
+    hi: object
+    lo: object
+
+    @property
+    def shape(self):
+        return self.hi.shape
+
+
+_CUDA_R_32F, _CUDA_R_16BF, _COMPUTE_32F, _GEMM_DEFAULT, _OP_N, _OP_T = 0, 14, 68, -1, 0, 1
+
+
+def gemm(a, w, out, accumulate: bool):
+    """out [m, N] (fp32, C-contiguous) = a [m, K] · wᵀ (+ out if accumulate), a and w bf16 bits [m, K] and [N, K],
+    on the tensor cores with fp32 accumulation (cuBLAS gemmEx). Row-major out = a·wᵀ is column-major outᵀ = w·aᵀ,
+    which is how cuBLAS is asked."""
+    import cupy
+    from cupy_backends.cuda.libs import cublas
+    m, k = a.shape
+    n = w.shape[0]
+    if w.shape != (n, k) or out.shape != (m, n) or out.dtype != cupy.float32 or a.dtype != cupy.uint16 \
+            or w.dtype != cupy.uint16 or not (a.flags.c_contiguous and w.flags.c_contiguous and out.flags.c_contiguous):
+        raise ValueError(f"gemm: a {a.dtype}{a.shape}, w {w.dtype}{w.shape}, out {out.dtype}{out.shape}: expected "
+                         f"contiguous bf16 bits [m, K] and [N, K] into float32 [m, N]")
+    h = cupy.cuda.device.get_cublas_handle()
+    cublas.setStream(h, cupy.cuda.get_current_stream().ptr)
+    mode = cublas.getPointerMode(h)
+    cublas.setPointerMode(h, cublas.CUBLAS_POINTER_MODE_HOST)
+    one, beta = np.ones(1, np.float32), np.full(1, 1.0 if accumulate else 0.0, np.float32)
+    try:
+        cublas.gemmEx(h, _OP_T, _OP_N, n, m, k, one.ctypes.data, w.data.ptr, _CUDA_R_16BF, k, a.data.ptr,
+                      _CUDA_R_16BF, k, beta.ctypes.data, out.data.ptr, _CUDA_R_32F, n, _COMPUTE_32F, _GEMM_DEFAULT)
+    finally:
+        cublas.setPointerMode(h, mode)
+    return out
+
+
+def project(a: Split, w, onto=None):
+    """a·wᵀ as W·hi + W·lo, onto a copy of `onto` if given (a residual: x + W·a)."""
+    import cupy
+    out = onto.copy() if onto is not None else cupy.empty((a.shape[0], w.shape[0]), dtype=cupy.float32)
+    gemm(a.hi, w, out, accumulate=onto is not None)
+    return gemm(a.lo, w, out, accumulate=True)
+
+
+# ---- the row-wise kernels -----------------------------------------------------------------------------------------
+
+def _grid(count: int) -> tuple:
+    return (min((count + LAYER_THREADS - 1) // LAYER_THREADS, 132 * 32),)
+
+
+@dataclasses.dataclass
+class PrefillIO:
+    """What a stage implementation reads beside the activations: the prepared weights, this chunk's positions
+    and tokens, the kernel's cache, and the compiled kernels."""
+    p: Prepared
+    layer: int
+    positions: object          # [rows] int64 on the GPU
+    tokens: object             # [rows]
+    k_cache: object            # the kernel's, [L, Hkv, max_seq, hd] bf16 bits
+    v_cache: object
+    layer_kernels: object      # the compiled layer.cuh
+    attend: object             # the compiled attention kernel for this head_dim
+
+    @property
+    def cfg(self):
+        return self.p.cfg
+
+    def fn(self, name: str):
+        return self.layer_kernels.get_function(name)
+
+
+def norm_split(io: PrefillIO, x) -> Split:
+    import cupy
+    rows, cols = x.shape
+    x = cupy.ascontiguousarray(x)
+    out = Split(cupy.empty((rows, cols), cupy.uint16), cupy.empty((rows, cols), cupy.uint16))
+    if rows:
+        io.fn("prefill_norm_split")((rows,), (LAYER_THREADS,), (x, np.int32(cols), np.float32(io.cfg.rms_eps),
+                                                                out.hi, out.lo))
+    return out
+
+
+def split(io: PrefillIO, a) -> Split:
+    import cupy
+    a = cupy.ascontiguousarray(a)
+    out = Split(cupy.empty(a.shape, cupy.uint16), cupy.empty(a.shape, cupy.uint16))
+    if a.size:
+        io.fn("prefill_split")(_grid(a.size), (LAYER_THREADS,), (a, np.int64(a.size), out.hi, out.lo))
+    return out
+
+
+# ---- the stages: each stage reference's math, on this path --------------------------------------------------------
+
+def embedding(io: PrefillIO, st: dict) -> dict:
+    tokens = io.tokens
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= io.cfg.vocab):
+        raise ValueError(f"token ids outside the vocabulary [0, {io.cfg.vocab})")
+    return {"x": to_f32(io.p.embed[tokens], _cp())}
+
+
+def qkv_rope_append(io: PrefillIO, st: dict) -> dict:
+    """q for attention; k and v into the cache at the rows' positions (bf16, as the decode path writes them)."""
+    cp, c = _cp(), io.cfg
+    y = project(norm_split(io, st["x"]), io.p.wqkv[io.layer])
+    rows = y.shape[0]
+    q = cp.empty((rows, c.q_dim), dtype=cp.float32)
+    heads = c.n_heads + 2 * c.n_kv_heads
+    warps = LAYER_THREADS // 32                                     # one a head; the path is NVIDIA's (32 lanes)
+    if rows:
+        io.fn("prefill_qkv_rope")(
+            (rows, (heads + warps - 1) // warps), (LAYER_THREADS,),
+            (y, _row(io.p.bqkv, io.layer, (c.qkv_rows,), 0.0), _row(io.p.qk_gain, io.layer, (2, c.head_dim), 1.0),
+             cp.ascontiguousarray(io.p.rope_cos), cp.ascontiguousarray(io.p.rope_sin), io.positions, q, io.k_cache[io.layer], io.v_cache[io.layer], np.int32(rows),
+             np.int32(c.head_dim), np.int32(c.n_heads), np.int32(c.n_kv_heads), np.int32(c.max_seq),
+             np.float32(c.rms_eps), np.int32(bool(c.qk_norm))))
+    return {"q": q}
+
+
+def attention(io: PrefillIO, st: dict) -> dict:
+    return {"o": flash_attention(st["q"], io.k_cache[io.layer], io.v_cache[io.layer], io.positions, io.cfg.n_heads,
+                                 kernel=io.attend)}
+
+
+def o_proj_residual(io: PrefillIO, st: dict) -> dict:
+    return {"x": project(split(io, st["o"]), io.p.wo[io.layer], onto=st["x"])}
+
+
+def gate_up_silu(io: PrefillIO, st: dict) -> dict:
+    """hmlp, kept split for the down product that reads it (no other stage does: see covers)."""
+    cp = _cp()
+    gu = project(norm_split(io, st["x"]), io.p.wgu[io.layer])       # [rows, 2F]: gate j, up j interleaved
+    rows, f = gu.shape[0], gu.shape[1] // 2
+    h = Split(cp.empty((rows, f), cp.uint16), cp.empty((rows, f), cp.uint16))
+    if rows:
+        io.fn("prefill_silu_mul_split")(_grid(rows * f), (LAYER_THREADS,), (gu, np.int64(rows * f), h.hi, h.lo))
+    return {"hmlp": h}
+
+
+def down_residual(io: PrefillIO, st: dict) -> dict:
+    return {"x": project(st["hmlp"], io.p.wd[io.layer], onto=st["x"])}
+
+
+def lm_head(io: PrefillIO, st: dict) -> dict:
+    return {"logits": project(norm_split(io, st["x"]), io.p.lm_head)}
+
+
+# the plan's stage references → their implementation here
+IMPLEMENTS = {S.embedding_io: embedding, S.qkv_rope_append_io: qkv_rope_append, S.attention_decode_io: attention,
+              S.o_proj_residual_io: o_proj_residual, S.gate_up_silu_io: gate_up_silu,
+              S.down_residual_io: down_residual, S.lm_head_io: lm_head}
+
+
+def covers(cfg) -> bool:
+    """Whether every layer stage of the plan (for this config) has an implementation here: then the path runs,
+    its split activations (hmlp) read only by its own stages."""
+    from .. import plan
+    return all(plan.stage(name).reference in IMPLEMENTS
+               for name, layer in plan.execution(cfg) if layer >= 0 and plan.stage(name).reference is not None)
+
+
+def _row(table, layer: int, shape: tuple, fill: float):
+    """This layer's row of a per-layer fp32 table of Prepared, or `fill` where the weights have none."""
+    cp = _cp()
+    if table is None:
+        return cp.full(shape, fill, dtype=cp.float32)
+    return cp.ascontiguousarray(table[layer], dtype=cp.float32)
+
+
+def _cp():
+    import cupy
+    return cupy
