@@ -403,7 +403,8 @@ def test_the_fused_causal_softmax_is_the_array_codes(dtype):
     """stages.causal_softmax on the GPU (one fused kernel) against its numpy version on the same scores: several
     batches and rows (the kernel finds a row's last key as blockIdx % rows), rows whose keys stop short of the
     row, one key or all of them; a NaN among a row's keys makes that row NaN up to its last key (the masked
-    keys past it stay 0), one past its last key changes nothing. fp32: a few ulps of exp and of the sums' order; fp64 the same at its own ulp."""
+    keys past it stay 0), one past its last key changes nothing. fp32: a few ulps of exp and of the sums' order;
+    fp64 the same at its own ulp."""
     import cupy as cp
 
     from workbench.check import stages as S
@@ -474,8 +475,8 @@ def test_the_prefills_gpu_path_is_the_interpreters(family):
     weights: Llama-shaped, Qwen3's q/k norms, Qwen2's biases, head_dim 96; chunks off the 64-row tile, a second
     prefill continuing the first's cache. Tolerances: both compute in fp32-level precision and round the cache to
     bf16, so a key or value may round the other way (one bf16 ulp, 2⁻⁸ relative) where the two sides straddle a
-    rounding boundary, and rarely; relative L2 over a layer stays within 2e-3, and the last logits within check_prefill's
-    end-to-end tolerance, which a wrong stage misses by far (check_prefill's own test)."""
+    rounding boundary, and rarely; relative L2 over a layer stays within 2e-3, and the last logits within
+    check_prefill's end-to-end tolerance, which a wrong stage misses by far (check_prefill's own test)."""
     import cupy as cp
 
     from workbench.model.weights import prepare, random_weights, to_f32

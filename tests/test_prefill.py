@@ -98,6 +98,11 @@ def test_bad_input_is_refused(p):
         prefill(p, np.array([1.5, 2.0]), k, v)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         prefill(p, [cfg.vocab], k, v)
+    with pytest.raises(TypeError, match="pos0 must be an integer"):
+        prefill(p, tokens(cfg, 4), k, v, pos0=5.0)
+    with pytest.raises(ValueError, match="not contiguous"):
+        prefill(p, tokens(cfg, 4), k[:, :, :, ::-1], v)
+    assert not k.any() and not v.any()                               # nothing was written by a refused one
 
 
 def test_what_a_prefill_needs_grows_with_the_context_and_the_chunk():
@@ -160,6 +165,8 @@ def test_the_gpu_path_needs_less_memory_than_the_interpreter():
     gpu, interp = prefill_bytes(cfg, 32768, 2048, gpu=True), prefill_bytes(cfg, 32768, 2048)
     residual = 2 * 32768 * cfg.hidden * 4
     assert residual < gpu < residual + 2e9 and gpu < interp / 3
+    # a continuation holds the residual of its own rows, whatever was cached before them
+    assert prefill_bytes(cfg, 120_000, 2048, gpu=True, rows=32768) == gpu
 
 
 def test_the_prefill_times_its_stages_when_asked():

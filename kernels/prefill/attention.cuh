@@ -1,4 +1,4 @@
-// Causal attention of the batched prefill (workbench/run/prefill.py), flash-style on the tensor cores: the score
+// Causal attention of the batched prefill (workbench/run/prefill_gpu.py), flash-style on the tensor cores: the score
 // matrix of a long prompt (n² per head) never leaves the registers. One block takes PA_BM = 64 query rows of one
 // query head, and each of its four warps owns 16 of them. Tiles of PA_BN keys and values are copied from the
 // kernel's own bf16 cache straight into shared memory (cp.async, two tiles in flight: the next tile's copy runs
@@ -17,7 +17,7 @@
 //   e^x, and e^x·|x| ≤ 1/e, so no probability is off by more than ~2⁻²³ of the row's largest.
 // - A NaN in a query or a key makes its row's output NaN: the max skips it, but exp(NaN) enters the sum.
 //
-// Set by the launcher (workbench/run/prefill.py): WB_HD (head_dim, a multiple of 16, at most 128), WB_THREADS and
+// Set by the launcher (workbench/run/prefill_gpu.py): WB_HD (head_dim, a multiple of 16, at most 128), WB_THREADS and
 // WB_PA_ROWS (the rows a block takes, as its grid counts them). Two stages of a key tile and a value tile fit the
 // 48 KB of static shared memory with 64 keys a tile up to head_dim 64, and 32 beyond.
 

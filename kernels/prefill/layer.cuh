@@ -51,7 +51,8 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_norm_split(
 extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_split(
     const float* __restrict__ a, long long count, bf16* __restrict__ hi, bf16* __restrict__ lo)
 {
-    for (long long i = blockIdx.x * (long long)WB_THREADS + threadIdx.x; i < count; i += (long long)gridDim.x * WB_THREADS)
+    const long long step = (long long)gridDim.x * WB_THREADS;
+    for (long long i = blockIdx.x * (long long)WB_THREADS + threadIdx.x; i < count; i += step)
         pf_split(a[i], hi[i], lo[i]);
 }
 
@@ -60,7 +61,8 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_split(
 extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_silu_mul_split(
     const float* __restrict__ gu, long long count, bf16* __restrict__ hi, bf16* __restrict__ lo)
 {
-    for (long long i = blockIdx.x * (long long)WB_THREADS + threadIdx.x; i < count; i += (long long)gridDim.x * WB_THREADS) {
+    const long long step = (long long)gridDim.x * WB_THREADS;
+    for (long long i = blockIdx.x * (long long)WB_THREADS + threadIdx.x; i < count; i += step) {
         const float2 p = *(const float2*)(gu + 2 * i);
         pf_split(p.x / (1.f + wb_exp_precise(-p.x)) * p.y, hi[i], lo[i]);
     }

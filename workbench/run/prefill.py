@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import operator
 import time
 
 import numpy as np
@@ -41,9 +42,10 @@ class Prefilled:
     chunks: int
 
 
-def prefill_bytes(cfg, n_ctx: int, chunk: int, dtype=np.float32, gpu: bool = False) -> int:
-    """Device memory a prefill needs beside the weights and the kernel's cache. Both paths: the residual of every
-    prompt row, twice (a layer's input and its output). The GPU path (prefill_gpu) beside it: one chunk's
+def prefill_bytes(cfg, n_ctx: int, chunk: int, dtype=np.float32, gpu: bool = False, rows: int | None = None) -> int:
+    """Device memory a prefill of `rows` prompt rows (all n_ctx of the context unless given: the rest were cached
+    before) needs beside the weights and the kernel's cache. Both paths: the residual of every prompt row, twice (a
+    layer's input and its output). The GPU path (prefill_gpu) beside it: one chunk's
     activations (the products' fp32 outputs, their split bf16 inputs, the residual's copies; a few live at once),
     and nothing else, since it reads the weights and writes the cache as they are. The interpreter's instead: its
     own cache of the context in `dtype`, one chunk's activations, one layer's weights in `dtype` (the view converts
@@ -51,11 +53,12 @@ def prefill_bytes(cfg, n_ctx: int, chunk: int, dtype=np.float32, gpu: bool = Fal
     attention's score block (stages.SCORE_ELEMENTS: the product's output, softmaxed in place, and the product's
     workspace)."""
     from ..check.stages import SCORE_ELEMENTS
-    residual = 2 * n_ctx * cfg.hidden * 4
+    rows = n_ctx if rows is None else rows
     if gpu:
-        return residual + 2 * chunk * (4 * cfg.qkv_rows + 8 * cfg.q_dim + 12 * cfg.intermediate + 16 * cfg.hidden)
+        return 2 * rows * cfg.hidden * 4 + 2 * chunk * (4 * cfg.qkv_rows + 8 * cfg.q_dim + 12 * cfg.intermediate
+                                                         + 16 * cfg.hidden)
     item = np.dtype(dtype).itemsize
-    residual = 2 * n_ctx * cfg.hidden * item
+    residual = 2 * rows * cfg.hidden * item
     cache = 2 * cfg.n_layers * cfg.n_kv_heads * n_ctx * cfg.head_dim * item
     rows = 4 * chunk * (cfg.qkv_rows + 2 * cfg.intermediate + 4 * cfg.hidden) * item
     layer = (cfg.qkv_rows * cfg.hidden + cfg.hidden * cfg.q_dim + 3 * cfg.intermediate * cfg.hidden) * item
@@ -64,12 +67,12 @@ def prefill_bytes(cfg, n_ctx: int, chunk: int, dtype=np.float32, gpu: bool = Fal
     return cache + residual + rows + layer + tables + one_layer + 2 * SCORE_ELEMENTS * item
 
 
-def _memory_problem(cfg, n_ctx, chunk, dtype, xp, gpu: bool) -> str | None:
+def _memory_problem(cfg, n_ctx, rows, chunk, dtype, xp, gpu: bool) -> str | None:
     if not hasattr(xp, "cuda"):
         return None
     from .runtime import free_device_bytes
     free = free_device_bytes(xp)
-    need = prefill_bytes(cfg, n_ctx, chunk, dtype, gpu)
+    need = prefill_bytes(cfg, n_ctx, chunk, dtype, gpu, rows)
     if need <= free:
         return None
     return (f"prefilling {n_ctx} positions of {cfg.name} needs {need / 1e9:.2f} GB of GPU memory beside the weights "
@@ -119,20 +122,26 @@ def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int 
         raise TypeError(f"tokens must be integers, got {tokens.dtype}")
     if chunk < 1:
         raise ValueError(f"chunk must be ≥ 1, got {chunk}")
+    try:
+        pos0 = operator.index(pos0)              # a float 5.0 would become positions no kernel should index with
+    except TypeError:
+        raise TypeError(f"pos0 must be an integer, got {pos0!r}") from None
     want = (cfg.n_layers, cfg.n_kv_heads, cfg.max_seq, cfg.head_dim)
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if tuple(c.shape) != want or c.dtype != xp.uint16:
             raise ValueError(f"{name} is {c.dtype} {tuple(c.shape)}; the kernel's cache is bf16 bits (uint16) {want}")
+        if not c.flags.c_contiguous:
+            raise ValueError(f"{name} is not contiguous: the kernel's cache is one block [L, Hkv, max_seq, hd]")
     end = pos0 + n
     if pos0 < 0 or end > cfg.max_seq:
         raise ValueError(f"positions {pos0}..{end - 1} do not fit the KV cache of {cfg.max_seq} positions")
     gpu = gpu and G.flash_supported(cfg, xp, dtype) and G.covers(cfg)
-    problem = _memory_problem(cfg, end, min(chunk, n), dtype, xp, gpu)
+    problem = _memory_problem(cfg, end, n, min(chunk, n), dtype, xp, gpu)
     if problem:
         from ..errors import GpuMemoryError
         raise GpuMemoryError(problem)
     t0 = time.perf_counter()
-    positions = xp.arange(pos0, end)
+    positions = xp.arange(pos0, end, dtype=xp.int64)
     clock = _clock(xp, timings)
     if gpu:
         logits = _prefill_gpu(p, tokens, positions, k_cache, v_cache, chunk, clock)
@@ -201,12 +210,16 @@ def _prefill_gpu(p: Prepared, tokens, positions, k_cache, v_cache, chunk: int, c
     w = view(p, np.float32)                             # converts nothing until a stage without one reads weights
 
     def run(name, layer, st, a, b):
-        impl = G.IMPLEMENTS.get(plan.stage(name).reference)
+        stage = plan.stage(name)
+        impl = G.IMPLEMENTS.get(stage.reference)
         if impl is None:
             run_stage(w, name, layer, st, None, positions[a:b], tokens[a:b], True)
             return
-        st.update(impl(G.PrefillIO(p, layer, positions[a:b], tokens[a:b], k_cache, v_cache, layer_kernels, attend),
-                       st))
+        out = impl(G.PrefillIO(p, layer, positions[a:b], tokens[a:b], k_cache, v_cache, layer_kernels, attend), st)
+        undeclared = set(out) - {u.buffer for u in stage.writes if u.active(p.cfg)}
+        if undeclared:                            # the plan says what a stage writes, on this path too
+            raise RuntimeError(f"the prefill's {name} wrote {sorted(undeclared)}, which the plan's {name} does not")
+        st.update(out)
     return _layers(p.cfg, p.xp, int(tokens.size), chunk, run, clock)
 
 

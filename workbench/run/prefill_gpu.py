@@ -10,14 +10,15 @@ prefill takes the interpreter's path instead (`covers`); a token stage without o
 reference's math on its rows.
 
 Each implementation computes its stage reference's math (workbench/check/stages.py) in fp32, to within fp32's
-rounding (the kernels' comments argue it), and check_prefill holds the result to fp64:
-
-    x → qkv_rope_append → q (+ k, v into the cache) → attention → o → o_proj_residual → x → gate_up_silu → hmlp
-      → down_residual → x
+rounding (the kernels' comments argue it), takes the stage's inputs from the chunk's state by the plan's buffer
+names and returns what it writes (the prefill checks that against the plan's declared writes); keys and values go
+straight into the kernel's cache. The order is the plan's (plan.execution), as on the interpreter's path.
+check_prefill holds the result to fp64.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -89,8 +90,10 @@ def flash_attention(q, k_layer, v_layer, positions, n_heads: int, kernel=None):
     pos = cupy.ascontiguousarray(cupy.asarray(positions, dtype=cupy.int64).reshape(-1))
     if pos.size != n:
         raise ValueError(f"{n} query rows but {pos.size} positions")
-    if n and int(pos.max()) >= n_ctx:
-        raise ValueError(f"position {int(pos.max())} is not in a cache of {n_ctx} positions")
+    if n and (int(pos.max()) >= n_ctx or int(pos.min()) < 0):
+        raise ValueError(f"positions {int(pos.min())}..{int(pos.max())} are not all in a cache of {n_ctx} positions")
+    if k_layer.data.ptr % 16 or v_layer.data.ptr % 16:      # the kernel copies 16-byte pieces
+        raise ValueError("the keys and values must start on a 16-byte boundary")
     out = cupy.empty_like(q)
     if n == 0:
         return out
@@ -114,6 +117,7 @@ class Split:
         return self.hi.shape
 
 
+# cudaDataType CUDA_R_32F, CUDA_R_16BF; cublasComputeType_t CUBLAS_COMPUTE_32F; CUBLAS_GEMM_DEFAULT; CUBLAS_OP_N, _T
 _CUDA_R_32F, _CUDA_R_16BF, _COMPUTE_32F, _GEMM_DEFAULT, _OP_N, _OP_T = 0, 14, 68, -1, 0, 1
 
 
@@ -152,8 +156,14 @@ def project(a: Split, w, onto=None):
 
 # ---- the row-wise kernels -----------------------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
+def _sms(device: int) -> int:
+    return _cp().cuda.Device(device).attributes["MultiProcessorCount"]
+
+
 def _grid(count: int) -> tuple:
-    return (min((count + LAYER_THREADS - 1) // LAYER_THREADS, 132 * 32),)
+    """Blocks for a grid-stride pass over `count` elements: enough to fill every SM many times over."""
+    return (max(1, min((count + LAYER_THREADS - 1) // LAYER_THREADS, _sms(_cp().cuda.Device().id) * 32)),)
 
 
 @dataclasses.dataclass
@@ -217,10 +227,11 @@ def qkv_rope_append(io: PrefillIO, st: dict) -> dict:
     if rows:
         io.fn("prefill_qkv_rope")(
             (rows, (heads + warps - 1) // warps), (LAYER_THREADS,),
-            (y, _row(io.p.bqkv, io.layer, (c.qkv_rows,), 0.0), _row(io.p.qk_gain, io.layer, (2, c.head_dim), 1.0),
-             cp.ascontiguousarray(io.p.rope_cos), cp.ascontiguousarray(io.p.rope_sin), io.positions, q, io.k_cache[io.layer], io.v_cache[io.layer], np.int32(rows),
-             np.int32(c.head_dim), np.int32(c.n_heads), np.int32(c.n_kv_heads), np.int32(c.max_seq),
-             np.float32(c.rms_eps), np.int32(bool(c.qk_norm))))
+            (y, _row(io.p.bqkv if c.qkv_bias else None, io.layer, (c.qkv_rows,), 0.0),
+             _row(io.p.qk_gain if c.qk_norm else None, io.layer, (2, c.head_dim), 1.0),
+             cp.ascontiguousarray(io.p.rope_cos), cp.ascontiguousarray(io.p.rope_sin), io.positions, q,
+             io.k_cache[io.layer], io.v_cache[io.layer], np.int32(rows), np.int32(c.head_dim), np.int32(c.n_heads),
+             np.int32(c.n_kv_heads), np.int32(c.max_seq), np.float32(c.rms_eps), np.int32(bool(c.qk_norm))))
     return {"q": q}
 
 
