@@ -136,6 +136,21 @@ def test_the_verdict_comes_while_the_timed_build_compiles(wb):
     assert wb.reload().status == session.OK
 
 
+def test_time_to_first_token_is_reported_apart_from_decode(wb):
+    """Workbench.time_to_first_token: the batched prefill into the timed build's cache and its first step, run in
+    the worker, apart from decode tok/s, with the prefill's time by stage; a prompt longer than the context is
+    refused in one line, and the loop goes on."""
+    ft = wb.time_to_first_token(1500, repeats=2)
+    print(ft)
+    assert ft.prompt == 1500 and ft.ms > 0 and ft.prefill_ms > 0 and len(ft.runs) == 2
+    assert {"qkv_rope_append", "attention_decode", "lm_head"} <= set(ft.stages)
+    assert all(v > 0 for v in ft.stages.values())
+    with pytest.raises(ValueError, match="from 2"):
+        wb.time_to_first_token(wb.cfg.max_seq + 1)
+    rec = wb.reload(trigger="manual")
+    assert rec.passed, rec.report()
+
+
 def test_compare_variants(wb):
     base = session.section_file("qkv_rope_append").read_text()
     wb.edit("qkv_rope_append", benchmark.wrong_rope(base), variant="wrong_ab")

@@ -182,6 +182,11 @@ def test_cpu_workbench_compiles_and_runs_the_reference(cpu_wb):
     assert "not verified" in rec.report() and "✓" not in rec.report() and rec.passed is None
 
 
+def test_time_to_first_token_needs_a_gpu(cpu_wb):
+    """Without a GPU there is no timed kernel to prefill into: nothing is claimed."""
+    assert cpu_wb.time_to_first_token(64) is None
+
+
 def test_compile_error_through_the_magic_keeps_the_last_good_build(cpu_wb, shell, capsys):
     good = dict(cpu_wb.backend.cubins)
     seen = []

@@ -45,6 +45,18 @@ class Verdict:
 
 
 @dataclasses.dataclass
+class FirstToken:
+    """Time to first token of a random prompt: the batched prefill of all but its last token into the timed
+    build's cache, then the kernel's first step (measure.bench.ttft_monokernel), median of `runs`; and one more
+    prefill synchronised after each stage, its milliseconds by stage."""
+    prompt: int
+    ms: float
+    runs: list
+    prefill_ms: float
+    stages: dict
+
+
+@dataclasses.dataclass
 class Timing:
     tok_per_s: float
     rows: list | None
@@ -193,6 +205,9 @@ class CpuBackend:
         return Verdict(None, None, None, seconds=time.perf_counter() - t0 if self.cpu_reference else float("nan"))
 
     def time(self, steps: int, prompt=None) -> Timing | None:
+        return None
+
+    def ttft(self, prompt_len: int, repeats: int = 3) -> FirstToken | None:
         return None
 
     def ab(self, a: dict, b: dict, overrides: dict, **kw) -> dict:
@@ -403,6 +418,24 @@ class GpuBackend:
             res = mk.generate(prompt, steps, eos=[], timing_steps=steps + len(prompt) - 1, timeout_s=self.timeout_s)
         rows = stage_table(self.cfg, res.timing, 0) if res.timing is not None and res.timing.shape[0] > 1 else None
         return Timing(res.tok_per_s, rows, list(res.tokens), time.perf_counter() - t0, res.timing)
+
+    def ttft(self, prompt_len: int, repeats: int = 3) -> FirstToken:
+        """Time to first token of a random prompt of prompt_len tokens through the timed build (FirstToken)."""
+        from ..measure.bench import ttft_monokernel
+        if not 2 <= prompt_len <= self.cfg.max_seq:
+            raise ValueError(f"a prompt of {prompt_len} tokens: from 2 (the last is the kernel's) to the context's "
+                             f"{self.cfg.max_seq}")
+        self._settle()
+        mk = self.kernels["timed"]
+        prompt = np.random.default_rng(self.verify_seed).integers(0, self.cfg.vocab, prompt_len).tolist()
+        with self._ctx():
+            ttft_monokernel(mk, prompt, timeout_s=self.timeout_s)              # warm: CuPy's kernels, cuBLAS
+            runs = [ttft_monokernel(mk, prompt, timeout_s=self.timeout_s) for _ in range(max(1, repeats))]
+            stages: dict = {}
+            pre = mk.prefill(prompt[:-1], timings=stages)
+        ms = sorted(1e3 * r[0] for r in runs)
+        return FirstToken(prompt_len, float(np.median(ms)), ms, 1e3 * pre.seconds,
+                          {k: 1e3 * v for k, v in sorted(stages.items(), key=lambda kv: -kv[1])})
 
     def ab(self, a: dict, b: dict, overrides: dict, *, tokens: int = 128, repeats: int = 5,
            verify: bool = True) -> dict:
@@ -650,6 +683,9 @@ class WorkerBackend:
 
     def time(self, steps: int, prompt=None) -> Timing:
         return self._call("time", steps, prompt)
+
+    def ttft(self, prompt_len: int, repeats: int = 3) -> FirstToken:
+        return self._call("ttft", prompt_len, repeats)
 
     def ab(self, a: dict, b: dict, overrides: dict, **kw) -> dict:
         return self._call("ab", a, b, overrides, **kw)

@@ -351,6 +351,13 @@ class Workbench:
         with self._lock:
             return self.backend.time(steps or self.time_steps, prompt)
 
+    def time_to_first_token(self, prompt_len: int = 4096, repeats: int = 3):
+        """Time to first token of a random prompt of `prompt_len` tokens, reported apart from decode tok/s: the
+        batched prefill (workbench.run.prefill) into the timed build's cache, then its first step; the median of
+        `repeats` runs and the prefill's milliseconds by stage (backends.FirstToken). None without a GPU."""
+        with self._lock:
+            return self.backend.ttft(prompt_len, repeats)
+
     def _time_into(self, rec: ReloadRecord, v):
         from ..measure.timing import format_table
         from ..run.runtime import KernelError

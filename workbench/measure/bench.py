@@ -57,13 +57,14 @@ class TtftRow:
     note: str = ""
 
 
-def ttft_monokernel(mk, prompt: list[int]) -> tuple[float, str]:
+def ttft_monokernel(mk, prompt: list[int], **generate_kw) -> tuple[float, str]:
     """Seconds from the prompt to the first new token: the prompt but its last token prefilled (batched), then the
-    kernel's first step from that token (one launch, its first token published)."""
+    kernel's first step from that token (one launch, its first token published). `generate_kw`: generate's (e.g.
+    timeout_s)."""
     import cupy as cp
     t0 = time.perf_counter()
     pre = mk.prefill(prompt[:-1])
-    mk.generate(prompt[-1:], 1, eos=[], pos0=len(prompt) - 1)
+    mk.generate(prompt[-1:], 1, eos=[], pos0=len(prompt) - 1, **generate_kw)
     cp.cuda.Device().synchronize()
     return time.perf_counter() - t0, f"prefill {1e3 * pre.seconds:.1f} ms in {pre.chunks} chunks"
 
