@@ -47,12 +47,12 @@ class Verdict:
 @dataclasses.dataclass
 class FirstToken:
     """Time to first token of a random prompt: the batched prefill of all but its last token into the timed
-    build's cache, then the kernel's first step (measure.bench.ttft_monokernel), median of `runs`; and one more
+    build's cache, then the kernel's first step (measure.bench.measure_ttft), median of `runs`; and one more
     prefill synchronised after each stage, its milliseconds by stage."""
     prompt: int
     ms: float
     runs: list
-    prefill_ms: float
+    prefill_ms: float                   # the last run's prefill alone
     stages: dict
 
 
@@ -421,7 +421,7 @@ class GpuBackend:
 
     def ttft(self, prompt_len: int, repeats: int = 3) -> FirstToken:
         """Time to first token of a random prompt of prompt_len tokens through the timed build (FirstToken)."""
-        from ..measure.bench import ttft_monokernel
+        from ..measure.bench import measure_ttft
         if not 2 <= prompt_len <= self.cfg.max_seq:
             raise ValueError(f"a prompt of {prompt_len} tokens: from 2 (the last is the kernel's) to the context's "
                              f"{self.cfg.max_seq}")
@@ -429,13 +429,10 @@ class GpuBackend:
         mk = self.kernels["timed"]
         prompt = np.random.default_rng(self.verify_seed).integers(0, self.cfg.vocab, prompt_len).tolist()
         with self._ctx():
-            ttft_monokernel(mk, prompt, timeout_s=self.timeout_s)              # warm: CuPy's kernels, cuBLAS
-            runs = [ttft_monokernel(mk, prompt, timeout_s=self.timeout_s) for _ in range(max(1, repeats))]
-            stages: dict = {}
-            pre = mk.prefill(prompt[:-1], timings=stages)
-        ms = sorted(1e3 * r[0] for r in runs)
+            secs, pre, stages = measure_ttft(mk, prompt, repeats, timeout_s=self.timeout_s)
+        ms = [1e3 * s for s in secs]
         return FirstToken(prompt_len, float(np.median(ms)), ms, 1e3 * pre.seconds,
-                          {k: 1e3 * v for k, v in sorted(stages.items(), key=lambda kv: -kv[1])})
+                          {k: 1e3 * v for k, v in stages.items()})
 
     def ab(self, a: dict, b: dict, overrides: dict, *, tokens: int = 128, repeats: int = 5,
            verify: bool = True) -> dict:

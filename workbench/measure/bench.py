@@ -57,16 +57,26 @@ class TtftRow:
     note: str = ""
 
 
-def ttft_monokernel(mk, prompt: list[int], **generate_kw) -> tuple[float, str]:
+def ttft_monokernel(mk, prompt: list[int], **generate_kw) -> tuple[float, object]:
     """Seconds from the prompt to the first new token: the prompt but its last token prefilled (batched), then the
     kernel's first step from that token (one launch, its first token published). `generate_kw`: generate's (e.g.
-    timeout_s)."""
+    timeout_s). → (seconds, the prefill's Prefilled)."""
     import cupy as cp
     t0 = time.perf_counter()
     pre = mk.prefill(prompt[:-1])
     mk.generate(prompt[-1:], 1, eos=[], pos0=len(prompt) - 1, **generate_kw)
     cp.cuda.Device().synchronize()
-    return time.perf_counter() - t0, f"prefill {1e3 * pre.seconds:.1f} ms in {pre.chunks} chunks"
+    return time.perf_counter() - t0, pre
+
+
+def measure_ttft(mk, prompt: list[int], repeats: int, **generate_kw) -> tuple[list, object, dict]:
+    """ttft_monokernel `repeats` times after one warm-up run (CuPy's kernels, cuBLAS) → (seconds of each run, the
+    last run's Prefilled, the seconds by stage of one more prefill synchronised after each stage)."""
+    ttft_monokernel(mk, prompt, **generate_kw)
+    runs = [ttft_monokernel(mk, prompt, **generate_kw) for _ in range(max(1, repeats))]
+    stages: dict = {}
+    mk.prefill(prompt[:-1], timings=stages)
+    return [r[0] for r in runs], runs[-1][1], dict(sorted(stages.items(), key=lambda kv: -kv[1]))
 
 
 def hf_prefill(model, prompt_ids):
@@ -156,14 +166,11 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
     rng = np.random.default_rng(seed + 2)
     prompts = {n: rng.integers(0, cfg.vocab, n).tolist() for n in ttft}
     for n, prompt in prompts.items():
-        ttft_monokernel(mk, prompt)                                          # warm (CuPy's kernels, cuBLAS)
-        runs = [ttft_monokernel(mk, prompt) for _ in range(max(2, repeats // 2))]
-        add_ttft("monokernel (batched prefill)", n, [r[0] for r in runs], runs[-1][1])
-        stages: dict = {}                                                    # one more, synchronised per stage
-        mk.prefill(prompt[:-1], timings=stages)
+        secs, pre, stages = measure_ttft(mk, prompt, max(2, repeats // 2))
+        add_ttft("monokernel (batched prefill)", n, secs, f"prefill {1e3 * pre.seconds:.1f} ms in {pre.chunks} chunks")
         out.setdefault("ttft_stages", {})[str(n)] = {k: 1e3 * v for k, v in stages.items()}
         log(f"  prefill of {n - 1} tokens by stage (ms, synchronised): "
-            + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in sorted(stages.items(), key=lambda kv: -kv[1])))
+            + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in stages.items()))
 
     if torch_paths:
         import torch

@@ -60,11 +60,11 @@ def prefill_bytes(cfg, n_ctx: int, chunk: int, dtype=np.float32, gpu: bool = Fal
     item = np.dtype(dtype).itemsize
     residual = 2 * rows * cfg.hidden * item
     cache = 2 * cfg.n_layers * cfg.n_kv_heads * n_ctx * cfg.head_dim * item
-    rows = 4 * chunk * (cfg.qkv_rows + 2 * cfg.intermediate + 4 * cfg.hidden) * item
+    activations = 4 * chunk * (cfg.qkv_rows + 2 * cfg.intermediate + 4 * cfg.hidden) * item
     layer = (cfg.qkv_rows * cfg.hidden + cfg.hidden * cfg.q_dim + 3 * cfg.intermediate * cfg.hidden) * item
     tables = 2 * cfg.vocab * cfg.hidden * item          # the embedding and the LM head, converted whole
     one_layer = 2 * cfg.n_kv_heads * n_ctx * cfg.head_dim * 4   # the bf16 write's temporaries, a layer at a time
-    return cache + residual + rows + layer + tables + one_layer + 2 * SCORE_ELEMENTS * item
+    return cache + residual + activations + layer + tables + one_layer + 2 * SCORE_ELEMENTS * item
 
 
 def _memory_problem(cfg, n_ctx, rows, chunk, dtype, xp, gpu: bool) -> str | None:
@@ -208,15 +208,16 @@ def _prefill_gpu(p: Prepared, tokens, positions, k_cache, v_cache, chunk: int, c
     layer_kernels = G.module(G.layer_source())
     attend = G.module(G.flash_source(p.cfg.head_dim)).get_function("prefill_attention")
     w = view(p, np.float32)                             # converts nothing until a stage without one reads weights
+    # what each stage may write, from the plan: an implementation's outputs are checked against it
+    declared = {s.name: {u.buffer for u in s.writes if u.active(p.cfg)} for s in plan.STAGES}
 
     def run(name, layer, st, a, b):
-        stage = plan.stage(name)
-        impl = G.IMPLEMENTS.get(stage.reference)
+        impl = G.IMPLEMENTS.get(plan.stage(name).reference)
         if impl is None:
             run_stage(w, name, layer, st, None, positions[a:b], tokens[a:b], True)
             return
         out = impl(G.PrefillIO(p, layer, positions[a:b], tokens[a:b], k_cache, v_cache, layer_kernels, attend), st)
-        undeclared = set(out) - {u.buffer for u in stage.writes if u.active(p.cfg)}
+        undeclared = set(out) - declared[name]
         if undeclared:                            # the plan says what a stage writes, on this path too
             raise RuntimeError(f"the prefill's {name} wrote {sorted(undeclared)}, which the plan's {name} does not")
         st.update(out)

@@ -116,6 +116,11 @@ class Split:
     def shape(self):
         return self.hi.shape
 
+    @classmethod
+    def empty(cls, shape) -> "Split":
+        cp = _cp()
+        return cls(cp.empty(shape, cp.uint16), cp.empty(shape, cp.uint16))
+
 
 # cudaDataType CUDA_R_32F, CUDA_R_16BF; cublasComputeType_t CUBLAS_COMPUTE_32F; CUBLAS_GEMM_DEFAULT; CUBLAS_OP_N, _T
 _CUDA_R_32F, _CUDA_R_16BF, _COMPUTE_32F, _GEMM_DEFAULT, _OP_N, _OP_T = 0, 14, 68, -1, 0, 1
@@ -191,7 +196,7 @@ def norm_split(io: PrefillIO, x) -> Split:
     import cupy
     rows, cols = x.shape
     x = cupy.ascontiguousarray(x)
-    out = Split(cupy.empty((rows, cols), cupy.uint16), cupy.empty((rows, cols), cupy.uint16))
+    out = Split.empty((rows, cols))
     if rows:
         io.fn("prefill_norm_split")((rows,), (LAYER_THREADS,), (x, np.int32(cols), np.float32(io.cfg.rms_eps),
                                                                 out.hi, out.lo))
@@ -201,7 +206,7 @@ def norm_split(io: PrefillIO, x) -> Split:
 def split(io: PrefillIO, a) -> Split:
     import cupy
     a = cupy.ascontiguousarray(a)
-    out = Split(cupy.empty(a.shape, cupy.uint16), cupy.empty(a.shape, cupy.uint16))
+    out = Split.empty(a.shape)
     if a.size:
         io.fn("prefill_split")(_grid(a.size), (LAYER_THREADS,), (a, np.int64(a.size), out.hi, out.lo))
     return out
@@ -249,7 +254,7 @@ def gate_up_silu(io: PrefillIO, st: dict) -> dict:
     cp = _cp()
     gu = project(norm_split(io, st["x"]), io.p.wgu[io.layer])       # [rows, 2F]: gate j, up j interleaved
     rows, f = gu.shape[0], gu.shape[1] // 2
-    h = Split(cp.empty((rows, f), cp.uint16), cp.empty((rows, f), cp.uint16))
+    h = Split.empty((rows, f))
     if rows:
         io.fn("prefill_silu_mul_split")(_grid(rows * f), (LAYER_THREADS,), (gu, np.int64(rows * f), h.hi, h.lo))
     return {"hmlp": h}
