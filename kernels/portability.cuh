@@ -227,6 +227,13 @@ __device__ __forceinline__ void wb_mma_bf16_16816(float* d, const u32* a, const 
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+// two floats → a bf16 pair (the first in the low half), each rounded to nearest even, NaN staying NaN: one
+// conversion instruction where f32_to_bf16 takes five integer ones a value
+__device__ __forceinline__ u32 wb_pack_bf16x2(float first, float second) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(second), "f"(first));
+    return r;
+}
 // 16 bytes global → shared without passing through registers (sm_80's cp.async, L1 bypassed), zeros instead when
 // !valid: a tile's rows past the data need no separate clearing. Groups of them complete in issue order.
 __device__ __forceinline__ void wb_cp_async16(void* dst, const void* src, bool valid) {
@@ -242,6 +249,11 @@ template <int pending> __device__ __forceinline__ void wb_cp_async_wait() {
 // row L % 8 of matrix L / 8; out[m] holds that matrix's column g = lane / 4, rows 2t and 2t+1 (t = lane % 4).
 __device__ __forceinline__ void wb_ldmatrix_x4_trans(u32* out, const void* row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(out[0]), "=r"(out[1]), "=r"(out[2]), "=r"(out[3]) : "r"(wb_smem_addr(row)));
+}
+// The same, not transposed: out[m] holds row g of matrix m, columns 2t and 2t+1.
+__device__ __forceinline__ void wb_ldmatrix_x4(u32* out, const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(out[0]), "=r"(out[1]), "=r"(out[2]), "=r"(out[3]) : "r"(wb_smem_addr(row)));
 }
 #endif
@@ -273,6 +285,11 @@ __device__ __forceinline__ bf16 f32_to_bf16(float f) {   // round to nearest eve
     if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16)0x7fc0;
     return (bf16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+#if WB_AMD
+__device__ __forceinline__ u32 wb_pack_bf16x2(float first, float second) {
+    return (u32)f32_to_bf16(first) | ((u32)f32_to_bf16(second) << 16);
+}
+#endif
 
 // Sum over the lanes of a warp (or over aligned groups of `width` lanes: xor pairing needs a power of two)
 template <int width = WB_WARP>

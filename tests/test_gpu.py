@@ -468,6 +468,30 @@ def test_the_prefills_attention_kernel_is_the_references_attention(heads, kv_hea
     assert bool((again == bad).all())
 
 
+@pytest.mark.parametrize("heads,kv_heads,hd,n", [(32, 8, 64, 700), (6, 2, 32, 130), (8, 8, 96, 65), (12, 4, 80, 97)])
+def test_the_prefills_attention_layouts_change_no_bit(heads, kv_heads, hd, n):
+    """Each FlashLayout runs every row through the same products in the same order (only which block holds a row,
+    and how the keys' fragments reach the registers, differ), so every layout's output is the default's bit for
+    bit, NaN rows included; head_dim 80 has an odd count of 16-wide steps (ldmatrix takes two at a time)."""
+    import cupy as cp
+
+    from workbench.model.weights import to_bf16
+    from workbench.run.prefill_gpu import FlashLayout, flash_attention
+    rng = np.random.default_rng(fresh_seed())
+    pos0 = 300
+    n_ctx = pos0 + n + 5
+    q = cp.asarray(rng.standard_normal((n, heads * hd)) * 1.5, dtype=cp.float32)
+    q[n // 3, hd:2 * hd] = cp.nan
+    kb, vb = (to_bf16(cp.asarray(rng.standard_normal((kv_heads, n_ctx, hd)), dtype=cp.float32), cp) for _ in range(2))
+    positions = cp.arange(pos0, pos0 + n)
+    base = flash_attention(q, kb, vb, positions, heads, layout=FlashLayout())
+    assert int(cp.isnan(base).sum()) == hd
+    for layout in (FlashLayout(gqa_rows=True), FlashLayout(k_ldmatrix=True), FlashLayout(True, True)):
+        got = flash_attention(q, kb, vb, positions, heads, layout=layout)
+        same = (got == base) | (cp.isnan(got) & cp.isnan(base))
+        assert bool(same.all()), f"{layout}: {int((~same).sum())} elements differ"
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen2", "hd96"])
 def test_the_prefills_gpu_path_is_the_interpreters(family):
     """workbench.run.prefill_gpu (bf16 products of split activations, the fused row kernels, the attention kernel

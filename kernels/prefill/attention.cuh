@@ -18,7 +18,11 @@
 // - A NaN in a query or a key makes its row's output NaN: the max skips it, but exp(NaN) enters the sum.
 //
 // Set by the launcher (workbench/run/prefill_gpu.py): WB_HD (head_dim, a multiple of 16, at most 128), WB_THREADS and
-// WB_PA_ROWS (the rows a block takes, as its grid counts them). Two stages of a key tile and a value tile fit the
+// WB_PA_ROWS (the rows a block takes, as its grid counts them), and two layouts that change no result, bit for bit
+// (the GPU test holds them to it): WB_PA_GQA_ROWS, a block's rows are (position, query head) pairs of one kv head,
+// head fastest, so that each key and value tile copied serves every query head of the group (the grid is
+// (⌈n·group / 64⌉, Hkv)) instead of one head (the grid (⌈n / 64⌉, Hq)); WB_PA_K_LDMATRIX, the keys' fragments
+// taken by ldmatrix, four 8×8 matrices an instruction, instead of two 32-bit loads each. Two stages of a key tile and a value tile fit the
 // 48 KB of static shared memory with 64 keys a tile up to head_dim 64, and 32 beyond.
 
 // The tile, in mma.sync's m16n8k16 fragments: each warp 16 query rows (one fragment's M), a tile PA_BN keys
@@ -32,19 +36,22 @@
                             // distinct banks
 #define PA_CHUNKS (PA_BN * WB_HD / 8)    // 16-byte copies a tile
 
+#ifndef WB_PA_GQA_ROWS
+#define WB_PA_GQA_ROWS 0
+#endif
+#ifndef WB_PA_K_LDMATRIX
+#define WB_PA_K_LDMATRIX 0
+#endif
 static_assert(WB_HD % 16 == 0 && WB_HD <= 128, "head_dim: a multiple of 16, at most 128");
 static_assert(WB_THREADS == PA_WARPS * WB_WARP, "one warp per 16 query rows");
 static_assert(WB_PA_ROWS == PA_BM, "the launcher's grid counts rows in this tile's");
 static_assert(2 * 2 * PA_BN * PA_KS * 2 <= 48 * 1024, "two stages of both tiles fit static shared memory");
 
-__device__ __forceinline__ u32 pa_pack(float first, float second) {   // a bf16 pair, the first in the low half
-    return (u32)f32_to_bf16(first) | ((u32)f32_to_bf16(second) << 16);
-}
-// x ≈ hi + lo, both bf16 (|x − hi − lo| ≤ 2⁻¹⁷|x|), for a pair of operand elements
+// x ≈ hi + lo, both bf16 (|x − hi − lo| ≤ 2⁻¹⁷|x|), for a pair of operand elements: hi rounded, lo the rounded
+// rest (x − hi is exact in fp32)
 __device__ __forceinline__ void pa_split(float x0, float x1, u32& hi, u32& lo) {
-    const float h0 = bf16_to_f32(f32_to_bf16(x0)), h1 = bf16_to_f32(f32_to_bf16(x1));
-    hi = pa_pack(h0, h1);
-    lo = pa_pack(x0 - h0, x1 - h1);
+    hi = wb_pack_bf16x2(x0, x1);
+    lo = wb_pack_bf16x2(x0 - bf16_lo(hi), x1 - bf16_hi(hi));
 }
 
 // one tile's keys and values, keys j0.. of this kv head, into a stage; keys past the block's last are zeros (every
@@ -71,12 +78,21 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_attention(
     __shared__ __align__(16) bf16 ks[2][PA_BN * PA_KS];
     __shared__ __align__(16) bf16 vs[2][PA_BN * PA_KS];
     __shared__ int last_key;
-    const int h = blockIdx.y, kvh = h / group;
     const int warp = threadIdx.x / WB_WARP, lane = threadIdx.x % WB_WARP, g = lane >> 2, t = lane & 3;
     const long long stride = (long long)n_heads * WB_HD;              // of q's rows and out's
-    // this lane's two rows; a row past n attends to key 0 alone and is not written
+    // this lane's two rows, and where each one's query and output start; a row past the last attends to key 0 alone
+    // and is not written
     const int ra = blockIdx.x * PA_BM + warp * PA_FRAG_M + g, rb = ra + 8;
+#if WB_PA_GQA_ROWS
+    const int kvh = blockIdx.y, rows = n * group;
+    const long long qa = ra < rows ? (ra / group) * stride + (kvh * group + ra % group) * WB_HD : 0;
+    const long long qb = rb < rows ? (rb / group) * stride + (kvh * group + rb % group) * WB_HD : 0;
+    const int pa = ra < rows ? (int)pos[ra / group] : 0, pb = rb < rows ? (int)pos[rb / group] : 0;
+#else
+    const int h = blockIdx.y, kvh = h / group, rows = n;
+    const long long qa = ra * stride + h * WB_HD, qb = rb * stride + h * WB_HD;
     const int pa = ra < n ? (int)pos[ra] : 0, pb = rb < n ? (int)pos[rb] : 0;
+#endif
     if (threadIdx.x == 0) last_key = 0;
     __syncthreads();
     atomicMax(&last_key, max(pa, pb));                                // two rows a lane: all 64 rows counted
@@ -93,8 +109,8 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_attention(
         for (int i = 0; i < 4; ++i) {
             const int row = (i & 1) ? rb : ra, col = kk * 16 + 2 * t + ((i & 2) ? 8 : 0);
             float x0 = 0.f, x1 = 0.f;
-            if (row < n) {
-                const float* p = q + row * stride + h * WB_HD + col;
+            if (row < rows) {
+                const float* p = q + ((i & 1) ? qb : qa) + col;
                 x0 = p[0] * scale;
                 x1 = p[1] * scale;
             }
@@ -128,8 +144,22 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_attention(
 #pragma unroll
         for (int nt = 0; nt < PA_BN / 8; ++nt) {
             s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+            int kk = 0;
+#if WB_PA_K_LDMATRIX
+            // two 16-wide steps of head_dim an instruction: lane L names row L % 8 of the tile's keys nt·8.., at
+            // columns 16kk + 8·(L / 8): matrices kk low, kk high, kk + 1 low, kk + 1 high
 #pragma unroll
-            for (int kk = 0; kk < WB_HD / 16; ++kk) {
+            for (; kk + 1 < WB_HD / 16; kk += 2) {
+                u32 b[4];
+                wb_ldmatrix_x4(b, kt + (nt * 8 + (lane & 7)) * PA_KS + kk * 16 + (lane >> 3) * 8);
+                wb_mma_bf16_16816(s[nt], qh[kk], b);
+                wb_mma_bf16_16816(s[nt], ql[kk], b);
+                wb_mma_bf16_16816(s[nt], qh[kk + 1], b + 2);
+                wb_mma_bf16_16816(s[nt], ql[kk + 1], b + 2);
+            }
+#endif
+#pragma unroll
+            for (; kk < WB_HD / 16; ++kk) {
                 const bf16* kp = kt + (nt * 8 + g) * PA_KS + kk * 16 + 2 * t;
                 const u32 b[2] = {*(const u32*)kp, *(const u32*)(kp + 8)};
                 wb_mma_bf16_16816(s[nt], qh[kk], b);
@@ -181,10 +211,11 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_attention(
         // two 8-wide column tiles a load (lane L: key 16kk + 8·(L/8 % 2) + L % 8, columns 8·(nt + L/16)..)
 #pragma unroll
         for (int kk = 0; kk < PA_BN / PA_KSTEP; ++kk) {
-            const float* e[4] = {&s[2 * kk][0], &s[2 * kk][2], &s[2 * kk + 1][0], &s[2 * kk + 1][2]};
-            u32 ah[4], al[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) pa_split(e[i][0], e[i][1], ah[i], al[i]);
+            u32 ah[4], al[4];                         // rows g, g + 8 of keys 2t.. and of keys 2t + 8..
+            pa_split(s[2 * kk][0], s[2 * kk][1], ah[0], al[0]);
+            pa_split(s[2 * kk][2], s[2 * kk][3], ah[1], al[1]);
+            pa_split(s[2 * kk + 1][0], s[2 * kk + 1][1], ah[2], al[2]);
+            pa_split(s[2 * kk + 1][2], s[2 * kk + 1][3], ah[3], al[3]);
 #pragma unroll
             for (int nt = 0; nt < WB_HD / 8; nt += 2) {
                 u32 b[4];
@@ -202,8 +233,8 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_attention(
     lb += wb_shfl_xor(lb, 1); lb += wb_shfl_xor(lb, 2);
 #pragma unroll
     for (int nt = 0; nt < WB_HD / 8; ++nt) {
-        const int d = h * WB_HD + nt * 8 + 2 * t;
-        if (ra < n) { out[ra * stride + d] = o[nt][0] / la; out[ra * stride + d + 1] = o[nt][1] / la; }
-        if (rb < n) { out[rb * stride + d] = o[nt][2] / lb; out[rb * stride + d + 1] = o[nt][3] / lb; }
+        const int d = nt * 8 + 2 * t;
+        if (ra < rows) { out[qa + d] = o[nt][0] / la; out[qa + d + 1] = o[nt][1] / la; }
+        if (rb < rows) { out[qb + d] = o[nt][2] / lb; out[qb + d + 1] = o[nt][3] / lb; }
     }
 }

@@ -37,10 +37,31 @@ def _kernels_dir():
     return k if (k / "prefill" / "layer.cuh").is_file() else paths.template_dir()
 
 
-def flash_source(head_dim: int) -> str:
-    """The prefill attention kernel's source for one head_dim: the portability layer, then the kernel."""
-    k = _kernels_dir()
+@dataclasses.dataclass(frozen=True)
+class FlashLayout:
+    """How the attention kernel lays its work out; no choice changes a result, bit for bit (the GPU test holds
+    every combination to it). gqa_rows: a block's 64 rows are (position, query head) pairs of one kv head, so
+    each key and value tile serves the whole group; k_ldmatrix: the keys' fragments by ldmatrix."""
+    gqa_rows: bool = False
+    k_ldmatrix: bool = False
+
+    def grid(self, n: int, n_heads: int, n_kv: int) -> tuple:
+        if self.gqa_rows:
+            return ((n * (n_heads // n_kv) + ATTN_ROWS - 1) // ATTN_ROWS, n_kv)
+        return ((n + ATTN_ROWS - 1) // ATTN_ROWS, n_heads)
+
+
+# measured on the H200 (scripts/ab_prefill_attention.py, NOTES.md round 12): the keys by ldmatrix 3-5% faster at 4k
+# and 32k; rows per kv head 1-15% slower (more blocks on the diagonal's long tail than tiles saved)
+FLASH_LAYOUT = FlashLayout(k_ldmatrix=True)
+
+
+def flash_source(head_dim: int, layout: FlashLayout | None = None) -> str:
+    """The prefill attention kernel's source for one head_dim (and layout, FLASH_LAYOUT unless given): the
+    portability layer, then the kernel."""
+    k, layout = _kernels_dir(), layout or FLASH_LAYOUT
     return (f"#define WB_HD {head_dim}\n#define WB_THREADS {ATTN_THREADS}\n#define WB_PA_ROWS {ATTN_ROWS}\n"
+            f"#define WB_PA_GQA_ROWS {int(layout.gqa_rows)}\n#define WB_PA_K_LDMATRIX {int(layout.k_ldmatrix)}\n"
             + (k / "portability.cuh").read_text() + (k / "prefill" / "attention.cuh").read_text())
 
 
@@ -71,11 +92,11 @@ def module(src: str):
     return _MODULES[src]
 
 
-def flash_attention(q, k_layer, v_layer, positions, n_heads: int, kernel=None):
+def flash_attention(q, k_layer, v_layer, positions, n_heads: int, kernel=None, layout: FlashLayout | None = None):
     """o [n, Hq·hd] of queries q [n, Hq·hd] (fp32, RoPE applied) over one layer's cache k_layer, v_layer
     [Hkv, n_ctx, hd] (bf16 bits, the kernel's cache as it is), row i over keys 0..positions[i]: what
     stages.attention_decode computes, in one kernel (kernels/prefill/attention.cuh, which argues its precision).
-    `kernel`: the compiled one for this head_dim, if the caller holds it."""
+    `kernel`: the compiled one for this head_dim and `layout`, if the caller holds it."""
     import cupy
     n_kv, n_ctx, hd = k_layer.shape
     n = q.shape[0]
@@ -97,8 +118,9 @@ def flash_attention(q, k_layer, v_layer, positions, n_heads: int, kernel=None):
     out = cupy.empty_like(q)
     if n == 0:
         return out
-    kernel = kernel or module(flash_source(hd)).get_function("prefill_attention")
-    kernel(((n + ATTN_ROWS - 1) // ATTN_ROWS, n_heads), (ATTN_THREADS,),
+    layout = layout or FLASH_LAYOUT
+    kernel = kernel or module(flash_source(hd, layout)).get_function("prefill_attention")
+    kernel(layout.grid(n, n_heads, n_kv), (ATTN_THREADS,),
            (q, k_layer, v_layer, pos, out, np.int32(n), np.int32(n_ctx), np.int32(n_heads), np.int32(n_heads // n_kv),
             np.float32(hd ** -0.5)))
     return out

@@ -1,0 +1,87 @@
+"""A/B of the prefill attention kernel's layouts (workbench.run.prefill_gpu.FlashLayout) on one GPU, in one run:
+a whole prompt's causal attention, chunk by chunk as the prefill runs it, for one layer of a model's shapes, each
+layout timed (median of repeats, CUDA events) and held to the default's output bit for bit.
+
+    python scripts/ab_prefill_attention.py --model llama-3.2-1b --prompt 4096 32768 [--json FILE]
+
+The table gives ms per layer and for all layers (× n_layers), and the tensor-core rate counted as the work a
+bf16 attention does (4·rows·keys·hd per head, causal), so a layout that does the same work faster shows higher.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import cupy as cp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from workbench.model.config import get_config  # noqa: E402
+from workbench.model.weights import to_bf16  # noqa: E402
+from workbench.run import prefill_gpu as G  # noqa: E402
+from workbench.run.prefill import PREFILL_CHUNK  # noqa: E402
+
+LAYOUTS = {"per-head": G.FlashLayout(), "gqa-rows": G.FlashLayout(gqa_rows=True),
+           "k-ldmatrix": G.FlashLayout(k_ldmatrix=True), "both": G.FlashLayout(True, True)}
+
+
+def one_prompt(cfg, n: int, chunk: int, repeats: int, rng) -> dict:
+    hd, hq, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    q = cp.asarray(rng.standard_normal((n, hq * hd)) * 1.5, dtype=cp.float32)
+    kb, vb = (to_bf16(cp.asarray(rng.standard_normal((hkv, n, hd)), dtype=cp.float32), cp) for _ in range(2))
+    chunks = [(c, min(c + chunk, n)) for c in range(0, n, chunk)]
+    base, rows = None, {}
+    for name, layout in LAYOUTS.items():
+        kernel = G.module(G.flash_source(hd, layout)).get_function("prefill_attention")
+
+        def run():
+            return [G.flash_attention(q[a:b], kb, vb, cp.arange(a, b), hq, kernel=kernel, layout=layout)
+                    for a, b in chunks]
+        out = cp.concatenate(run())                                    # compiled and warm
+        if base is None:
+            base = out
+        same = bool(((out == base) | (cp.isnan(out) & cp.isnan(base))).all())
+        times = []
+        for _ in range(repeats):
+            t0, t1 = cp.cuda.Event(), cp.cuda.Event()
+            t0.record()
+            run()
+            t1.record()
+            t1.synchronize()
+            times.append(cp.cuda.get_elapsed_time(t0, t1))
+        ms = float(np.median(times))
+        flops = 4.0 * hd * hq * n * (n + 1) / 2                         # QKᵀ and PV, causal
+        rows[name] = {"ms_layer": ms, "ms_all_layers": ms * cfg.n_layers, "tflops_bf16_work": flops / ms / 1e9,
+                      "bit_identical_to_per_head": same, "runs_ms": times}
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", nargs="*", default=["llama-3.2-1b"])
+    ap.add_argument("--prompt", type=int, nargs="*", default=[4096, 32768])
+    ap.add_argument("--chunk", type=int, default=PREFILL_CHUNK)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    report = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "chunk": a.chunk, "rows": []}
+    print(f"| model | prompt | layout | ms / layer | ms, all layers | TFLOPS (bf16 work) | same bits |")
+    print("|---|---|---|---|---|---|---|")
+    for m in a.model:
+        cfg = get_config(m)
+        for n in a.prompt:
+            for name, r in one_prompt(cfg, n, a.chunk, a.repeats, rng).items():
+                report["rows"].append({"model": m, "prompt": n, "layout": name, **r})
+                print(f"| {m} | {n:,} | {name} | {r['ms_layer']:.2f} | {r['ms_all_layers']:.1f} | "
+                      f"{r['tflops_bf16_work']:.0f} | {'yes' if r['bit_identical_to_per_head'] else 'NO'} |",
+                      flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
