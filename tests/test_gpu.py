@@ -268,13 +268,20 @@ def test_generate_streams_whole_characters_through_a_splitting_tokenizer(tmp_pat
 
 # ---- the weight stream (BuildOptions.stream): the same checks on the build whose weights come through the ring --
 
-@pytest.mark.parametrize("name", ["tiny", "llama-3.2-1b"])
-def test_the_stream_build_verifies_stage_by_stage(name):
+# the meters (stream.cuh: pages in flight, streams ahead) and register stages beside streamed ones change when the
+# streamer issues and which stages take the ring, so each is verified as the plain stream build is
+METERED = BuildOptions(stream=True, stream_register="o_proj_residual",
+                       defines=(("WB_STREAM_AHEAD", "1"), ("WB_STREAM_INFLIGHT", "1")))
+
+
+@pytest.mark.parametrize("name,opt", [("tiny", BuildOptions(stream=True)), ("llama-3.2-1b", BuildOptions(stream=True)),
+                                      ("tiny", METERED), ("llama-3.2-1b", METERED)])
+def test_the_stream_build_verifies_stage_by_stage(name, opt):
     import cupy as cp
 
     from workbench.model.weights import prepare, random_weights
     p = prepare(random_weights(get_config(name), fresh_seed(), xp=cp, progress=False), xp=cp, progress=False)
-    _, table = _verified(p, BuildOptions(stream=True), thorough=name == "tiny", prompt_len=6, max_new=12)
+    _, table = _verified(p, opt, thorough=name == "tiny", prompt_len=6, max_new=12)
     assert max(table.positions) >= 4096
 
 

@@ -82,6 +82,29 @@ def test_the_stream_build_compiles_without_spills(name):
     assert r.registers <= 128
 
 
+def test_register_stages_of_a_stream_build_are_left_out_of_the_stream():
+    """BuildOptions.stream_register: those stages read their weights straight to registers, so the streamer skips
+    them and the header's stage mask leaves them out; a name that is not a streaming stage, or register stages
+    without a stream build, is one clear error before anything compiles. The metered build compiles without
+    spills on the 1B."""
+    cfg = get_config("llama-3.2-1b")
+    opt = dataclasses.replace(STREAM, stream_register="qkv_rope_append+o_proj_residual",
+                              defines=(("WB_STREAM_AHEAD", "1"), ("WB_STREAM_INFLIGHT", "1")))
+    names = [x.stage for x in plan.streams(cfg, opt.launch)]
+    assert names == [x.stage for x in plan.streams(cfg, STREAM.launch)
+                     if x.stage not in ("qkv_rope_append", "o_proj_residual")]
+    asm = assemble(cfg, opt)
+    mask = sum(1 << plan.STAGE_NAMES.index(n) for n in names)
+    assert f"WB_STREAMED_STAGES = {hex(mask)}ull;" in asm.source and "WB_STREAM_REGISTER_STAGES = true;" in asm.source
+    assert "st.stream<" in asm.source and "ST_O_PROJ_RESIDUAL, layer, P->wo" not in asm.source.split("wb_stream_step")[-1]
+    (r,) = resource_usage(compile_cubin(asm)[0])
+    assert r.stack == 0 and r.registers <= 128, r
+    with pytest.raises(ValueError, match="attention_decode: not a stage that streams weights"):
+        assemble(cfg, dataclasses.replace(STREAM, stream_register="attention_decode"))
+    with pytest.raises(ValueError, match="set stream too"):
+        BuildOptions(stream_register="o_proj_residual")
+
+
 def test_the_plain_build_has_no_stream():
     asm = assemble(get_config("tiny"))
     assert "#define WB_STREAM 0" in asm.source

@@ -38,6 +38,7 @@ class Launch:
     threads: int = 512
     attn_min_chunk: int = 32        # fewest cache positions per attention split
     stream: bool = False
+    register_stages: tuple = ()     # in a stream build, stages that still read their weights straight to registers
 
     def max_splits(self, cfg: ModelConfig) -> int:
         """Attention splits each kv head's positions over at most this many blocks (≈ one block per SM)."""
@@ -571,6 +572,8 @@ def streams(cfg: ModelConfig, launch: "Launch" = None) -> tuple[Stream, ...]:
     launch = launch or Launch()
     out = []
     for s in STAGES:
+        if s.name in launch.register_stages:
+            continue
         for u in s.reads:
             b = BUFFERS[u.buffer]
             if b.kind != "weight" or u.rows is None:
@@ -585,8 +588,17 @@ def streams(cfg: ModelConfig, launch: "Launch" = None) -> tuple[Stream, ...]:
     return tuple(out)
 
 
-def stream_stage(cfg: ModelConfig, stage_name: str) -> Stream | None:
-    return next((x for x in streams(cfg) if x.stage == stage_name), None)
+def stream_stage(cfg: ModelConfig, stage_name: str, launch: "Launch" = None) -> Stream | None:
+    return next((x for x in streams(cfg, launch) if x.stage == stage_name), None)
+
+
+def register_stages_problem(cfg: ModelConfig, names) -> str | None:
+    """Why `names` cannot be a stream build's register stages (None: they can): each a stage with a stream."""
+    streamed = {x.stage for x in streams(cfg)}
+    bad = [n for n in names if n not in streamed]
+    if bad:
+        return f"{', '.join(bad)}: not a stage that streams weights (those are: {', '.join(sorted(streamed))})"
+    return None
 
 
 def partial_floats(cfg: ModelConfig, launch: "Launch" = None) -> int:

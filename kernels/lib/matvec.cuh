@@ -121,7 +121,18 @@ __device__ __forceinline__ void for_warp_units(const bf16* __restrict__ W, int n
     const int u0 = items.u0, u1 = items.u1, n_items = items.n;
     const bf16* src0 = items.src0;
     u32 round = wb_rounds;                             // read before the prologue's barrier: thread 0 moves it on after
+    // thread 0 wrote the where-word at the stage's entry; the others see it after the prologue's block barrier
+    if (WB_STREAM_AHEAD > 0 && wb_tid() == 0 && wb_stage_streamed(wb_where_entered))
+        ((volatile u32*)&wb_streams_entered)[0] = wb_streams_entered + 1;
     prologue();                                        // block-wide: every consumer thread takes part
+    if (WB_STREAM_REGISTER_STAGES && !wb_stage_streamed(wb_where_entered)) {   // BuildOptions.stream_register
+        float y[NR];
+        for (int u = grid_warp<ACROSS_BLOCKS>(); u < n_units; u += grid_nwarps()) {
+            warp_rows_dot<K, NR>(W + (long long)u * NR * K, K, act, y);
+            done(u, y);
+        }
+        return;
+    }
     const u32 tag = wb_stream_tag();
     if (PER_UNIT > 1 && n_items > WB_SMEM_PARTIALS_FLOATS && wb_tid() == 0)   // a grid the build was not sized for
         wb_stream_report(WB_ERR_STREAM, tag | ((u32)n_items << WB_TAG_ITEM_SHIFT), 0xfffffffeu);

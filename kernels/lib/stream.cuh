@@ -49,6 +49,7 @@ __shared__ __attribute__((aligned(8))) u64 wb_empty[WB_RING_SLOTS];   // every c
 __shared__ u32 wb_tag[WB_RING_SLOTS];
 __shared__ const bf16* wb_src[WB_RING_SLOTS];
 __shared__ u32 wb_rounds;                          // pages the consumers have taken, over the whole launch
+__shared__ u32 wb_streams_entered;                 // streams the consumers have begun, over the launch (WB_STREAM_AHEAD)
 __shared__ int wb_stream_stop;                     // the consumers have left: the streamer stops
 __shared__ const Params* wb_params;                // for the slow paths of the consumer side (sections have no P)
 
@@ -60,6 +61,7 @@ __device__ __forceinline__ u8* wb_ring() {
     const u32 a = wb_smem_addr(wb_dynamic_smem + WB_RING_OFFSET);
     return wb_dynamic_smem + WB_RING_OFFSET + ((WB_RING_ALIGN - a % WB_RING_ALIGN) % WB_RING_ALIGN);
 }
+__device__ __forceinline__ bool wb_stage_streamed(u32 where) { return (WB_STREAMED_STAGES >> wb_where_stage(where)) & 1; }
 __device__ __forceinline__ bool wb_is_streamer() { return wb_tid() >= WB_CONSUMER_WARPS * WB_WARP; }
 __device__ __forceinline__ bool wb_stream_stopped() { return ((volatile int*)&wb_stream_stop)[0] != 0; }
 
@@ -71,6 +73,7 @@ __device__ __forceinline__ void wb_stream_init(const Params* __restrict__ P) {
             wb_mbar_init(&wb_empty[s], WB_CONSUMER_WARPS);     // one release per consumer warp
         }
         wb_rounds = 0;
+        wb_streams_entered = 0;
         wb_stream_stop = 0;
         wb_params = P;
         wb_mbar_init_fence();
@@ -83,9 +86,24 @@ __device__ __forceinline__ void wb_stream_finish() {
     if (wb_tid() == 0) ((volatile int*)&wb_stream_stop)[0] = 1;
 }
 
+// Two meters on the streamer, both off by default (0), measured in NOTES.md (round 12):
+// WB_STREAM_INFLIGHT: at most this many pages copied and not yet landed. A full ring refilled at once is up to
+// 180 KB per SM queued at the memory system (24 MB over the GPU), and a grid barrier's atomics, or attention's
+// loads, wait behind that queue; the register path keeps 64 KB per SM in flight.
+// WB_STREAM_AHEAD: a stream's pages wait until the consumers have entered the stream this many before it, so that
+// the ring holds the next stage's rows and not the one after (o_proj's pages, not gate_up's, during attention).
+#ifndef WB_STREAM_INFLIGHT
+#define WB_STREAM_INFLIGHT 0
+#endif
+#ifndef WB_STREAM_AHEAD
+#define WB_STREAM_AHEAD 0
+#endif
+static_assert(WB_STREAM_INFLIGHT >= 0 && WB_STREAM_INFLIGHT < WB_RING_SLOTS + 1 && WB_STREAM_AHEAD >= 0,
+              "the meters count pages and streams");
 // The streamer is one thread: one bulk copy per page is few enough instructions that issuing never holds it up.
 struct WbStreamer {
     u32 issued;                                    // pages so far (the consumers' wb_rounds, ahead)
+    u32 streams;                                   // streams begun so far
 
     // Copy this block's items of a stream, n_units units of NR rows of K from W, a page per round.
     template <int K, int NR>
@@ -96,12 +114,22 @@ struct WbStreamer {
         const B items(W, n_units);
         const int n_items = items.n;
         const bf16* src0 = items.src0;
+        const u32 stream_no = streams++;
+        if (WB_STREAM_AHEAD > 0 && stream_no >= WB_STREAM_AHEAD)
+            while (((volatile u32*)&wb_streams_entered)[0] < stream_no - WB_STREAM_AHEAD + 1)
+                if (wb_stream_stopped()) return true;
         for (int i0 = 0; i0 < n_items; i0 += WB_CONSUMER_WARPS, ++issued) {
             const int slot = issued % WB_RING_SLOTS;
             // a fresh mbarrier counts its phase "−1" as complete: the first pass over the pages needs no release
             const u32 parity = ((issued / WB_RING_SLOTS) & 1) ^ 1;
             while (!wb_mbar_done(&wb_empty[slot], parity))
                 if (wb_stream_stopped()) return true;
+            if (WB_STREAM_INFLIGHT > 0 && issued >= (u32)WB_STREAM_INFLIGHT) {
+                // page issued − INFLIGHT: its slot is not copied into again before this page is issued
+                const u32 j = issued - WB_STREAM_INFLIGHT;
+                while (!wb_mbar_done(&wb_full[j % WB_RING_SLOTS], (j / WB_RING_SLOTS) & 1))
+                    if (wb_stream_stopped()) return true;
+            }
             const int n = n_items - i0 < WB_CONSUMER_WARPS ? n_items - i0 : WB_CONSUMER_WARPS;
             const bf16* src = src0 + (long long)i0 * PIECE;
             wb_tag[slot] = wb_where(stage, layer, 0) | ((u32)i0 << WB_TAG_ITEM_SHIFT);
@@ -119,7 +147,7 @@ __device__ bool wb_stream_step(const Params* P, WbStreamer& st);   // generated 
 // must not exit with the copy engine still writing its shared memory).
 __device__ __noinline__ void wb_stream_run(const Params* __restrict__ P) {
     if (wb_lane() != 0) return;
-    WbStreamer st{0};
+    WbStreamer st{0, 0};
     while (!wb_stream_step(P, st)) {}
     const u64 t0 = wb_globaltimer_ns();
     for (u32 j = st.issued > WB_RING_SLOTS ? st.issued - WB_RING_SLOTS : 0; j < st.issued; ++j) {

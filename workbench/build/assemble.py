@@ -46,6 +46,8 @@ class BuildOptions:
     sampler: str = "full"        # "full": temperature, top-k, top-p; "greedy": argmax only (less code to compile)
     stream: bool = False         # WB_STREAM: the block's last warp streams the weights into a shared-memory ring
                                  # (sm_90; measured 6% slower than the register path so far, NOTES.md round 7)
+    stream_register: str = ""   # a stream build's stages (names joined by '+') that read their weights straight to
+                                 # registers instead, e.g. "qkv_rope_append+o_proj_residual"
     units: bool = False          # NVIDIA: built as one unit per stage, each cached, then linked (workbench/build/
                                  # units.py): an edit recompiles one stage; the kernel runs slower (verification only)
 
@@ -58,13 +60,15 @@ class BuildOptions:
             raise ValueError(f"ptxas_opt must be 0 to 3, got {self.ptxas_opt!r}")
         if (why := threads_problem(self.threads)) is not None:
             raise ValueError(f"threads {why}")
+        if self.stream_register and not self.stream:
+            raise ValueError("stream_register names stages of a stream build: set stream too")
         if not (isinstance(self.grid, int) and self.grid >= 1):
             raise ValueError(f"grid must be a positive number of blocks, got {self.grid!r}")
 
     @property
     def launch(self) -> plan.Launch:
         return plan.Launch(grid=self.grid, threads=self.threads, attn_min_chunk=self.attn_min_chunk,
-                           stream=self.stream)
+                           stream=self.stream, register_stages=tuple(filter(None, self.stream_register.split("+"))))
 
 
 def option_from_text(field: str, text: str):
@@ -183,6 +187,8 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
     bodies = []
     paste(_display(kernels / "portability.cuh"), (kernels / "portability.cuh").read_text())
     launch = opt.launch
+    if (why := plan.register_stages_problem(cfg, launch.register_stages)) is not None:
+        raise ValueError(f"stream_register: {why}")
     header = plan_header(cfg, launch)
     paste("<generated: plan header>", header)
     body_constants = {**build_defines, **header_constants(header)}
@@ -195,7 +201,7 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
             # the C++ section declares the function (and is compiled); the .ptx file is its body
             if name not in overrides and not path.exists():
                 raise FileNotFoundError(f"section {name!r}: {_display(path)} does not exist")
-            if launch.stream and plan.stream_stage(cfg, name) is not None:
+            if launch.stream and plan.stream_stage(cfg, name, launch) is not None:
                 raise ValueError(f"section {name!r}: in a stream build its weights arrive through the ring "
                                  f"(kernels/lib/stream.cuh), which a PTX body would have to take them from; build "
                                  f"{_display(path)} without stream")

@@ -98,7 +98,18 @@ def stream_constants(cfg: ModelConfig, launch: plan.Launch) -> list[str]:
         f"WB_SMEM_PARTIALS_FLOATS = {plan.partial_floats(cfg, launch)};   // a float per item of a combining stream",
         f"constexpr int WB_TAG_ITEM_SHIFT = {step_shift};",
         f"constexpr u32 WB_TAG_STAGE_LAYER = (1u << {step_shift}) - 1u;",
+        "// the stages whose weights come through the ring, one bit per stage (the others read straight to registers)",
+        f"constexpr unsigned long long WB_STREAMED_STAGES = {_stage_mask(x.stage for x in plan.streams(cfg, launch)) if on else 0}ull;",
+        f"constexpr bool WB_STREAM_REGISTER_STAGES = {str(bool(on and launch.register_stages)).lower()};"
+        "   // any: only then is the register path compiled into the stream build's stages",
     ]
+
+
+def _stage_mask(names) -> str:
+    m = 0
+    for n in names:
+        m |= 1 << plan.STAGE_NAMES.index(n)
+    return hex(m)
 
 
 def stream_step(cfg: ModelConfig, launch: plan.Launch) -> str:
