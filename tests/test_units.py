@@ -76,6 +76,22 @@ def test_a_compile_error_in_a_unit_names_the_section_file_and_line():
     assert any(m[0] == "kernels/sections/gate_up_silu.cuh" and "undeclared_symbol" in m[4] for m in e.value.messages)
 
 
+@needs_link
+def test_too_much_shared_memory_at_the_link_lands_at_the_sections_declaration():
+    """The link, not a unit's compile, finds that the kernel's static shared memory is over the limit (each unit is
+    within it alone); nvJitLink names the kernel only, so the report points at the section's `__shared__` array,
+    as ptxas's does in the whole build (the failure suite's too-much-shared injection, which the H200 reported
+    unnamed before)."""
+    from workbench.check.failures import by_name
+    inj = by_name("too-much-shared")
+    mutated = inj.apply(section_path(inj.section).read_text())
+    with pytest.raises(CompileError) as e:
+        compile_cubin(assemble(get_config("tiny"), OPT, overrides={inj.section: mutated}))
+    line = 1 + mutated.splitlines().index("    __shared__ float huge[64 * 1024];")
+    assert f"kernels/sections/{inj.section}.cuh:{line}: error: static shared memory" in str(e.value)
+    assert "uses too much shared data" in str(e.value)
+
+
 def test_a_section_without_its_stage_function_is_named():
     text = section_path("publish").read_text().replace("stage_publish", "stage_publish_renamed")
     with pytest.raises(ValueError, match="stage_publish"):

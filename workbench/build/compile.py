@@ -62,17 +62,18 @@ def parse_log(log: str, asm: Assembled | None = None) -> list:
 
 
 _SHARED_ARRAY = re.compile(r"__shared__[^;()]*\[")
-_PTXAS_SHARED = re.compile(r"ptxas error\s*: (?P<text>Entry function .* uses too much shared data.*)$", re.M)
+# ptxas's own words, and nvJitLink's when it links the units (workbench/build/units.py): "error   : Entry ..."
+_PTXAS_SHARED = re.compile(r"(?:ptxas )?error\s*: (?P<text>Entry function .* uses too much shared data.*)$", re.M)
 
 
-def resource_messages(log: str, asm: Assembled | None) -> list:
+def resource_messages(log: str, asm: Assembled | None, where: str = "ptxas") -> list:
     """ptxas's "uses too much shared data" names the kernel, not a line: point at every static `__shared__` array
     in the sections (the dynamic shared memory is the plan's, sized by the header), so that the report lands at
-    the user's declaration."""
+    the user's declaration. `where`: who said it (ptxas, or the link of the units)."""
     m = _PTXAS_SHARED.search(log)
     if not m or asm is None:
         return []
-    out = [("ptxas", 0, "error", m["text"].strip(), "")]
+    out = [(where, 0, "error", m["text"].strip(), "")]
     # the sections first: they are what a user edits; the library's own arrays (timing stamps) after
     for _, path, text in sorted(asm.pieces, key=lambda piece: not piece[1].startswith("kernels/sections/")):
         for n, line in enumerate(text.splitlines(), 1):
@@ -93,7 +94,7 @@ def compile_nvidia(asm: Assembled, arch: str = "sm_90", ptx_only: bool = False) 
     if asm.units and not ptx_only:
         from .units import link, split, units_linkable
         if units_linkable():                   # else the whole build, as below
-            return link(split(asm), arch, asm.units).cubin, "", ""
+            return link(split(asm), arch, asm.units, whole=asm).cubin, "", ""
     # a build with PTX sections: NVRTC stops at PTX (a virtual architecture: its own ptxas would assemble a
     # module about to change), and ptxas runs once, on the spliced module
     virtual = bool(asm.ptx_bodies) or ptx_only

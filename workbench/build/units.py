@@ -138,14 +138,16 @@ def _compile_unit(u: Unit, arch: str, registers: int) -> bytes:
     return cubin
 
 
-def link(units: list[Unit], arch: str = "sm_90", threads: int = 512) -> Linked:
+def link(units: list[Unit], arch: str = "sm_90", threads: int = 512, whole=None) -> Linked:
     """Every unit compiled (the cached ones taken from the cache; the others in parallel), then linked into one
-    cubin. A compile error is raised (CompileError) at its section's line, as the whole build's would be."""
+    cubin. A compile error is raised (CompileError) at its section's line, as the whole build's would be; so is
+    the link's, where it is a resource of the kernel as a whole (too much static shared memory): at the sections'
+    declarations in `whole`, the Assembled the units were split from."""
     import time
 
     from cuda.bindings import nvjitlink
 
-    from .compile import CompileError
+    from .compile import CompileError, resource_messages
     # each unit's functions get what the kernel's launch bounds give a thread: one block of `threads` per SM
     registers = min(255, 65536 // threads)
     keys = [(u.asm.key, arch, registers) for u in units]
@@ -180,7 +182,8 @@ def link(units: list[Unit], arch: str = "sm_90", threads: int = 512) -> Linked:
             log = bytearray(size)
             nvjitlink.get_error_log(handle, log)
             text = log.decode(errors="replace").rstrip("\x00 ")
-            raise CompileError([("<link of the verification build's units>", 0, "error", text.strip()[:2000], "")],
+            where = "<link of the verification build's units>"
+            raise CompileError(resource_messages(text, whole, where) or [(where, 0, "error", text.strip()[:2000], "")],
                                text) from None
         out = bytearray(nvjitlink.get_linked_cubin_size(handle))
         nvjitlink.get_linked_cubin(handle, out)
