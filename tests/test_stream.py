@@ -101,6 +101,8 @@ def test_register_stages_of_a_stream_build_are_left_out_of_the_stream():
     assert r.stack == 0 and r.registers <= 128, r
     with pytest.raises(ValueError, match="attention_decode: not a stage that streams weights"):
         assemble(cfg, dataclasses.replace(STREAM, stream_register="attention_decode"))
+    with pytest.raises(ValueError, match="every streaming stage is named"):     # the streamer would have nothing
+        assemble(cfg, dataclasses.replace(STREAM, stream_register="+".join(x.stage for x in plan.streams(cfg))))
     with pytest.raises(ValueError, match="set stream too"):
         BuildOptions(stream_register="o_proj_residual")
 

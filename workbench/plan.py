@@ -598,6 +598,8 @@ def register_stages_problem(cfg: ModelConfig, names) -> str | None:
     bad = [n for n in names if n not in streamed]
     if bad:
         return f"{', '.join(bad)}: not a stage that streams weights (those are: {', '.join(sorted(streamed))})"
+    if streamed and streamed <= set(names):
+        return "every streaming stage is named: that is the register path (stream=False), with a warp less"
     return None
 
 

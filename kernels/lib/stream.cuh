@@ -148,7 +148,7 @@ __device__ bool wb_stream_step(const Params* P, WbStreamer& st);   // generated 
 __device__ __noinline__ void wb_stream_run(const Params* __restrict__ P) {
     if (wb_lane() != 0) return;
     WbStreamer st{0, 0};
-    while (!wb_stream_step(P, st)) {}
+    while (!wb_stream_step(P, st) && !wb_stream_stopped()) {}   // a step with nothing to stream returns at once
     const u64 t0 = wb_globaltimer_ns();
     for (u32 j = st.issued > WB_RING_SLOTS ? st.issued - WB_RING_SLOTS : 0; j < st.issued; ++j) {
         while (!wb_mbar_done(&wb_full[j % WB_RING_SLOTS], (j / WB_RING_SLOTS) & 1))

@@ -15,7 +15,10 @@
 //   from the unrounded weights.
 // - exp is the fast one (ex2.approx after a multiply by log2 e): its error grows with |x|, to about |x|·2⁻²³ of
 //   e^x, and e^x·|x| ≤ 1/e, so no probability is off by more than ~2⁻²³ of the row's largest.
-// - A NaN in a query or a key makes its row's output NaN: the max skips it, but exp(NaN) enters the sum.
+// - A NaN in a query or a key makes its row's output NaN: the max skips it, but exp(NaN) enters the sum. A NaN or
+//   an infinity in a value at position j also reaches the earlier rows of j's block, whose weight for it is 0 (and
+//   0·NaN is NaN): a cache holding one is wrong at j already, and every later row reads it, so the prefill fails
+//   its check either way. The layouts below are bit-identical for finite values.
 //
 // Set by the launcher (workbench/run/prefill_gpu.py): WB_HD (head_dim, a multiple of 16, at most 128), WB_THREADS and
 // WB_PA_ROWS (the rows a block takes, as its grid counts them), and two layouts that change no result, bit for bit

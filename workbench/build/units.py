@@ -183,7 +183,7 @@ def link(units: list[Unit], arch: str = "sm_90", threads: int = 512, whole=None)
             nvjitlink.get_error_log(handle, log)
             text = log.decode(errors="replace").rstrip("\x00 ")
             where = "<link of the verification build's units>"
-            raise CompileError(resource_messages(text, whole, where) or [(where, 0, "error", text.strip()[:2000], "")],
+            raise CompileError(resource_messages(text, whole, where) + [(where, 0, "error", text.strip()[:2000], "")],
                                text) from None
         out = bytearray(nvjitlink.get_linked_cubin_size(handle))
         nvjitlink.get_linked_cubin(handle, out)

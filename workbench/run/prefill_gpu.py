@@ -204,7 +204,7 @@ class PrefillIO:
     k_cache: object            # the kernel's, [L, Hkv, max_seq, hd] bf16 bits
     v_cache: object
     layer_kernels: object      # the compiled layer.cuh
-    attend: object             # the compiled attention kernel for this head_dim
+    attend: tuple              # (the compiled attention kernel for this head_dim, the FlashLayout it was built for)
 
     @property
     def cfg(self):
@@ -264,7 +264,7 @@ def qkv_rope_append(io: PrefillIO, st: dict) -> dict:
 
 def attention(io: PrefillIO, st: dict) -> dict:
     return {"o": flash_attention(st["q"], io.k_cache[io.layer], io.v_cache[io.layer], io.positions, io.cfg.n_heads,
-                                 kernel=io.attend)}
+                                 kernel=io.attend[0], layout=io.attend[1])}
 
 
 def o_proj_residual(io: PrefillIO, st: dict) -> dict:

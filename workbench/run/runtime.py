@@ -597,7 +597,7 @@ def stream_mismatch(cfg, launch: plan.Launch, st: list[int]) -> StreamMismatch:
     want, got = st[STATUS["stream_want"]] & 0xFFFFFFFF, st[STATUS["stream_got"]] & 0xFFFFFFFF
     w = plan.decode_where(want)
     item = w[2] if w else -1
-    s = plan.stream_stage(cfg, name)
+    s = plan.stream_stage(cfg, name, launch)
     declared = (f"the plan streams it {s.units:,} units of {s.rows} row(s) of {s.buffer} ({s.k} wide)"
                 if s is not None else "the plan streams it no weights")
     if got == 0xFFFFFFFF:
