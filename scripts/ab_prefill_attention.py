@@ -5,7 +5,8 @@ layout timed (median of repeats, CUDA events) and held to the default's output b
     python scripts/ab_prefill_attention.py --model llama-3.2-1b --prompt 4096 32768 [--json FILE]
 
 The table gives ms per layer and for all layers (× n_layers), and the tensor-core rate counted as the work a
-bf16 attention does (4·rows·keys·hd per head, causal), so a layout that does the same work faster shows higher.
+bf16 attention does (4·rows·keys·hd per head, causal), so a layout that does the same work faster shows higher;
+the kernel issues twice those mma FLOPs (queries and probabilities split in hi + lo).
 """
 from __future__ import annotations
 
