@@ -76,6 +76,18 @@ __device__ __forceinline__ void warp_rows_dot(const bf16* __restrict__ row0, lon
     for (int r = 0; r < NR; ++r) out[r] = wb_warp_sum(acc[r]);
 }
 
+// This warp's units (NR adjacent rows of K, dealt round-robin, see grid_warp), each read straight to registers and
+// its result handed to `done(unit, y[NR])`: the register path, and a stream build's register stages.
+template <int K, int NR, bool ACROSS_BLOCKS, typename Done>
+__device__ __forceinline__ void warp_units_from_registers(const bf16* __restrict__ W, int n_units,
+                                                          const float* act, Done done) {
+    float y[NR];
+    for (int u = grid_warp<ACROSS_BLOCKS>(); u < n_units; u += grid_nwarps()) {
+        warp_rows_dot<K, NR>(W + (long long)u * NR * K, K, act, y);
+        done(u, y);
+    }
+}
+
 #if WB_STREAMING
 // acc += one item (PIECE elements of a row, in a ring page) · act[0, PIECE). In each 256 elements, lane l takes
 // elements 4l .. 4l + 3 and 128 + 4l .. 128 + 4l + 3: its weights are two 8-byte reads and its activations two
@@ -126,11 +138,7 @@ __device__ __forceinline__ void for_warp_units(const bf16* __restrict__ W, int n
         ((volatile u32*)&wb_streams_entered)[0] = wb_streams_entered + 1;
     prologue();                                        // block-wide: every consumer thread takes part
     if (WB_STREAM_REGISTER_STAGES && !wb_stage_streamed(wb_where_entered)) {   // BuildOptions.stream_register
-        float y[NR];
-        for (int u = grid_warp<ACROSS_BLOCKS>(); u < n_units; u += grid_nwarps()) {
-            warp_rows_dot<K, NR>(W + (long long)u * NR * K, K, act, y);
-            done(u, y);
-        }
+        warp_units_from_registers<K, NR, ACROSS_BLOCKS>(W, n_units, act, done);
         return;
     }
     const u32 tag = wb_stream_tag();
@@ -176,11 +184,7 @@ template <int K, int NR, bool ACROSS_BLOCKS = false, typename Prologue, typename
 __device__ __forceinline__ void for_warp_units(const bf16* __restrict__ W, int n_units, const float* act,
                                                Prologue prologue, Done done) {
     prologue();                                        // block-wide: every thread takes part
-    float y[NR];
-    for (int u = grid_warp<ACROSS_BLOCKS>(); u < n_units; u += grid_nwarps()) {
-        warp_rows_dot<K, NR>(W + (long long)u * NR * K, K, act, y);
-        done(u, y);
-    }
+    warp_units_from_registers<K, NR, ACROSS_BLOCKS>(W, n_units, act, done);
 }
 #endif
 

@@ -98,7 +98,7 @@ __device__ __forceinline__ void wb_stream_finish() {
 #ifndef WB_STREAM_AHEAD
 #define WB_STREAM_AHEAD 0
 #endif
-static_assert(WB_STREAM_INFLIGHT >= 0 && WB_STREAM_INFLIGHT < WB_RING_SLOTS + 1 && WB_STREAM_AHEAD >= 0,
+static_assert(WB_STREAM_INFLIGHT >= 0 && WB_STREAM_INFLIGHT <= WB_RING_SLOTS && WB_STREAM_AHEAD >= 0,
               "the meters count pages and streams");
 // The streamer is one thread: one bulk copy per page is few enough instructions that issuing never holds it up.
 struct WbStreamer {

@@ -25,8 +25,8 @@
 // (the GPU test holds them to it): WB_PA_GQA_ROWS, a block's rows are (position, query head) pairs of one kv head,
 // head fastest, so that each key and value tile copied serves every query head of the group (the grid is
 // (⌈n·group / 64⌉, Hkv)) instead of one head (the grid (⌈n / 64⌉, Hq)); WB_PA_K_LDMATRIX, the keys' fragments
-// taken by ldmatrix, four 8×8 matrices an instruction, instead of two 32-bit loads each. Two stages of a key tile and a value tile fit the
-// 48 KB of static shared memory with 64 keys a tile up to head_dim 64, and 32 beyond.
+// taken by ldmatrix, four 8×8 matrices an instruction, instead of two 32-bit loads each. Two stages of a key tile
+// and a value tile fit the 48 KB of static shared memory with 64 keys a tile up to head_dim 64, and 32 beyond.
 
 // The tile, in mma.sync's m16n8k16 fragments: each warp 16 query rows (one fragment's M), a tile PA_BN keys
 #define PA_FRAG_M 16

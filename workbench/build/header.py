@@ -99,7 +99,8 @@ def stream_constants(cfg: ModelConfig, launch: plan.Launch) -> list[str]:
         f"constexpr int WB_TAG_ITEM_SHIFT = {step_shift};",
         f"constexpr u32 WB_TAG_STAGE_LAYER = (1u << {step_shift}) - 1u;",
         "// the stages whose weights come through the ring, one bit per stage (the others read straight to registers)",
-        f"constexpr unsigned long long WB_STREAMED_STAGES = {_stage_mask(x.stage for x in plan.streams(cfg, launch)) if on else 0}ull;",
+        "constexpr unsigned long long WB_STREAMED_STAGES = "
+        f"{_stage_mask(x.stage for x in plan.streams(cfg, launch)) if on else 0}ull;",
         f"constexpr bool WB_STREAM_REGISTER_STAGES = {str(bool(on and launch.register_stages)).lower()};"
         "   // any: only then is the register path compiled into the stream build's stages",
     ]
