@@ -64,6 +64,13 @@ __device__ __forceinline__ u32 wb_atomic_add(u32* p, u32 v) { return __hip_atomi
 __device__ __forceinline__ u64 wb_atomic_add(u64* p, u64 v) { return __hip_atomic_fetch_add(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_WORKGROUP); }
 __device__ __forceinline__ void wb_red_release_add(u32* p, u32 v) { __hip_atomic_fetch_add(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_AGENT); }
 __device__ __forceinline__ void wb_atomic_or(u32* p, u32 v) { __hip_atomic_fetch_or(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT); }
+// p[0..3] += v, each element atomically at device scope (no ordering)
+__device__ __forceinline__ void wb_red_add_f4(float* p, float4 v) {
+    __hip_atomic_fetch_add(p, v.x, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+    __hip_atomic_fetch_add(p + 1, v.y, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+    __hip_atomic_fetch_add(p + 2, v.z, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+    __hip_atomic_fetch_add(p + 3, v.w, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT);
+}
 __device__ __forceinline__ int wb_atomic_cas(int* p, int cmp, int v) {
     __hip_atomic_compare_exchange_strong(p, &cmp, v, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_SYSTEM); return cmp; }
 __device__ __forceinline__ u32 wb_load_acquire(const u32* p) { return __hip_atomic_load(p, __ATOMIC_ACQUIRE, __HIP_MEMORY_SCOPE_AGENT); }
@@ -80,6 +87,12 @@ __device__ __forceinline__ wb_u4 wb_ld_stream(const void* p) {
     typedef u32 v4u __attribute__((ext_vector_type(4)));
     v4u v = __builtin_nontemporal_load(WB_GLOBAL(v4u, p));
     return wb_u4{v.x, v.y, v.z, v.w};
+}
+struct wb_u2 { u32 x, y; };
+__device__ __forceinline__ wb_u2 wb_ld_stream_u2(const void* p) {
+    typedef u32 v2u __attribute__((ext_vector_type(2)));
+    v2u v = __builtin_nontemporal_load(WB_GLOBAL(v2u, p));
+    return wb_u2{v.x, v.y};
 }
 __device__ __forceinline__ float wb_exp(float x)  { return __builtin_expf(x); }
 __device__ __forceinline__ float wb_rsqrt(float x) { return __builtin_amdgcn_rsqf(x); }
@@ -148,6 +161,16 @@ __device__ __forceinline__ u32 wb_atomic_add(u32* p, u32 v) { return atomicAdd(p
 __device__ __forceinline__ void wb_red_release_add(u32* p, u32 v) {
     asm volatile("red.release.gpu.global.add.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory"); }
 __device__ __forceinline__ void wb_atomic_or(u32* p, u32 v) { atomicOr(p, v); }
+// p[0..3] += v, each element atomically at device scope (no ordering). sm_90 does the four in one 16-byte reduction
+// at L2 (REDG.E.ADD.F32x4, which flushes denormal results to zero); before it, four.
+__device__ __forceinline__ void wb_red_add_f4(float* p, float4 v) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};"
+                 :: "l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w) : "memory");
+#else
+    atomicAdd(p, v.x); atomicAdd(p + 1, v.y); atomicAdd(p + 2, v.z); atomicAdd(p + 3, v.w);
+#endif
+}
 __device__ __forceinline__ u64 wb_atomic_add(u64* p, u64 v) { return atomicAdd((unsigned long long*)p, (unsigned long long)v); }
 __device__ __forceinline__ int wb_atomic_cas(int* p, int cmp, int v) { return atomicCAS(p, cmp, v); }
 __device__ __forceinline__ u32 wb_load_acquire(const u32* p) {
@@ -162,6 +185,13 @@ __device__ __forceinline__ wb_u4 wb_ld_stream(const void* p) {
     wb_u4 v;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+// 8 bytes of a weight row (four bf16), the same way: where a thread keeps many rows in flight, half the registers
+struct wb_u2 { u32 x, y; };
+__device__ __forceinline__ wb_u2 wb_ld_stream_u2(const void* p) {
+    wb_u2 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
     return v;
 }
 __device__ __forceinline__ float wb_exp(float x)  { return __expf(x); }

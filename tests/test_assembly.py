@@ -147,17 +147,17 @@ def test_boundary_table_separates_stragglers_from_slow_releases():
     for i in range(n):
         for s in range(S):
             late = 2000 if names[s][0] == "o_proj_residual" else 0     # one block straggles in o_proj
-            slow = 3000 if names[s][0] == "gate_up_silu" else 800      # gate_up's barrier releases slowly
+            slow = 3000 if names[s][0] == "gate_up_silu+down_residual" else 800   # the MLP's barrier releases slowly
             arrivals = [now + 500 + 100 * b + (late if b == G - 1 else 0) for b in range(G)]
             last = max(arrivals)
             for b in range(G):
                 t[i, s, b] = (arrivals[b], last + slow - 100 * (G - 1 - b))
             now = last + slow
     rows = {r.stage: r for r in boundary_table(cfg, t)}
-    o, gu, down = rows["o_proj_residual"], rows["gate_up_silu"], rows["down_residual"]
+    o, mlp, qkv = rows["o_proj_residual"], rows["gate_up_silu+down_residual"], rows["qkv_rope_append"]
     assert o.first_arrival_us == pytest.approx(0.5) and o.last_arrival_us == pytest.approx(2.5 + 0.3)
-    assert gu.last_arrival_us == pytest.approx(0.8) and gu.last_leave_us == pytest.approx(3.0)
-    assert gu.first_leave_us == pytest.approx(2.7) and down.last_leave_us == pytest.approx(0.8)
+    assert mlp.last_arrival_us == pytest.approx(0.8) and mlp.last_leave_us == pytest.approx(3.0)
+    assert mlp.first_leave_us == pytest.approx(2.7) and qkv.last_leave_us == pytest.approx(0.8)
     assert "first in" in format_boundaries(list(rows.values())).splitlines()[0]
 
 

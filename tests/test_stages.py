@@ -222,7 +222,7 @@ def random_io(rng, dtype, n=5):
                                  else randn(rng, *shape, scale=shape[1] ** -0.5)).astype(dtype)
     weights["lm_head"] = weights["embed"]                       # tied in the tiny preset
     acts = {b: randn(rng, n, *plan.BUFFERS[b].layer_shape(cfg)).astype(dtype)
-            for b in ("x", "q", "o", "hmlp", "logits")}
+            for b in ("x", "h", "q", "o", "hmlp", "logits")}
     n_ctx = 50
     k, v = (randn(rng, cfg.n_kv_heads, n_ctx, cfg.head_dim).astype(dtype) for _ in range(2))
     positions = rng.choice(n_ctx, n, replace=False)
@@ -253,7 +253,7 @@ def test_stage_references_give_the_plan_buffers_in_the_input_dtype(rng, dtype):
                 assert val.dtype == dtype, (st.name, buf)
                 assert np.isfinite(val).all(), (st.name, buf)
             seen.add(buf)
-    assert seen == {"x", "q", "k_cache", "v_cache", "o", "hmlp", "logits", "sampled"}
+    assert seen == {"x", "h", "q", "k_cache", "v_cache", "o", "hmlp", "logits", "sampled"}
     assert [s.name for s in plan.STAGES if s.reference is None] == ["publish"]
 
 
@@ -267,8 +267,8 @@ def test_stage_references_compute_their_math(rng):
         "embedding": {"x": w["embed"][io.token]},
         "qkv_rope_append": {"q": q, "k_cache": k, "v_cache": v},
         "attention_decode": {"o": S.attention_decode(a["q"], io.k, io.v, io.positions)},
-        "o_proj_residual": {"x": a["x"] + a["o"] @ w["wo"].T},
-        "gate_up_silu": {"hmlp": S.gate_up_silu(a["x"], w["wg"], w["wu"], w["mlp_norm"], eps)},
+        "o_proj_residual": {"x": a["x"] + a["o"] @ w["wo"].T, "h": a["x"] + a["o"] @ w["wo"].T},
+        "gate_up_silu": {"hmlp": S.gate_up_silu(a["h"], w["wg"], w["wu"], w["mlp_norm"], eps)},
         "down_residual": {"x": a["x"] + a["hmlp"] @ w["wd"].T},
         "lm_head": {"logits": S.lm_head(a["x"], w["lm_head"], w["final_norm"], eps)},
         "sampling": {"sampled": np.argmax(a["logits"], axis=-1)},

@@ -107,14 +107,17 @@ BUFFERS: dict[str, Buffer] = {b.name: b for b in [
     _b("wo", "bf16", lambda c, l: (c.n_layers, c.hidden, c.q_dim), "weight", "attention output [L, D, Q]", True),
     _b("wgu", "bf16", lambda c, l: (c.n_layers, 2 * c.intermediate, c.hidden), "weight",
        "gate row j then up row j [L, 2F, D], MLP-norm gain folded in", True),
-    _b("wd", "bf16", lambda c, l: (c.n_layers, c.hidden, c.intermediate), "weight", "down projection [L, D, F]",
-       True),
+    _b("wd", "bf16", lambda c, l: (c.n_layers, c.intermediate, c.hidden), "weight",
+       "down projection, transposed [L, F, D]: row j is Wd's column j, what hmlp[j] scales", True),
     _b("lm_head", "bf16", lambda c, l: (c.vocab, c.hidden), "weight", "LM head [V, D], final-norm gain folded in"),
     # tables
     _b("rope_cos", "f32", lambda c, l: (c.max_seq, c.head_dim // 2), "table", "cos(pos·θ_i) [max_seq, hd/2]"),
     _b("rope_sin", "f32", lambda c, l: (c.max_seq, c.head_dim // 2), "table", "sin(pos·θ_i) [max_seq, hd/2]"),
     # the activations of one step
     _b("x", "f32", lambda c, l: (c.hidden,), "activation", "the residual stream [D]"),
+    _b("h", "f32", lambda c, l: (c.hidden,), "activation",
+       "the residual after attention [D], read by the MLP's norm: x's value after o_proj, in a buffer of its own "
+       "so that down's adds into x cannot reach a block still reading it"),
     _b("q", "f32", lambda c, l: (c.q_dim,), "activation", "queries, rotated [Hq·hd]"),
     _b("o", "f32", lambda c, l: (c.q_dim,), "activation", "attention output [Hq·hd]"),
     _b("hmlp", "f32", lambda c, l: (c.intermediate,), "activation", "silu(gate) ⊙ up [F]"),
@@ -150,6 +153,10 @@ class Use:
     rows: Callable | None = None
     positions: str | None = None
     when: Callable | None = None        # cfg → whether the stage reads it for this model (None: always)
+    atomic: bool = False                # a write: every unit adds into the whole buffer atomically (no unit
+    #                                     reads it, so no unit's rows need to be its own)
+    local: bool = False                 # a read: unit u needs only what unit u of the writer wrote, and both
+    #                                     stages deal units to blocks alike (deal="blocks"): a block barrier orders them
 
     def active(self, cfg: ModelConfig) -> bool:
         return self.when is None or bool(self.when(cfg))
@@ -165,6 +172,8 @@ class Stage:
     units: Callable                     # (cfg, launch) → how many work units the stage divides into
     unit: str                           # what one unit is
     runs_on: str = "grid"               # "grid": every block takes units; "block0": one block does it all
+    deal: str = "warps"                 # "warps": units round-robin over the grid's warps; "blocks": block b owns
+    #                                     the contiguous units block_units(n, grid, b), its warps share them
     taps: tuple = ()                    # written buffers the taps build copies out after the stage
     smem: Callable | None = None        # (cfg, launch) → {region: floats}, laid out from 0 in this order
     extra_args: tuple = ()              # C++ arguments after the buffers (e.g. "s.pos", "smem")
@@ -173,6 +182,8 @@ class Stage:
     reference: Callable | None = None   # its math on a check.stages.StageIO → {buffer: value}
     tolerances: dict = dataclasses.field(default_factory=dict)   # {written buffer: check.stages.Tolerance}
     contracts: tuple = ()               # checks beyond tolerances (check.stages.*_contract)
+    streamed: bool = True               # a stream build feeds its weights through the ring (False: the section
+    #                                     reads them itself, not as dot products of whole rows)
 
     def reads_buffer(self, name: str) -> bool:
         return any(u.buffer == name for u in self.reads)
@@ -229,6 +240,17 @@ def attention_paths(c: ModelConfig, l: Launch, thorough: bool = False) -> list[i
     return sorted(p - 1 for p in n if 1 <= p <= c.max_seq)
 
 
+def down_phases(c: ModelConfig, l: Launch) -> int:
+    """The down projection's row phases: a block's threads cover D in 8-byte column groups (4 columns a thread),
+    and as many such covers as fit take every phase-th row of the block's Wdᵀ rows (WB_DOWN_PHASES in the kernel)."""
+    return max(1, l.stage_threads // (c.hidden // 4))
+
+
+def block_units(n: int, grid: int, block: int) -> range:
+    """The units a stage that deals by blocks gives block `block` (wb_block_units in kernels/lib/matvec.cuh)."""
+    return range(block * n // grid, (block + 1) * n // grid)
+
+
 SAMPLER_SCRATCH_FLOATS = (256 + 1024) * 2 + 4    # SampScratch: u64 hist[256], u64 chunk[1024], two u32, one u64
 
 STAGES: tuple[Stage, ...] = (
@@ -262,26 +284,31 @@ STAGES: tuple[Stage, ...] = (
                              "warps": _pad4(l.threads // 32 * c.group * (c.head_dim + 2))},
           extra_args=("layer", "s.pos", "P->attn_max_splits", "smem"), paths=attention_paths,
           reference=ref.attention_decode_io, tolerances={"o": ref.ATTENTION}),
-    Stage("o_proj_residual", "layer", "x += Wo·o",
+    Stage("o_proj_residual", "layer", "h = x += Wo·o",
           reads=(Use("o"), Use("wo", rows=lambda c, r: ((r * c.q_dim, (r + 1) * c.q_dim),)),
                  Use("x", rows=lambda c, r: ((r, r + 1),))),
-          writes=(Use("x", rows=lambda c, r: ((r, r + 1),)),),
-          units=lambda c, l: c.hidden, unit="an output row", taps=("x",),
+          writes=(Use("x", rows=lambda c, r: ((r, r + 1),)), Use("h", rows=lambda c, r: ((r, r + 1),))),
+          units=lambda c, l: c.hidden, unit="an output row", taps=("x", "h"),
           smem=lambda c, l: {"act": _act(c)}, extra_args=("layer", "smem"),
-          reference=ref.o_proj_residual_io, tolerances={"x": ref.FP32}),
-    Stage("gate_up_silu", "layer", "hmlp = silu(Wg·m(x)) ⊙ Wu·m(x)",
-          reads=(Use("x"), Use("wgu", rows=lambda c, j: ((2 * j * c.hidden, (2 * j + 2) * c.hidden),))),
+          reference=ref.o_proj_residual_io, tolerances={"x": ref.FP32, "h": ref.FP32}),
+    Stage("gate_up_silu", "layer", "hmlp = silu(Wg·m(h)) ⊙ Wu·m(h)",
+          reads=(Use("h"), Use("wgu", rows=lambda c, j: ((2 * j * c.hidden, (2 * j + 2) * c.hidden),))),
           writes=(Use("hmlp", rows=lambda c, j: ((j, j + 1),)),),
-          units=lambda c, l: c.intermediate, unit="a gate/up row pair", taps=("hmlp",),
+          units=lambda c, l: c.intermediate, unit="a gate/up row pair", taps=("hmlp",), deal="blocks",
           smem=lambda c, l: {"act": _act(c), "red": RED}, extra_args=("layer", "smem"),
           doc="m = RMSNorm without its gain (folded into Wgu)", reference=ref.gate_up_silu_io,
           tolerances={"hmlp": ref.FP32}),
+    # The MLP runs between two grid barriers: block b's down part reads only the hmlp rows its own gate_up part
+    # wrote (both deal units by blocks), so a block barrier orders them; its partial sums go into x by atomic adds.
     Stage("down_residual", "layer", "x += Wd·hmlp",
-          reads=(Use("hmlp"), Use("wd", rows=lambda c, r: ((r * c.intermediate, (r + 1) * c.intermediate),)),
-                 Use("x", rows=lambda c, r: ((r, r + 1),))),
-          writes=(Use("x", rows=lambda c, r: ((r, r + 1),)),),
-          units=lambda c, l: c.hidden, unit="an output row", taps=("x",),
-          smem=lambda c, l: {"act": _act(c)}, extra_args=("layer", "smem"),
+          reads=(Use("hmlp", rows=lambda c, j: ((j, j + 1),), local=True),
+                 Use("wd", rows=lambda c, j: ((j * c.hidden, (j + 1) * c.hidden),)), Use("x")),
+          writes=(Use("x", atomic=True),),
+          units=lambda c, l: c.intermediate, unit="hmlp[j]·Wd[:, j] (a row of the transpose) added to all of x",
+          taps=("x",), deal="blocks", streamed=False,
+          smem=lambda c, l: {"hmlp": _pad4(-(-c.intermediate // l.grid)), "sum": down_phases(c, l) * c.hidden},
+          extra_args=("layer", "smem"),
+          doc="each block's partial sums added into x atomically: the order of the additions across blocks varies",
           reference=ref.down_residual_io, tolerances={"x": ref.FP32}),
     Stage("lm_head", "token", "logits = W_lm·n(x); each block's best (value, index)",
           reads=(Use("x"), Use("lm_head", rows=lambda c, v: ((v * c.hidden, (v + 1) * c.hidden),))),
@@ -354,7 +381,48 @@ def conflicts(a: Stage, b: Stage) -> set:
         return set()
     wa, ra = {u.buffer for u in a.writes}, {u.buffer for u in a.reads}
     wb, rb = {u.buffer for u in b.writes}, {u.buffer for u in b.reads}
-    return (wa & (rb | wb)) | (ra & wb)
+    return ((wa & (rb - local_reads(a, b))) | (wa & wb)) | (ra & wb)
+
+
+def local_reads(a: Stage, b: Stage) -> set:
+    """Buffers stage b reads from stage a unit by unit within each block (Use.local, both dealing by blocks): a
+    block barrier between them is enough. `local_problem` checks the claim against the rows for a config."""
+    if a.deal != "blocks" or b.deal != "blocks":
+        return set()
+    return {u.buffer for u in b.reads if u.local and a.writes_buffer(u.buffer)}
+
+
+def local_problem(cfg: ModelConfig, launch: Launch = Launch()) -> str | None:
+    """Why a read the plan declares local is not (None: every one is): the reader and the writer must deal the
+    same number of units by blocks, and unit u may read only rows that the writer's unit u wrote."""
+    for b in STAGES:
+        for u in b.reads:
+            if not u.local:
+                continue
+            writer = next((a for a in STAGES if a.writes_buffer(u.buffer)), None)
+            if writer is None or u.buffer not in local_reads(writer, b):
+                return f"{b.name} reads {u.buffer} locally, but no stage that deals by blocks writes it"
+            n = b.units(cfg, launch)
+            if writer.units(cfg, launch) != n:
+                return (f"{b.name} reads {u.buffer} locally over {n} units, {writer.name} writes it over "
+                        f"{writer.units(cfg, launch)}: block b's units differ")
+            w = next(x for x in writer.writes if x.buffer == u.buffer)
+            for unit in range(n):
+                want, have = u.rows(cfg, unit), w.rows(cfg, unit)
+                if any(not any(h0 <= lo and hi <= h1 for h0, h1 in have) for lo, hi in want):
+                    return (f"{b.name}'s unit {unit} reads rows {want} of {u.buffer}; {writer.name}'s unit {unit} "
+                            f"wrote {have}")
+    return None
+
+
+def block_barrier_before(cfg: ModelConfig, stage_name: str) -> bool:
+    """Whether the stage reads, within its block, what the stage before it wrote with no grid barrier between:
+    the generated step puts a block barrier there."""
+    seq = [s for s, _ in _execution(cfg.n_layers)]
+    i = seq.index(stage_name)
+    if i == 0:
+        return False
+    return bool(local_reads(stage(seq[i - 1]), stage(stage_name)))
 
 
 def _barriers(seq) -> list[bool]:
@@ -572,7 +640,7 @@ def streams(cfg: ModelConfig, launch: "Launch" = None) -> tuple[Stream, ...]:
     launch = launch or Launch()
     out = []
     for s in STAGES:
-        if s.name in launch.register_stages:
+        if s.name in launch.register_stages or not s.streamed:
             continue
         for u in s.reads:
             b = BUFFERS[u.buffer]

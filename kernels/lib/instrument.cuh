@@ -49,6 +49,9 @@ __device__ __forceinline__ bool wb_done(const Params* __restrict__ P) { return (
 // so the host can check every stage of every layer on its own inputs. The copies read buffers that the next stage
 // does not write (the generator refuses a plan where it would), so they need no extra barrier.
 #define WB_TAP_COPIES(copies) do { if (wb_bid() == 0 && P->tap_slot[s.step] >= 0) { copies wb_syncthreads(); } } while (0)
+// After a stage that no grid barrier follows: every block copies the rows of its own units (a stage that deals
+// by blocks), once its warps have written them.
+#define WB_TAP_LOCAL_COPIES(copies) do { if (P->tap_slot[s.step] >= 0) { wb_syncthreads(); copies wb_syncthreads(); } } while (0)
 // (step and pos by value: a reference to the step's state would put it in local memory for the whole kernel)
 __device__ __forceinline__ float* wb_tap_dst(const Params* __restrict__ P, int step, int offset, int layer, int n) {
     return P->taps + (long long)P->tap_slot[step] * WB_TAP_STEP_FLOATS + offset + (long long)layer * n;
@@ -72,10 +75,23 @@ __device__ __noinline__ void wb_tap_kv(const Params* __restrict__ P, int step, i
         dst[i] = bf16_to_f32(((volatile const bf16*)cache)[((long long)(i / WB_HEAD_DIM) * WB_MAX_SEQ + pos) * WB_HEAD_DIM
                                                         + i % WB_HEAD_DIM]);
 }
+// this block's units' rows (`per` floats a unit) of a buffer of n_units·per floats
+__device__ __noinline__ void wb_tap_f32_units(const Params* __restrict__ P, int step, int offset, int layer,
+                                              const float* src, int n_units, int per) {
+    int u0, u1;
+    wb_block_units(n_units, u0, u1);
+    float* dst = wb_tap_dst(P, step, offset, layer, n_units * per);
+    for (int i = u0 * per + wb_tid(); i < u1 * per; i += wb_ntid()) dst[i] = wb_ld_cg(src + i);
+}
 // a value thread 0 holds (the sampled token)
 __device__ __forceinline__ void wb_tap_value(const Params* __restrict__ P, int step, int offset, int v) {
     if (wb_tid() == 0) *wb_tap_dst(P, step, offset, 0, 1) = (float)v;
 }
+// After block 0's copies of a buffer that a stage of the next slot writes (down_residual adds into all of x while
+// block 0 would still be copying o_proj's x): the debug build waits for the copies at a grid barrier of its own.
+#define WB_TAP_SYNC(stage, layer) do { if (grid_sync(P, stage, layer, s.step)) return true; } while (0)
 #else
+#define WB_TAP_SYNC(stage, layer) ((void)0)
 #define WB_TAP_COPIES(copies) ((void)0)
+#define WB_TAP_LOCAL_COPIES(copies) ((void)0)
 #endif

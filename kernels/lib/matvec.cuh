@@ -6,13 +6,16 @@
 // FMA, which is what keeps enough bytes moving to approach the bandwidth roofline.
 #pragma once
 
-// Rows are dealt to warps round-robin over the whole grid: warp g takes rows g, g + NW, g + 2·NW ... Warps are
-// numbered block by block (g = block·warps + warp), so a block's warps read neighbouring rows; ACROSS_BLOCKS
-// numbers them block-fastest (g = warp·blocks + block), so that a stage with fewer units than warps loads every SM
-// alike instead of filling the first blocks.
-template <bool ACROSS_BLOCKS = false>
+// How a stage's units are dealt (the plan's Stage.deal). WB_DEAL_WARPS: round-robin over the whole grid's warps,
+// warp g taking units g, g + NW, g + 2·NW ..., warps numbered block by block (g = block·warps + warp) so that a
+// block's warps read neighbouring rows. WB_DEAL_ACROSS: the same, numbered block-fastest (g = warp·blocks + block),
+// so that a stage with fewer units than warps loads every SM alike instead of filling the first blocks.
+// WB_DEAL_BLOCKS: block b owns the contiguous units wb_block_units (as a stream build deals every stage), its warps
+// round-robin over them, so that a later stage can read them with only a block barrier (the plan's Use.local).
+enum WbDeal { WB_DEAL_WARPS = 0, WB_DEAL_ACROSS = 1, WB_DEAL_BLOCKS = 2 };
+template <int DEAL = WB_DEAL_WARPS>
 __device__ __forceinline__ int grid_warp() {
-    return ACROSS_BLOCKS ? wb_warp() * wb_nbid() + wb_bid() : wb_bid() * wb_nwarps() + wb_warp();
+    return DEAL == WB_DEAL_ACROSS ? wb_warp() * wb_nbid() + wb_bid() : wb_bid() * wb_nwarps() + wb_warp();
 }
 __device__ __forceinline__ int grid_nwarps() { return wb_nbid() * wb_nwarps(); }
 
@@ -46,6 +49,21 @@ __device__ __forceinline__ void warp_rows_fma(const wb_u4 (&w)[NR][RowLoads<K, N
     }
 }
 
+// w = the chunk of UNROLL loads starting at step i0, for each of the NR rows
+template <int K, int NR>
+__device__ __forceinline__ void warp_rows_load(const bf16* __restrict__ row0, long long row_stride, int i0,
+                                               wb_u4 (&w)[NR][RowLoads<K, NR>::UNROLL]) {
+    using L = RowLoads<K, NR>;
+#pragma unroll
+    for (int u = 0; u < L::UNROLL; ++u) {
+        const int k = (i0 + u) * L::STEP + wb_lane() * 8;
+        if (i0 + u < L::ITERS && (K % L::STEP == 0 || k < K)) {
+#pragma unroll
+            for (int r = 0; r < NR; ++r) w[r][u] = wb_ld_stream(row0 + r * row_stride + k);
+        }
+    }
+}
+
 // out[r] = row r · act for NR rows of K (UNROLL loads per row in flight before the first FMA)
 template <int K, int NR>
 __device__ __forceinline__ void warp_rows_dot(const bf16* __restrict__ row0, long long row_stride,
@@ -62,27 +80,35 @@ __device__ __forceinline__ void warp_rows_dot(const bf16* __restrict__ row0, lon
 #pragma unroll L::CHUNKS_UNROLLED
     for (int i0 = 0; i0 < L::ITERS; i0 += L::UNROLL) {
         wb_u4 w[NR][L::UNROLL];
-#pragma unroll
-        for (int u = 0; u < L::UNROLL; ++u) {
-            const int k = (i0 + u) * L::STEP + wb_lane() * 8;
-            if (i0 + u < L::ITERS && (K % L::STEP == 0 || k < K)) {
-#pragma unroll
-                for (int r = 0; r < NR; ++r) w[r][u] = wb_ld_stream(row0 + r * row_stride + k);
-            }
-        }
+        warp_rows_load<K, NR>(row0, row_stride, i0, w);
         warp_rows_fma<K, NR>(w, i0, act, acc);
     }
 #pragma unroll
     for (int r = 0; r < NR; ++r) out[r] = wb_warp_sum(acc[r]);
 }
 
-// This warp's units (NR adjacent rows of K, dealt round-robin, see grid_warp), each read straight to registers and
-// its result handed to `done(unit, y[NR])`: the register path, and a stream build's register stages.
-template <int K, int NR, bool ACROSS_BLOCKS, typename Done>
+// This warp's first unit and the stride to its next, as the deal gives them (grid_warp, wb_block_units).
+template <int DEAL>
+__device__ __forceinline__ void warp_units(int n_units, int& u, int& end, int& stride) {
+    u = grid_warp<DEAL>(), end = n_units, stride = grid_nwarps();
+    if (DEAL == WB_DEAL_BLOCKS) {
+        wb_block_units(n_units, u, end);
+        u += wb_warp();
+        stride = wb_nwarps();
+    }
+}
+
+// This warp's units (NR adjacent rows of K, dealt as DEAL says), each read straight to registers and its result
+// handed to `done(unit, y[NR])`, after the block-wide `prologue` has filled `act`: the register path, and a stream
+// build's register stages (whose prologue has run already: an empty one).
+template <int K, int NR, int DEAL, typename Prologue, typename Done>
 __device__ __forceinline__ void warp_units_from_registers(const bf16* __restrict__ W, int n_units,
-                                                          const float* act, Done done) {
+                                                          const float* act, Prologue prologue, Done done) {
     float y[NR];
-    for (int u = grid_warp<ACROSS_BLOCKS>(); u < n_units; u += grid_nwarps()) {
+    int u, end, stride;
+    warp_units<DEAL>(n_units, u, end, stride);
+    prologue();                                        // block-wide: every thread takes part
+    for (; u < end; u += stride) {
         warp_rows_dot<K, NR>(W + (long long)u * NR * K, K, act, y);
         done(u, y);
     }
@@ -122,7 +148,7 @@ __device__ __forceinline__ float slot_dot(const u8* __restrict__ w, const float*
 // is finished by the warp that took it; a unit of several (row pairs, long rows in pieces) is summed from the
 // items' partial sums in shared memory once every warp is through, in a fixed order, so the result does not
 // depend on timing.
-template <int K, int NR, bool ACROSS_BLOCKS = false, typename Prologue, typename Done>
+template <int K, int NR, int DEAL = WB_DEAL_WARPS, typename Prologue, typename Done>
 __device__ __forceinline__ void for_warp_units(const bf16* __restrict__ W, int n_units, const float* act,
                                                Prologue prologue, Done done) {
     using B = WbBlockItems<K, NR>;
@@ -138,7 +164,7 @@ __device__ __forceinline__ void for_warp_units(const bf16* __restrict__ W, int n
         ((volatile u32*)&wb_streams_entered)[0] = wb_streams_entered + 1;
     prologue();                                        // block-wide: every consumer thread takes part
     if (WB_STREAM_REGISTER_STAGES && !wb_stage_streamed(wb_where_entered)) {   // BuildOptions.stream_register
-        warp_units_from_registers<K, NR, ACROSS_BLOCKS>(W, n_units, act, done);
+        warp_units_from_registers<K, NR, DEAL>(W, n_units, act, [] {}, done);
         return;
     }
     const u32 tag = wb_stream_tag();
@@ -180,11 +206,10 @@ __device__ __forceinline__ void for_warp_units(const bf16* __restrict__ W, int n
 #else
 // A weight stage: the block's `prologue` fills `act`, then this warp's units (NR adjacent rows of K, dealt
 // round-robin, see grid_warp), each result handed to `done(unit, y[NR])`, the stage's epilogue.
-template <int K, int NR, bool ACROSS_BLOCKS = false, typename Prologue, typename Done>
+template <int K, int NR, int DEAL = WB_DEAL_WARPS, typename Prologue, typename Done>
 __device__ __forceinline__ void for_warp_units(const bf16* __restrict__ W, int n_units, const float* act,
                                                Prologue prologue, Done done) {
-    prologue();                                        // block-wide: every thread takes part
-    warp_units_from_registers<K, NR, ACROSS_BLOCKS>(W, n_units, act, done);
+    warp_units_from_registers<K, NR, DEAL>(W, n_units, act, prologue, done);
 }
 #endif
 

@@ -25,7 +25,12 @@ constexpr int wb_pieces(int k) {
 }
 
 // The block's units of a stage: [b·n/G, (b+1)·n/G), contiguous, so its rows are one span of the matrix.
+// plan.block_units is its twin: a stage that deals by blocks (Stage.deal) gives block b these units in any build.
 __device__ __forceinline__ int wb_block_unit(int n_units, int b) { return (int)((long long)b * n_units / wb_nbid()); }
+__device__ __forceinline__ void wb_block_units(int n_units, int& u0, int& u1) {
+    u0 = wb_block_unit(n_units, wb_bid());
+    u1 = wb_block_unit(n_units, wb_bid() + 1);
+}
 
 // This block's items of a stream of n_units units of NR rows of K from W: the one account of them that the
 // streamer and the consumers (for_warp_units) both walk, so that they agree item for item.

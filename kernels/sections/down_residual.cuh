@@ -1,11 +1,69 @@
-// x += Wd · hmlp: the MLP's output projection and the second residual add.
+// x += Wd · hmlp: the MLP's output projection and the second residual add, by columns of Wd.
+//
+// Block b owns the hmlp rows j of its units (wb_block_units, as gate_up_silu deals them), so it needs no other
+// block's hmlp: only a block barrier, not a grid barrier, stands between the two stages. It reads the rows j of
+// Wdᵀ (wd is stored transposed, row j = Wd's column j, contiguous) and forms the partial sum Σ_j hmlp[j]·Wd[:, j]
+// over all D outputs, which it adds into x atomically. x holds h (o_proj wrote both), and no block reads x in this
+// slot: gate_up_silu's norm reads h.
+//
+// A thread owns 4 adjacent columns (one 8-byte load of a Wdᵀ row: four accumulators and two registers a row in
+// flight, where 16-byte loads spilled the kernel at its 128-register cap) and every PHASES-th of the block's rows,
+// LOADS rows in flight; the phases' sums meet in shared memory in a fixed order, so only the order in which the
+// blocks' additions reach x varies from run to run.
 #pragma once
 
+constexpr int DOWN_THREADS = WB_THREADS - (WB_STREAMING ? WB_WARP : 0);      // the threads that run a stage
+constexpr int DOWN_GROUPS = WB_D / 4;                                          // 8-byte column groups of a row
+constexpr int DOWN_PHASES = DOWN_THREADS / DOWN_GROUPS > 1 ? DOWN_THREADS / DOWN_GROUPS : 1;   // plan.down_phases
+// rows in flight per thread: more spilled at the 128-register cap (a stream build has less room still)
+#ifndef WB_DOWN_LOADS
+#define WB_DOWN_LOADS (WB_STREAMING ? 6 : DOWN_PHASES > 1 ? 4 : 8)
+#endif
+constexpr int DOWN_LOADS = WB_DOWN_LOADS;
+static_assert(WB_D % 4 == 0, "a row of Wdᵀ is whole 8-byte loads");
+static_assert(WB_SMEM_DOWN_RESIDUAL_SUM_FLOATS >= DOWN_PHASES * WB_D &&
+              WB_SMEM_DOWN_RESIDUAL_HMLP_FLOATS >= (WB_FF + WB_BLOCKS - 1) / WB_BLOCKS,
+              "the plan's regions hold every phase's sums and the block's hmlp rows");
+
 WB_SECTION void stage_down_residual(const float* hmlp, const bf16* __restrict__ wd, int layer, float* smem, float* x) {
-    static_assert(WB_SMEM_DOWN_RESIDUAL_ACT_FLOATS >= WB_FF, "the plan's act region holds hmlp");
-    float* act = smem + WB_SMEM_DOWN_RESIDUAL_ACT;
-    auto prologue = [&] { load_activation(act, hmlp, WB_FF); };
-    for_warp_units<WB_FF, 1>(wd, WB_D, act, prologue, [&](int r, const float* y) {
-        if (wb_lane() == 0) x[r] = wb_ld_cg(x + r) + y[0];
-    });
+    float* hs = smem + WB_SMEM_DOWN_RESIDUAL_HMLP;     // this block's hmlp rows
+    // [PHASES][D]: each phase's partial sums
+    float* sum = smem + WB_SMEM_DOWN_RESIDUAL_SUM;
+    int u0, u1;
+    wb_block_units(WB_FF, u0, u1);
+    for (int i = wb_tid(); i < u1 - u0; i += wb_ntid()) hs[i] = wb_ld_cg(hmlp + u0 + i);
+    wb_syncthreads();
+    const int per_phase = wb_ntid() / DOWN_PHASES, phase = wb_tid() / per_phase;
+    if (phase < DOWN_PHASES) {
+        for (int g = wb_tid() % per_phase; g < DOWN_GROUPS; g += per_phase) {
+            float acc[4] = {0.f, 0.f, 0.f, 0.f};
+            for (int j0 = u0 + phase; j0 < u1; j0 += DOWN_LOADS * DOWN_PHASES) {
+                wb_u2 w[DOWN_LOADS];
+#pragma unroll
+                for (int k = 0; k < DOWN_LOADS; ++k) {
+                    const int j = j0 + k * DOWN_PHASES;
+                    if (j < u1) w[k] = wb_ld_stream_u2(wd + (long long)j * WB_D + g * 4);
+                }
+#pragma unroll
+                for (int k = 0; k < DOWN_LOADS; ++k) {
+                    const int j = j0 + k * DOWN_PHASES;
+                    if (j < u1) {
+                        const float a = hs[j - u0];
+                        acc[0] = wb_fma(bf16_lo(w[k].x), a, acc[0]); acc[1] = wb_fma(bf16_hi(w[k].x), a, acc[1]);
+                        acc[2] = wb_fma(bf16_lo(w[k].y), a, acc[2]); acc[3] = wb_fma(bf16_hi(w[k].y), a, acc[3]);
+                    }
+                }
+            }
+            *(float4*)(sum + phase * WB_D + g * 4) = float4{acc[0], acc[1], acc[2], acc[3]};
+        }
+    }
+    wb_syncthreads();
+    for (int i = wb_tid() * 4; i < WB_D; i += wb_ntid() * 4) {
+        float4 t = *(const float4*)(sum + i);
+        for (int p = 1; p < DOWN_PHASES; ++p) {
+            const float4 v = *(const float4*)(sum + p * WB_D + i);
+            t.x += v.x; t.y += v.y; t.z += v.z; t.w += v.w;
+        }
+        wb_red_add_f4(x + i, t);
+    }
 }

@@ -1,14 +1,15 @@
-// hmlp = silu(Wg · rmsnorm(x)) ⊙ (Wu · rmsnorm(x)). Gate row j and up row j sit side by side in Wgu (the MLP norm's
-// gain folded in), so one warp produces hmlp[j] from a single pass over both rows.
+// hmlp = silu(Wg · rmsnorm(h)) ⊙ (Wu · rmsnorm(h)). Gate row j and up row j sit side by side in Wgu (the MLP norm's
+// gain folded in), so one warp produces hmlp[j] from a single pass over both rows. The units are dealt by blocks:
+// down_residual reads the rows this block wrote, after a block barrier only.
 #pragma once
 
-WB_SECTION void stage_gate_up_silu(const float* x, const bf16* __restrict__ wgu, int layer, float* smem, float* hmlp) {
+WB_SECTION void stage_gate_up_silu(const float* h, const bf16* __restrict__ wgu, int layer, float* smem, float* hmlp) {
     static_assert(WB_SMEM_GATE_UP_SILU_ACT_FLOATS >= WB_D && WB_SMEM_GATE_UP_SILU_RED_FLOATS >= WB_MAX_WARPS,
-                  "the plan's regions hold x and one float per warp");
+                  "the plan's regions hold h and one float per warp");
     float* act = smem + WB_SMEM_GATE_UP_SILU_ACT;
     float* red = smem + WB_SMEM_GATE_UP_SILU_RED;
-    auto prologue = [&] { load_rms_normalized(act, x, WB_D, red); };
-    for_warp_units<WB_D, 2>(wgu, WB_FF, act, prologue, [&](int j, const float* gu) {
+    auto prologue = [&] { load_rms_normalized(act, h, WB_D, red); };
+    for_warp_units<WB_D, 2, WB_DEAL_BLOCKS>(wgu, WB_FF, act, prologue, [&](int j, const float* gu) {
         if (wb_lane() == 0) hmlp[j] = gu[0] / (1.f + wb_exp(-gu[0])) * gu[1];
     });
 }

@@ -59,6 +59,7 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
         val = f"(int)((w >> {sh}) & {(1 << b) - 1}u)" + (" - 1" if n == "layer" else "")
         out.append(f"__device__ __forceinline__ int wb_where_{n}(u32 w) {{ return {val}; }}")
     out.append(f"constexpr int WB_SLOTS = {plan.n_slots(cfg)};           // grid barriers per step")
+    out.append(f"constexpr int WB_BLOCKS = {launch.grid};         // the grid the build is specialised to (one block an SM)")
     # taps
     out.append(f"constexpr int WB_TAP_STEP_FLOATS = {plan.tap_step_floats(cfg, launch)};   // one step's tap record")
     for t in plan.taps(cfg, launch):
@@ -173,10 +174,23 @@ def stage_call(st: plan.Stage, layer: str = "layer") -> str:
     return f"{result} = {call}" if result else call
 
 
-def _tap_lines(cfg: ModelConfig, st: plan.Stage, layer: str) -> list[str]:
+def _tap_lines(cfg: ModelConfig, st: plan.Stage, layer: str, local: bool = False) -> list[str]:
+    """The copies of what the stage wrote. `local`: no grid barrier follows the stage, so every block copies the
+    rows of its own units (a stage that deals by blocks, each unit whole rows of the buffer)."""
     out = []
     nxt = _next_stage(st)
     for buf in st.taps:
+        if local:
+            w = next(u for u in st.writes if u.buffer == buf)
+            n = st.units(cfg, plan.Launch())
+            (lo, hi), = w.rows(cfg, 0)
+            per = hi - lo
+            if st.deal != "blocks" or lo != 0 or any(w.rows(cfg, u) != ((u * per, (u + 1) * per),) for u in (1, n - 1)):
+                raise ValueError(f"stage {st.name} taps {buf} with no grid barrier after it: it must deal by blocks "
+                                 f"and each unit write whole adjacent rows")
+            name = f"WB_TAP_{_upper(st.name)}_{_upper(buf)}"
+            out.append(f"wb_tap_f32_units(P, s.step, {name}, {layer}, {_arg(plan.Use(buf), layer)}, {n}, {per});")
+            continue
         if nxt is not None and nxt.writes_buffer(buf) and st.runs_on == "grid":
             raise ValueError(f"stage {st.name} taps {buf}, which the next stage {nxt.name} overwrites while block 0 "
                              f"copies it: tap it elsewhere")
@@ -192,6 +206,15 @@ def _tap_lines(cfg: ModelConfig, st: plan.Stage, layer: str) -> list[str]:
         else:
             out.append(f"wb_tap_f32(P, s.step, {name}, {lay}, {_arg(plan.Use(buf), layer)}, {name}_N);")
     return out
+
+
+def _next_slot_writes(cfg: ModelConfig, slot: int, buffers) -> bool:
+    """Whether a stage of the slot after barrier `slot` writes one of `buffers`: block 0 copies them after the
+    barrier while the other blocks run that slot, so the debug build needs a barrier of its own there."""
+    slots = plan.slots(cfg)
+    after = slots[(slot + 1) % len(slots)]
+    return any(plan.stage(name).writes_buffer(b) for name, _ in after.stages for b in buffers
+               if plan.stage(name).runs_on == "grid")
 
 
 def _next_stage(st: plan.Stage) -> plan.Stage | None:
@@ -211,20 +234,29 @@ def decode_step(cfg: ModelConfig, launch: plan.Launch) -> str:
         layer = "layer" if st.scope == "layer" else "-1"
         lines = [f"{indent}// {st.math}" + (f"  ({st.doc})" if st.doc else "")]
         macro = "WB_BLOCK0" if st.runs_on == "block0" else "WB_GRID"
+        if plan.block_barrier_before(cfg, st.name):
+            lines.append(f"{indent}wb_syncthreads();   // a block barrier: the stage reads what this block's warps "
+                         f"just wrote (a local read, no grid barrier)")
         lines.append(f"{indent}{macro}(ST_{_upper(st.name)}, {layer}, {stage_call(st)});")
         b = plan.barrier_slot(cfg, st.name, 0 if st.scope == "layer" else -1)
         if b is not None:
             slot = f"{b} + {per_layer} * layer" if st.scope == "layer" else str(b)
             lines.append(f"{indent}WB_SYNC(ST_{_upper(st.name)}, {layer}, {slot});")
-        taps = _tap_lines(cfg, st, "layer")
+        local = b is None and st.runs_on == "grid"
+        taps = _tap_lines(cfg, st, "layer", local=local)
         if taps:
-            lines.append(f"{indent}WB_TAP_COPIES(" + " ".join(taps) + ");")
+            lines.append(f"{indent}{'WB_TAP_LOCAL_COPIES' if local else 'WB_TAP_COPIES'}(" + " ".join(taps) + ");")
+            if b is not None and st.runs_on == "grid" and _next_slot_writes(cfg, b, st.taps):
+                lines.append(f"{indent}WB_TAP_SYNC(ST_{_upper(st.name)}, {layer});   // the next slot writes what "
+                             f"block 0 just copied")
         if b == len(slots) - 1:
             lines.append(f"{indent}wb_flush_stamps(P, s.step);   // the step's last barrier: its stamps are complete")
         if b == 0:
             lines.append(f"{indent}if (wb_done(P)) return true;   // the previous step's publish said stop")
         return lines
 
+    if (why := plan.local_problem(cfg, launch)) is not None:
+        raise ValueError(f"the plan's local reads do not hold for {cfg.name}: {why}")
     if plan.barrier_slot(cfg, plan.STAGES[0].name, -1) != 0:
         raise ValueError("the plan's first stage must end the step's first slot (the stop test follows it)")
     out = ["// ---- the decode step, generated from workbench/plan.py: edit the plan, not this text ----",

@@ -34,10 +34,10 @@ class Injection:
         return self.block in stuck or re.search(rf"\bblock {self.block}\b", rec.error or "") is not None
 
 
-def _after_act(section: str, code: str) -> tuple[str, str]:
-    """(find, replace) that put `code` right after the section's `float* act = ...` line: where every weight
-    stage has its shared-memory pointer and nothing has run yet."""
-    line = f"    float* act = smem + WB_SMEM_{section.upper()}_ACT;"
+def _after_act(section: str, code: str, region: str = "act") -> tuple[str, str]:
+    """(find, replace) that put `code` right after the section's `float* act = ...` line (or another region's):
+    where every weight stage has its shared-memory pointer and nothing has run yet."""
+    line = f"    float* {region} = smem + WB_SMEM_{section.upper()}_{region.upper()};"
     return line, f"{line}\n{code}"
 
 
@@ -55,7 +55,7 @@ INJECTIONS = (
     # through a null pointer, not far past a buffer: a far address can land in another allocation and not fault
     Injection("illegal-address", "down_residual", "block 9 writes through a null pointer",
               *_after_act("down_residual", "    if (wb_bid() == 9 && wb_tid() == 0) { volatile float* null = x + "
-                                           "(0 - (long long)(size_t)x / 4); *null = 1.f; }"), "fault", 9),
+                                           "(0 - (long long)(size_t)x / 4); *null = 1.f; }", "sum"), "fault", 9),
     Injection("shared-out-of-bounds", "lm_head", "block 11 writes 16 MB past its shared memory",
               *_after_act("lm_head",
                           "    if (wb_bid() == 11 && wb_tid() == 0) ((volatile float*)smem)[1 << 22] = 1.f;"),

@@ -86,7 +86,8 @@ class PreparedView:
                              # gate and up apart once per layer, not in every product that reads them strided
                              "wo": self._f(self.p.wo[layer]), "wg": xp.ascontiguousarray(gu[:, 0]),
                              "wu": xp.ascontiguousarray(gu[:, 1]),
-                             "wd": self._f(self.p.wd[layer]), "attn_norm": ones, "mlp_norm": ones}
+                             "wd": xp.ascontiguousarray(self._f(self.p.wd[layer]).T),   # stored [F, D]
+                             "attn_norm": ones, "mlp_norm": ones}
             if c.qkv_bias:                              # fp32 already, in wqkv's row order
                 b = xp.asarray(self.p.bqkv[layer], dtype=self.dtype)[self._inv]
                 self._tensors.update(bq=b[:c.q_dim], bk=b[c.q_dim:c.q_dim + c.kv_dim], bv=b[c.q_dim + c.kv_dim:])

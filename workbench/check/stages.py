@@ -482,11 +482,12 @@ def attention_decode_io(io: StageIO) -> dict:
 
 
 def o_proj_residual_io(io: StageIO) -> dict:
-    return {"x": o_proj_residual(io.act("x"), io.weight("wo"), io.act("o"))}
+    x = o_proj_residual(io.act("x"), io.weight("wo"), io.act("o"))
+    return {"x": x, "h": x}
 
 
 def gate_up_silu_io(io: StageIO) -> dict:
-    return {"hmlp": gate_up_silu(io.act("x"), io.weight("wg"), io.weight("wu"), io.weight("mlp_norm"), io.eps)}
+    return {"hmlp": gate_up_silu(io.act("h"), io.weight("wg"), io.weight("wu"), io.weight("mlp_norm"), io.eps)}
 
 
 def down_residual_io(io: StageIO) -> dict:

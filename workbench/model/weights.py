@@ -319,7 +319,8 @@ def rope_pair_order(cfg: ModelConfig, n_heads: int) -> np.ndarray:
 class Prepared:
     """Kernel-layout weights (bf16 bits) and tables, all in `xp`.
     wqkv [L, q_dim+2·kv_dim, D]: q heads, k heads, v heads, rows in rope pairs, attn-norm gain folded in.
-    wo [L, D, q_dim]. wgu [L, 2F, D]: gate row j then up row j, mlp-norm gain folded in. wd [L, D, F].
+    wo [L, D, q_dim]. wgu [L, 2F, D]: gate row j then up row j, mlp-norm gain folded in. wd [L, F, D]: Wd
+    transposed, row j is Wd's column j (the kernel's down projection reads Wd by columns)).
     lm_head [V, D]: final-norm gain folded in (a copy even when embeddings are tied). embed [V, D].
     rope_cos/rope_sin [max_seq, hd/2] fp32."""
     cfg: ModelConfig
@@ -366,7 +367,7 @@ def prepare(w: Weights, xp=None, progress: bool = True) -> Prepared:
     wqkv = xp.empty((L, cfg.qkv_rows, D), dtype=xp.uint16)
     wo = xp.empty((L, D, cfg.q_dim), dtype=xp.uint16)
     wgu = xp.empty((L, 2 * F, D), dtype=xp.uint16)
-    wd = xp.empty((L, D, F), dtype=xp.uint16)
+    wd = xp.empty((L, F, D), dtype=xp.uint16)
     bqkv = xp.zeros((L, cfg.qkv_rows), dtype=xp.float32)
     qk_gain = xp.ones((L, 2, cfg.head_dim), dtype=xp.float32)
     for i in _progress(range(L), "preparing layers", progress and L > 4):
@@ -382,7 +383,7 @@ def prepare(w: Weights, xp=None, progress: bool = True) -> Prepared:
         g = dev(n["mlp_norm"])
         gu = xp.stack([dev(n["wg"]), dev(n["wu"])], axis=1).reshape(2 * F, D)
         wgu[i] = to_bf16(gu * g[None, :], xp)
-        wd[i] = to_bf16(dev(n["wd"]), xp)
+        wd[i] = to_bf16(dev(n["wd"]).T, xp)
     embed = to_bf16(dev("model.embed_tokens.weight"), xp)
     lm_head = to_bf16(dev(w.lm_head_name()) * dev("model.norm.weight")[None, :], xp)
     cos, sin = rope_tables(cfg)
@@ -415,7 +416,7 @@ def unprepare(p: Prepared, xp=np) -> Weights:
         t.update({n["attn_norm"]: ones, n["mlp_norm"]: ones,
                   n["wq"]: qkv[:cfg.q_dim], n["wk"]: qkv[cfg.q_dim:cfg.q_dim + cfg.kv_dim],
                   n["wv"]: qkv[cfg.q_dim + cfg.kv_dim:], n["wo"]: host(p.wo[i]),
-                  n["wg"]: gu[:, 0], n["wu"]: gu[:, 1], n["wd"]: host(p.wd[i])})
+                  n["wg"]: gu[:, 0], n["wu"]: gu[:, 1], n["wd"]: xp.ascontiguousarray(host(p.wd[i]).T)})
     return Weights(cfg.with_(tie_embeddings=False), t, xp, source=p.source + " (prepared)")
 
 

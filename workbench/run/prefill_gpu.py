@@ -148,15 +148,15 @@ class Split:
 _CUDA_R_32F, _CUDA_R_16BF, _COMPUTE_32F, _GEMM_DEFAULT, _OP_N, _OP_T = 0, 14, 68, -1, 0, 1
 
 
-def gemm(a, w, out, accumulate: bool):
+def gemm(a, w, out, accumulate: bool, w_t: bool = False):
     """out [m, N] (fp32, C-contiguous) = a [m, K] · wᵀ (+ out if accumulate), a and w bf16 bits [m, K] and [N, K],
     on the tensor cores with fp32 accumulation (cuBLAS gemmEx). Row-major out = a·wᵀ is column-major outᵀ = w·aᵀ,
-    which is how cuBLAS is asked."""
+    which is how cuBLAS is asked. `w_t`: w is given transposed, [K, N] (out = a·w)."""
     import cupy
     from cupy_backends.cuda.libs import cublas
     m, k = a.shape
-    n = w.shape[0]
-    if w.shape != (n, k) or out.shape != (m, n) or out.dtype != cupy.float32 or a.dtype != cupy.uint16 \
+    n = w.shape[1] if w_t else w.shape[0]
+    if w.shape != ((k, n) if w_t else (n, k)) or out.shape != (m, n) or out.dtype != cupy.float32 or a.dtype != cupy.uint16 \
             or w.dtype != cupy.uint16 or not (a.flags.c_contiguous and w.flags.c_contiguous and out.flags.c_contiguous):
         raise ValueError(f"gemm: a {a.dtype}{a.shape}, w {w.dtype}{w.shape}, out {out.dtype}{out.shape}: expected "
                          f"contiguous bf16 bits [m, K] and [N, K] into float32 [m, N]")
@@ -166,19 +166,20 @@ def gemm(a, w, out, accumulate: bool):
     cublas.setPointerMode(h, cublas.CUBLAS_POINTER_MODE_HOST)
     one, beta = np.ones(1, np.float32), np.full(1, 1.0 if accumulate else 0.0, np.float32)
     try:
-        cublas.gemmEx(h, _OP_T, _OP_N, n, m, k, one.ctypes.data, w.data.ptr, _CUDA_R_16BF, k, a.data.ptr,
+        cublas.gemmEx(h, _OP_N if w_t else _OP_T, _OP_N, n, m, k, one.ctypes.data, w.data.ptr, _CUDA_R_16BF,
+                      n if w_t else k, a.data.ptr,
                       _CUDA_R_16BF, k, beta.ctypes.data, out.data.ptr, _CUDA_R_32F, n, _COMPUTE_32F, _GEMM_DEFAULT)
     finally:
         cublas.setPointerMode(h, mode)
     return out
 
 
-def project(a: Split, w, onto=None):
-    """a·wᵀ as W·hi + W·lo, onto a copy of `onto` if given (a residual: x + W·a)."""
+def project(a: Split, w, onto=None, w_t: bool = False):
+    """a·wᵀ as W·hi + W·lo, onto a copy of `onto` if given (a residual: x + W·a); `w_t`: w stored transposed."""
     import cupy
-    out = onto.copy() if onto is not None else cupy.empty((a.shape[0], w.shape[0]), dtype=cupy.float32)
-    gemm(a.hi, w, out, accumulate=onto is not None)
-    return gemm(a.lo, w, out, accumulate=True)
+    out = onto.copy() if onto is not None else cupy.empty((a.shape[0], w.shape[1 if w_t else 0]), dtype=cupy.float32)
+    gemm(a.hi, w, out, accumulate=onto is not None, w_t=w_t)
+    return gemm(a.lo, w, out, accumulate=True, w_t=w_t)
 
 
 # ---- the row-wise kernels -----------------------------------------------------------------------------------------
@@ -268,13 +269,14 @@ def attention(io: PrefillIO, st: dict) -> dict:
 
 
 def o_proj_residual(io: PrefillIO, st: dict) -> dict:
-    return {"x": project(split(io, st["o"]), io.p.wo[io.layer], onto=st["x"])}
+    x = project(split(io, st["o"]), io.p.wo[io.layer], onto=st["x"])
+    return {"x": x, "h": x}
 
 
 def gate_up_silu(io: PrefillIO, st: dict) -> dict:
     """hmlp, kept split for the down product that reads it (no other stage does: see covers)."""
     cp = _cp()
-    gu = project(norm_split(io, st["x"]), io.p.wgu[io.layer])       # [rows, 2F]: gate j, up j interleaved
+    gu = project(norm_split(io, st["h"]), io.p.wgu[io.layer])       # [rows, 2F]: gate j, up j interleaved
     rows, f = gu.shape[0], gu.shape[1] // 2
     h = Split.empty((rows, f))
     if rows:
@@ -283,7 +285,7 @@ def gate_up_silu(io: PrefillIO, st: dict) -> dict:
 
 
 def down_residual(io: PrefillIO, st: dict) -> dict:
-    return {"x": project(st["hmlp"], io.p.wd[io.layer], onto=st["x"])}
+    return {"x": project(st["hmlp"], io.p.wd[io.layer], onto=st["x"], w_t=True)}     # wd: [F, D]
 
 
 def lm_head(io: PrefillIO, st: dict) -> dict:
