@@ -236,7 +236,8 @@ def test_generated_constants_are_the_plans():
         launch = plan.Launch()
         text = plan_header(cfg, launch)
         assert f"constexpr int WB_SLOTS = {plan.n_slots(cfg)};" in text
-        assert len(slot_names(cfg)) == plan.n_slots(cfg) == 5 * cfg.n_layers + 2
+        assert len(slot_names(cfg)) == plan.n_slots(cfg) == 4 * cfg.n_layers + 2
+        assert f"constexpr int WB_BLOCKS = {launch.grid};" in text
         assert f"WB_TAP_STEP_FLOATS = {plan.tap_step_floats(cfg, launch)};" in text
         for tp in plan.taps(cfg, launch):
             assert f"WB_TAP_{tp.stage.upper()}_{tp.buffer.upper()} = {tp.offset}," in text
@@ -272,7 +273,13 @@ def test_the_decode_step_is_generated_from_the_plan():
     calls = re.findall(r"WB_(GRID|BLOCK0)\(ST_(\w+),", text)
     assert [c[1].lower() for c in calls] == list(plan.STAGE_NAMES)
     assert text.count("WB_SYNC(") == len({s.stages[-1][0] for s in plan.slots(cfg)})
-    assert "stage_o_proj_residual(P->o, P->wo + layer * WB_PER_LAYER_WO, layer, smem, /* → */ P->x /* += */)" in text
+    assert ("stage_o_proj_residual(P->o, P->wo + layer * WB_PER_LAYER_WO, layer, smem, /* → */ P->x /* += */, P->h)"
+            in text)
+    # the MLP's two stages with a block barrier between them, and no grid barrier
+    mlp = text[text.index("WB_GRID(ST_GATE_UP_SILU"):text.index("WB_GRID(ST_DOWN_RESIDUAL")]
+    assert "wb_syncthreads();" in mlp and "WB_SYNC(" not in mlp and "WB_TAP_LOCAL_COPIES(wb_tap_f32_units(" in mlp
+    # block 0's copy of o_proj's x must be done before the MLP's blocks add into x
+    assert "WB_TAP_SYNC(ST_O_PROJ_RESIDUAL, layer);" in text and text.count("WB_TAP_SYNC(") == 1
     assert stage_call(plan.stage("sampling")).startswith("s.sampled = stage_sampling(P->logits")
     for st in plan.STAGES:
         assert f"// {st.math}" in text

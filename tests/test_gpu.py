@@ -74,7 +74,8 @@ def test_a_deliberate_error_is_named_by_its_stage(tiny_taps):
     from workbench.build.assemble import section_path
     from workbench.check.verify import verify_stages
     text = section_path("down_residual").read_text()
-    bad = text.replace("x[r] = wb_ld_cg(x + r) + y[0];", "x[r] = wb_ld_cg(x + r) + y[0] * 1.0001f;")
+    bad = text.replace("wb_red_add_f4(x + i, t);",
+                       "wb_red_add_f4(x + i, float4{t.x * 1.0001f, t.y * 1.0001f, t.z * 1.0001f, t.w * 1.0001f});")
     assert bad != text
     tiny_taps.reload(overrides={"down_residual": bad})
     try:
@@ -122,7 +123,7 @@ def test_hang_is_reported_and_next_run_works():
     p = prepare(random_weights(get_config("tiny"), 5, xp=cp, progress=False), xp=cp, progress=False)
     hung = Monokernel(p, BuildOptions(hang=("gate_up_silu", 1, 2)), max_steps=64)
     t0 = time.perf_counter()
-    with pytest.raises(KernelHang, match=r"gate_up_silu.*block 2.*gate_up_silu of layer 1"):
+    with pytest.raises(KernelHang, match=r"down_residual.*block 2.*gate_up_silu of layer 1"):
         hung.generate([1, 2], 4, timeout_s=0.5)
     assert time.perf_counter() - t0 < 10
     ok = Monokernel(p, BuildOptions(), max_steps=64)
@@ -132,8 +133,8 @@ def test_hang_is_reported_and_next_run_works():
 def test_compile_error_names_section_line(tiny):
     from workbench.build.assemble import section_path
     from workbench.run.runtime import Monokernel
-    text = section_path("down_residual").read_text().replace("x[r] = wb_ld_cg(x + r) + y[0];",
-                                                               "x[r] = wb_ld_cg(x + r) + y[0] + nonsense;")
+    text = section_path("down_residual").read_text().replace("wb_red_add_f4(x + i, t);",
+                                                               "wb_red_add_f4(x + i, t + nonsense);")
     line = text.splitlines().index(next(l for l in text.splitlines() if "nonsense" in l)) + 1
     with pytest.raises(CompileError) as e:
         Monokernel(tiny.p, BuildOptions(), overrides={"down_residual": text})

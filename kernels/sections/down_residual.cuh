@@ -15,9 +15,11 @@
 constexpr int DOWN_THREADS = WB_THREADS - (WB_STREAMING ? WB_WARP : 0);      // the threads that run a stage
 constexpr int DOWN_GROUPS = WB_D / 4;                                          // 8-byte column groups of a row
 constexpr int DOWN_PHASES = DOWN_THREADS / DOWN_GROUPS > 1 ? DOWN_THREADS / DOWN_GROUPS : 1;   // plan.down_phases
-// rows in flight per thread: more spilled at the 128-register cap (a stream build has less room still)
+constexpr int DOWN_ROWS_PER_THREAD = ((WB_FF + WB_BLOCKS - 1) / WB_BLOCKS + DOWN_PHASES - 1) / DOWN_PHASES;
+// rows in flight per thread: 8 (more spilled the kernel at its 128-register cap; a stream build has less room still),
+// and no more than a thread has (small models' phases leave it few, and spare loads spilled there too)
 #ifndef WB_DOWN_LOADS
-#define WB_DOWN_LOADS (WB_STREAMING ? 6 : DOWN_PHASES > 1 ? 4 : 8)
+#define WB_DOWN_LOADS (WB_STREAMING ? 6 : DOWN_ROWS_PER_THREAD < 8 ? DOWN_ROWS_PER_THREAD : 8)
 #endif
 constexpr int DOWN_LOADS = WB_DOWN_LOADS;
 static_assert(WB_D % 4 == 0, "a row of Wdᵀ is whole 8-byte loads");

@@ -126,8 +126,9 @@ MUTANTS: tuple[Mutant, ...] = (
       "for (int i = wb_tid() * 4; i < WB_D - 4; i += wb_ntid() * 4) {", "down_residual"),
     M("down-unit-skipped", "down_residual", "each block leaves out its last column of Wd",
       "wb_block_units(WB_FF, u0, u1);", "wb_block_units(WB_FF, u0, u1);\n    --u1;", "down_residual"),
-    M("down-phase-dropped", "down_residual", "the last row phase's sums are not added",
-      "for (int p = 1; p < DOWN_PHASES; ++p) {", "for (int p = 1; p < DOWN_PHASES - 1; ++p) {", "down_residual"),
+    M("down-column-swapped", "down_residual", "every fourth column takes its left neighbour's weight",
+      "acc[3] = wb_fma(bf16_hi(w[k].y), a, acc[3]);", "acc[3] = wb_fma(bf16_lo(w[k].y), a, acc[3]);",
+      "down_residual"),
     # lm_head
     M("logits-last-row", "lm_head", "the last vocabulary row is never written", "(lm_head, WB_VOCAB, act,",
       "(lm_head, WB_VOCAB - 1, act,", "lm_head"),
