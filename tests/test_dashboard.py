@@ -3,7 +3,8 @@
 A synthetic trace with hand-computable spans checks the numbers every figure shows; the recorded H200 fixtures check
 the file format, the metadata and the titles; snapshots with unwritten (0) stamps check the live path. The slot
 layout is the plan's: every slot stamped in every step, slot 0 "sampling+publish+embedding" (at step 0 only the
-embedding), then five per layer, then lm_head.
+embedding), then one per barrier of each layer (qkv, attention, o_proj, and the MLP's gate_up and down together in
+one slot), then lm_head.
 """
 from __future__ import annotations
 
@@ -26,9 +27,12 @@ from workbench.measure import trace as T                              # noqa: E4
 from workbench.model.config import PRESETS                           # noqa: E402
 from workbench.measure.timing import slot_labels, slot_names, spans, stage_bytes, stage_table  # noqa: E402
 
-CFG = PRESETS["tiny"]                  # 2 layers: 12 slots
-N_SLOTS = 5 * CFG.n_layers + 2
+CFG = PRESETS["tiny"]                  # 2 layers: 10 slots
+LAYER_SLOTS = [s.label for s in plan.slots(CFG) if s.layer == 0]      # one layer's slots, in order
+SLOTS_PER_LAYER = len(LAYER_SLOTS)
+N_SLOTS = SLOTS_PER_LAYER * CFG.n_layers + 2
 SLOT0 = "sampling+publish+embedding"
+MLP = "gate_up_silu+down_residual"     # gate_up and down between the same two barriers: one slot, one timing row
 L_NS = 500                             # barrier latency of the synthetic trace
 T0 = 10**15
 CHROMIUM = "/usr/bin/chromium"
@@ -51,6 +55,11 @@ def synthetic(cfg=CFG, steps=5, blocks=4, work_scale=None, t0=T0):
             t[s, k, :, 0], t[s, k, :, 1] = arrive, leave
             prev = leave
     return t
+
+
+def layer_slot(label: str, layer: int) -> int:
+    """The index of the slot `label` of `layer` in a step (CFG's layout)."""
+    return next(s.index for s in plan.slots(CFG) if (s.label, s.layer) == (label, layer))
 
 
 def slot_span_ns(k):
@@ -88,7 +97,15 @@ def test_slot_layout_comes_from_the_plan():
     assert names == [(s.label, s.layer) for s in plan.slots(CFG)] and len(names) == plan.n_slots(CFG) == N_SLOTS
     assert names[0] == (SLOT0, -1) and names[-1] == ("lm_head", -1)
     assert slot_names(CFG, first_step=True)[0] == ("embedding", -1)
-    assert slot_labels(CFG) == [SLOT0, *plan.LAYER_STAGES, "lm_head"]
+    assert slot_labels(CFG) == [SLOT0, *LAYER_SLOTS, "lm_head"]
+    assert LAYER_SLOTS == ["qkv_rope_append", "attention_decode", "o_proj_residual", MLP] and N_SLOTS == 10
+    for layer in range(CFG.n_layers):                  # each layer's slots run the layer stages once, in order
+        mine = [s for s in plan.slots(CFG) if s.layer == layer]
+        assert [s.label for s in mine] == LAYER_SLOTS
+        assert [st for s in mine for st in s.stages] == [(st, layer) for st in plan.LAYER_STAGES]
+        assert plan.barrier_slot(CFG, "gate_up_silu", layer) is None           # no grid barrier inside the MLP
+        assert plan.barrier_slot(CFG, "down_residual", layer) == layer_slot(MLP, layer)
+    assert stage_bytes(CFG, MLP, 7) == sum(plan.stage_bytes(CFG, s, 7) for s in ("gate_up_silu", "down_residual"))
     assert stage_bytes(CFG, SLOT0, 7) == sum(plan.stage_bytes(CFG, s, 7) for s in ("sampling", "publish",
                                                                                     "embedding"))
     assert stage_bytes(CFG, "attention_decode", 9) == plan.stage_bytes(CFG, "attention_decode", 9)
@@ -98,11 +115,13 @@ def test_synthetic_spans_are_what_the_construction_says():
     rows = {r.stage: r for r in stage_table(CFG, synthetic(), 0)}
     assert list(rows) == slot_labels(CFG)
     qkv_slots = [k for k, (s, _) in enumerate(slot_names(CFG)) if s == "qkv_rope_append"]
-    assert qkv_slots == [1, 6]
+    assert qkv_slots == [1 + SLOTS_PER_LAYER * l for l in range(CFG.n_layers)] == [1, 5]
     assert rows[SLOT0].us_per_token == pytest.approx(slot_span_ns(0) / 1e3)
     assert rows["qkv_rope_append"].us_per_token == pytest.approx(sum(slot_span_ns(k) for k in qkv_slots) / 1e3)
     assert rows["qkv_rope_append"].spread == pytest.approx((rows["qkv_rope_append"].us_per_token,) * 2)
-    assert rows["lm_head"].us_per_token == pytest.approx(slot_span_ns(11) / 1e3)
+    assert rows["lm_head"].us_per_token == pytest.approx(slot_span_ns(N_SLOTS - 1) / 1e3)
+    mlp_slots = [layer_slot(MLP, l) for l in range(CFG.n_layers)]
+    assert rows[MLP].us_per_token == pytest.approx(sum(slot_span_ns(k) for k in mlp_slots) / 1e3)
     assert sum(r.us_per_token for r in rows.values()) == pytest.approx(STEP_NS / 1e3)
     assert np.allclose(T.step_ns(synthetic())[1:], STEP_NS)
 
@@ -121,7 +140,7 @@ def test_complete_steps_and_partial_stamps():
     assert T.step_ns(np.zeros_like(t)).size == 0
     one = t.copy()
     one[1:] = 0
-    assert len(T.stage_rows(one, CFG)) == 7               # a single complete step is used, not skipped
+    assert len(T.stage_rows(one, CFG)) == len(slot_labels(CFG)) == 6      # a single complete step is used, not skipped
 
 
 def test_intervals_tile_each_block_without_gaps():
@@ -283,35 +302,41 @@ def test_perfetto_steps_out_of_range_is_an_error(tmp_path, capsys):
 
 def test_recorded_fixtures_are_small_and_labelled():
     total = 0
-    for pos, tok_s in ((0, 1206.2), (3700, 1061.1)):
+    for pos, tok_s in ((0, 1221.5), (3700, 1067.6)):
         path = T.recorded_path(pos)
         total += path.stat().st_size
         tr = T.load_trace(path)
         m = tr.meta
-        assert m["recorded"] is True and m["device"] == "NVIDIA H200" and m["date"] == "2026-12-01"
-        assert m["commit"] == "c7b96fe" and m["model"] == "llama-3.2-1b" and m["position"] == pos
-        assert m["tok_s"] == pytest.approx(tok_s, abs=0.1) and m["roofline_tbps"] == pytest.approx(4.48, abs=0.005)
+        assert m["recorded"] is True and m["device"] == "NVIDIA H200" and m["date"] == "2026-12-02"
+        assert m["commit"] == "746ba41" and m["model"] == "llama-3.2-1b" and m["position"] == pos
+        assert m["tok_s"] == pytest.approx(tok_s, abs=0.1) and m["roofline_tbps"] == pytest.approx(4.419, abs=0.005)
         assert m["format"] == T.FORMAT
-        assert tr.stamps.shape == (17, 82, 132, 2) and tr.complete_steps == 17
+        n_slots = plan.n_slots(PRESETS["llama-3.2-1b"])
+        assert n_slots == SLOTS_PER_LAYER * PRESETS["llama-3.2-1b"].n_layers + 2 == 66       # 16 layers of four
+        assert tr.stamps.shape == (17, n_slots, 132, 2) and tr.complete_steps == 17
         assert tr.slot_names == slot_names(tr.cfg)
         assert tr.cfg == PRESETS["llama-3.2-1b"]
-        assert tr.title == "recorded on NVIDIA H200, 2026-12-01, commit c7b96fe"
+        assert tr.title == "recorded on NVIDIA H200, 2026-12-02, commit 746ba41"
     assert total < 3e6
 
 
 def test_recorded_stage_table_matches_the_notes():
-    """NOTES.md's round-5 per-stage table ("Where the time goes after the restructuring"): the recorded fixtures'
-    16 steps after step 0, from the kernel generated from the plan."""
-    notes = {SLOT0: 6.6, "qkv_rope_append": 98.4, "attention_decode": 62.7, "o_proj_residual": 76.4,
-             "gate_up_silu": 285.9, "down_residual": 174.6, "lm_head": 122.6}
-    rows = {r.stage: r for r in T.load_recorded(0).stage_table()}
+    """The per-stage table of the recorded fixtures (re-recorded at 746ba41 with the MLP as one slot, as
+    `python -m workbench.measure.trace info` prints it): their 16 steps after step 0, from the kernel generated from
+    the plan. gate_up and down share a slot, so they are one row."""
+    notes = {SLOT0: 6.6, "qkv_rope_append": 99.6, "attention_decode": 62.3, "o_proj_residual": 76.6,
+             MLP: 448.6, "lm_head": 122.3}
+    near = T.load_recorded(0)
+    rows = {r.stage: r for r in near.stage_table()}
     assert list(rows) == list(notes)
     for stage, us in notes.items():
         assert rows[stage].us_per_token == pytest.approx(us, rel=0.02), stage
-    assert rows["lm_head"].tbps / 4.4816 == pytest.approx(0.956, abs=0.01)
+    assert rows["lm_head"].tbps / near.roofline_tbps == pytest.approx(0.972, abs=0.01)
+    mlp_bytes = sum(plan.stage_bytes(near.cfg, st, 0) for st in ("gate_up_silu", "down_residual"))
+    assert rows[MLP].bytes == mlp_bytes * near.cfg.n_layers                  # both stages' weights, every layer
     far = {r.stage: r for r in T.load_recorded(3700).stage_table()}
-    assert far["attention_decode"].us_per_token == pytest.approx(174.7, rel=0.02)
-    assert far["attention_decode"].bytes == pytest.approx(122e6, rel=0.01)
+    assert far["attention_decode"].us_per_token == pytest.approx(175.4, rel=0.02)
+    assert far["attention_decode"].bytes == pytest.approx(121.5e6, rel=0.01)
 
 
 # -- Perfetto -------------------------------------------------------------------------------------------------------
@@ -411,7 +436,7 @@ def test_perfetto_of_the_recorded_fixture(tmp_path):
     got = check_perfetto(doc, tr.stamps)
     assert len([n for n in got["names"].values() if n.startswith("block")]) == 8
     x = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] != "grid"]
-    assert len(x) == 8 * 82 * 2
+    assert len(x) == 8 * plan.n_slots(tr.cfg) * 2
     assert doc["otherData"]["recorded"] is True and doc["otherData"]["device"] == "NVIDIA H200"
     grid = [e for e in doc["traceEvents"] if e.get("cat") == "grid"]
     assert sum(e["dur"] for e in grid) == pytest.approx(T.step_ns(tr.stamps)[1] / 1e3, abs=0.01)
@@ -427,16 +452,17 @@ def test_dashboard_figures_synthetic():
     st = d.figures["stages"].data[0]
     assert list(st.x) == slot_labels(CFG) == [r.stage for r in rows]
     assert list(st.y) == pytest.approx([r.us_per_token for r in rows])
-    assert list(st.error_y.array) == pytest.approx([0.0] * 7, abs=1e-9)     # every step alike
+    assert list(st.error_y.array) == pytest.approx([0.0] * len(rows), abs=1e-9)     # every step alike
     assert list(st.marker.color) == [D.color_of(s) for s in slot_labels(CFG)]
 
     bw = d.figures["bandwidth"]
     moved = [r for r in rows if r.bytes > 0]
     assert list(bw.data[0].x) == [r.stage for r in moved]
     layers = CFG.n_layers
-    gu = next(r for r in rows if r.stage == "gate_up_silu")
-    assert gu.bytes == stage_bytes(CFG, "gate_up_silu", 102) * layers
-    assert bw.data[0].y[list(bw.data[0].x).index("gate_up_silu")] == pytest.approx(gu.bytes / gu.us_per_token / 1e6)
+    gu = next(r for r in rows if r.stage == MLP)
+    assert gu.bytes == stage_bytes(CFG, MLP, 102) * layers
+    assert gu.bytes == sum(plan.stage_bytes(CFG, st, 102) for st in ("gate_up_silu", "down_residual")) * layers
+    assert bw.data[0].y[list(bw.data[0].x).index(MLP)] == pytest.approx(gu.bytes / gu.us_per_token / 1e6)
     assert bw.layout.shapes[0].y0 == bw.layout.shapes[0].y1 == 2.0
     assert "2.00 TB/s" in bw.layout.annotations[0].text
 
@@ -479,7 +505,8 @@ def test_gantt_synthetic():
     t0 = int(t[1, -1, :, 1].max())
     for y, base, x, cd in zip(qkv.y, qkv.base, qkv.x, qkv.customdata):
         layer = int(cd[0].split()[1])
-        k = 1 + 5 * layer
+        k = plan.barrier_slot(CFG, "qkv_rope_append", layer)
+        assert k == 1 + SLOTS_PER_LAYER * layer
         assert x == pytest.approx(iv.work[2, k, y] / 1e3, abs=1e-3)
         assert base == pytest.approx((iv.start[2, k, y] - t0) / 1e3, abs=1e-3)
         assert cd[1:] == pytest.approx([x, base, base + x], abs=1e-3)          # length, start, end for the hover
@@ -493,7 +520,8 @@ def test_gantt_synthetic():
     grid = g.data[0]
     assert list(grid.y) == [D.GRID_Y] * N_SLOTS
     assert sum(grid.x) == pytest.approx(STEP_NS / 1e3, abs=1e-2)
-    assert list(grid.text)[:6] == [D.short_of(SLOT0), "qkv", "attention", "o-proj", "gate-up", "down"]
+    assert list(grid.text)[:2 + SLOTS_PER_LAYER] == [D.short_of(SLOT0), "qkv", "attention", "o-proj", "gate-up+down",
+                                                     "qkv"]                   # the next layer's first slot
     assert "Token 2" in g.layout.title.text
     d.step_slider.value = 0
     assert len(by_name["embedding"][0].y) == 4 and len(by_name[SLOT0][0].y) == 0
@@ -509,7 +537,7 @@ def test_gantt_hover_shows_the_length():
     g = d.figures["gantt"]
     for tr in g.data:
         assert "%{x" not in tr.hovertemplate and "%{base" not in tr.hovertemplate
-    wait = d.gantt_trace("gate_up_silu", wait=True)
+    wait = d.gantt_trace(MLP, wait=True)
     assert "wait %{customdata[1]:.2f} µs, from %{customdata[2]:.2f} µs to %{customdata[3]:.2f} µs" in \
         wait.hovertemplate
     for x, base, cd in zip(wait.x, wait.base, wait.customdata):
@@ -552,7 +580,7 @@ def test_gantt_hover_in_a_browser():
     d.update_timing(synthetic())
     d.step_slider.value = 2
     g = d.figures["gantt"]
-    wi = d._gantt_wait_traces["gate_up_silu"]
+    wi = d._gantt_wait_traces[MLP]
     ki = d._gantt_stage_traces["qkv_rope_append"]
     wait, work = g.data[wi], g.data[ki]
     texts = _hover_texts(pio.to_json(g), [(wi, 0), (ki, 0)])
@@ -577,7 +605,7 @@ def test_partial_snapshots_as_while_the_kernel_runs():
         d.update_timing(snap, CFG, progress=s)
         snap[s, k, :, 1] = full[s, k, :, 1]                     # ... then the barrier lets go
         seen.append(d.update_timing(snap, CFG, progress=s))
-        if s == 2 and k == 6:
+        if s == 2 and k == layer_slot("qkv_rope_append", 1):         # step 2 has just run qkv of both layers
             assert d.n_complete == 2 and d.step_slider.max == 2     # the step being written is on show
             g = d.figures["gantt"]
             assert len(d.gantt_trace("qkv_rope_append").y) == 2 * 4
@@ -636,17 +664,18 @@ def test_step_slider_stays_where_the_user_put_it():
 
 def test_dashboard_from_the_recorded_trace():
     d = D.Dashboard.from_trace(T.recorded_path(0))
-    title = "recorded on NVIDIA H200, 2026-12-01, commit c7b96fe"
+    title = "recorded on NVIDIA H200, 2026-12-02, commit 746ba41"
     assert d.title == title and title in d.header.value
     for name, fig in d.figures.items():
         assert title in fig.layout.title.text, name
     rows = T.load_recorded(0).stage_table()
     assert list(d.figures["stages"].data[0].y) == pytest.approx([r.us_per_token for r in rows])
-    assert d.figures["bandwidth"].layout.shapes[0].y0 == pytest.approx(4.4816, abs=1e-4)
-    assert "1,206 tok/s" in d.header.value and "4.48 TB/s" in d.header.value
+    assert d.figures["bandwidth"].layout.shapes[0].y0 == pytest.approx(4.4189, abs=1e-4)
+    assert "1,222 tok/s" in d.header.value and "4.42 TB/s" in d.header.value
     g = d.figures["gantt"]
-    assert sum(len(tr.y) for tr in g.data if tr.name == D.WAIT_TRACE) == 82 * 132
-    assert len(g.data[0].y) == 82
+    n_slots = plan.n_slots(PRESETS["llama-3.2-1b"])
+    assert sum(len(tr.y) for tr in g.data if tr.name == D.WAIT_TRACE) == n_slots * 132
+    assert len(g.data[0].y) == n_slots
     toks = d.figures["tok_s"].data[0].y
     assert len(toks) == 17 and 1150 < np.median(toks) < 1250
     kids = d.widget.children
@@ -745,12 +774,14 @@ def test_follow_a_workbench():
 
 def test_ab_rows_and_view_synthetic():
     a = synthetic()
-    b = synthetic(work_scale=lambda k: 3 if k in (2, 7) else 1)      # attention three times the work
+    attn = [plan.barrier_slot(CFG, "attention_decode", l) for l in range(CFG.n_layers)]
+    assert attn == [layer_slot("attention_decode", l) for l in range(CFG.n_layers)] == [2, 6]
+    b = synthetic(work_scale=lambda k: 3 if k in attn else 1)        # attention three times the work
     view = D.ABView((a, CFG, 0), (b, CFG, 0), labels=("base", "slow attention"))
     rows = {r["stage"]: r for r in view.rows}
-    attn_extra = 2 * sum(1000 * (k + 1) for k in (2, 7)) / 1e3
+    attn_extra = 2 * sum(1000 * (k + 1) for k in attn) / 1e3
     assert rows["attention_decode"]["delta_us"] == pytest.approx(attn_extra)
-    assert rows["gate_up_silu"]["delta_us"] == pytest.approx(0.0, abs=1e-9)
+    assert rows[MLP]["delta_us"] == pytest.approx(0.0, abs=1e-9)
     assert rows["total"]["delta_us"] == pytest.approx(attn_extra)
     assert rows["total"]["a_tok_s"] == pytest.approx(1e9 / STEP_NS)
     fa, fb = view.fig.data
@@ -768,10 +799,10 @@ def test_ab_of_the_recorded_traces():
     view = d.compare(T.recorded_path(0), T.load_recorded(3700))
     assert d.ab.widget.layout.display is None
     rows = {r["stage"]: r for r in view.rows}
-    assert rows["attention_decode"]["delta_us"] == pytest.approx(116, abs=5)
-    assert abs(rows["gate_up_silu"]["delta_pct"]) < 3
+    assert rows["attention_decode"]["delta_us"] == pytest.approx(113, abs=5)
+    assert abs(rows[MLP]["delta_pct"]) < 3
     assert view.labels == ("llama-3.2-1b pos 0", "llama-3.2-1b pos 3,700")
-    assert "recorded on NVIDIA H200, 2026-12-01, commit c7b96fe" in view.fig.layout.title.text
+    assert "recorded on NVIDIA H200, 2026-12-02, commit 746ba41" in view.fig.layout.title.text
     with pytest.raises(TypeError):
         D.ABView([1, 2], [3, 4])
     assert math.isfinite(rows["total"]["b_tok_s"])

@@ -49,21 +49,6 @@ __device__ __forceinline__ void warp_rows_fma(const wb_u4 (&w)[NR][RowLoads<K, N
     }
 }
 
-// w = the chunk of UNROLL loads starting at step i0, for each of the NR rows
-template <int K, int NR>
-__device__ __forceinline__ void warp_rows_load(const bf16* __restrict__ row0, long long row_stride, int i0,
-                                               wb_u4 (&w)[NR][RowLoads<K, NR>::UNROLL]) {
-    using L = RowLoads<K, NR>;
-#pragma unroll
-    for (int u = 0; u < L::UNROLL; ++u) {
-        const int k = (i0 + u) * L::STEP + wb_lane() * 8;
-        if (i0 + u < L::ITERS && (K % L::STEP == 0 || k < K)) {
-#pragma unroll
-            for (int r = 0; r < NR; ++r) w[r][u] = wb_ld_stream(row0 + r * row_stride + k);
-        }
-    }
-}
-
 // out[r] = row r · act for NR rows of K (UNROLL loads per row in flight before the first FMA)
 template <int K, int NR>
 __device__ __forceinline__ void warp_rows_dot(const bf16* __restrict__ row0, long long row_stride,
@@ -73,14 +58,20 @@ __device__ __forceinline__ void warp_rows_dot(const bf16* __restrict__ row0, lon
 #pragma unroll
     for (int r = 0; r < NR; ++r) acc[r] = 0.f;
     // Row pairs: chunks not unrolled. Each chunk's loads are already UNROLL deep; unrolling the chunks as well cost
-    // registers, 2% tok/s (H200: 1,144 vs 1,121 tok/s) and a tenth of the compile time. Single rows stay unrolled:
-    // rolled, the long rows of the down projection spill on some shapes (3b: 8 row pointers in local memory).
-    // Longer rows (8b's down projection, K = 14,336: 56 loads per lane) are rolled: unrolled, with the stage's
-    // buffers passed as arguments, they spilled 56 B.
+    // registers, 2% tok/s (H200: 1,144 vs 1,121 tok/s) and a tenth of the compile time. Single rows stay unrolled
+    // up to K = 8,192, rolled beyond: measured when the down projection still read Wd by rows (rolled, its rows
+    // spilled 3b's row pointers; unrolled, 8b's K = 14,336 spilled 56 B).
 #pragma unroll L::CHUNKS_UNROLLED
     for (int i0 = 0; i0 < L::ITERS; i0 += L::UNROLL) {
         wb_u4 w[NR][L::UNROLL];
-        warp_rows_load<K, NR>(row0, row_stride, i0, w);
+#pragma unroll
+        for (int u = 0; u < L::UNROLL; ++u) {
+            const int k = (i0 + u) * L::STEP + wb_lane() * 8;
+            if (i0 + u < L::ITERS && (K % L::STEP == 0 || k < K)) {
+#pragma unroll
+                for (int r = 0; r < NR; ++r) w[r][u] = wb_ld_stream(row0 + r * row_stride + k);
+            }
+        }
         warp_rows_fma<K, NR>(w, i0, act, acc);
     }
 #pragma unroll
