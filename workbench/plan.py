@@ -153,6 +153,7 @@ class Use:
     rows: Callable | None = None
     positions: str | None = None
     when: Callable | None = None        # cfg → whether the stage reads it for this model (None: always)
+    same_as: str | None = None          # a write: the same value as the stage's write of that buffer (a copy)
     atomic: bool = False                # a write: every unit adds into the whole buffer atomically (no unit
     #                                     reads it, so no unit's rows need to be its own)
     local: bool = False                 # a read: unit u needs only what unit u of the writer wrote, and both
@@ -160,6 +161,9 @@ class Use:
 
     def active(self, cfg: ModelConfig) -> bool:
         return self.when is None or bool(self.when(cfg))
+
+
+DEALS = ("warps", "across", "blocks")  # Stage.deal's values, in the order of the kernel's WbDeal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,8 +176,10 @@ class Stage:
     units: Callable                     # (cfg, launch) → how many work units the stage divides into
     unit: str                           # what one unit is
     runs_on: str = "grid"               # "grid": every block takes units; "block0": one block does it all
-    deal: str = "warps"                 # "warps": units round-robin over the grid's warps; "blocks": block b owns
-    #                                     the contiguous units block_units(n, grid, b), its warps share them
+    deal: str = "warps"                 # "warps": units round-robin over the grid's warps, numbered block by
+    #                                     block; "across": the same, numbered block-fastest (a stage with fewer
+    #                                     units than warps); "blocks": block b owns the contiguous units
+    #                                     block_units(n, grid, b), its warps share them (WB_DEAL_<STAGE> in C++)
     taps: tuple = ()                    # written buffers the taps build copies out after the stage
     smem: Callable | None = None        # (cfg, launch) → {region: floats}, laid out from 0 in this order
     extra_args: tuple = ()              # C++ arguments after the buffers (e.g. "s.pos", "smem")
@@ -242,12 +248,12 @@ def attention_paths(c: ModelConfig, l: Launch, thorough: bool = False) -> list[i
 
 def down_phases(c: ModelConfig, l: Launch) -> int:
     """The down projection's row phases: a block's threads cover D in 8-byte column groups (4 columns a thread),
-    and as many such covers as fit take every phase-th row of the block's Wdᵀ rows (WB_DOWN_PHASES in the kernel)."""
+    and as many such covers as fit take every phase-th row of the block's Wdᵀ rows (DOWN_PHASES in the kernel)."""
     return max(1, l.stage_threads // (c.hidden // 4))
 
 
 def block_units(n: int, grid: int, block: int) -> range:
-    """The units a stage that deals by blocks gives block `block` (wb_block_units in kernels/lib/matvec.cuh)."""
+    """The units a stage that deals by blocks gives block `block` (wb_block_units in kernels/lib/stream.cuh)."""
     return range(block * n // grid, (block + 1) * n // grid)
 
 
@@ -265,7 +271,7 @@ STAGES: tuple[Stage, ...] = (
           writes=(Use("q", rows=_qkv_write("q")), Use("k_cache", rows=_qkv_write("k"), positions="pos"),
                   Use("v_cache", rows=_qkv_write("v"), positions="pos"),
                   Use("qk_raw", when=lambda c: c.qk_norm), Use("qk_count", when=lambda c: c.qk_norm)),
-          units=lambda c, l: c.qkv_rows // 2, unit="a row pair (a rope pair of q or k, two dims of v)",
+          units=lambda c, l: c.qkv_rows // 2, unit="a row pair (a rope pair of q or k, two dims of v)", deal="across",
           taps=("q", "k_cache", "v_cache"),
           smem=lambda c, l: {"act": _act(c), "red": RED}, extra_args=("layer", "s.pos", "smem"),
           doc="n = RMSNorm without its gain (folded into Wqkv); + bqkv before RoPE for a model with biases (Qwen2); "
@@ -287,7 +293,7 @@ STAGES: tuple[Stage, ...] = (
     Stage("o_proj_residual", "layer", "h = x += Wo·o",
           reads=(Use("o"), Use("wo", rows=lambda c, r: ((r * c.q_dim, (r + 1) * c.q_dim),)),
                  Use("x", rows=lambda c, r: ((r, r + 1),))),
-          writes=(Use("x", rows=lambda c, r: ((r, r + 1),)), Use("h", rows=lambda c, r: ((r, r + 1),))),
+          writes=(Use("x", rows=lambda c, r: ((r, r + 1),)), Use("h", rows=lambda c, r: ((r, r + 1),), same_as="x")),
           units=lambda c, l: c.hidden, unit="an output row", taps=("x", "h"),
           smem=lambda c, l: {"act": _act(c)}, extra_args=("layer", "smem"),
           reference=ref.o_proj_residual_io, tolerances={"x": ref.FP32, "h": ref.FP32}),
@@ -399,7 +405,9 @@ def local_problem(cfg: ModelConfig, launch: Launch = Launch()) -> str | None:
         for u in b.reads:
             if not u.local:
                 continue
-            writer = next((a for a in STAGES if a.writes_buffer(u.buffer)), None)
+            layer = (1 if cfg.n_layers > 1 else 0) if b.scope == "layer" else -1
+            made = producer(cfg, u.buffer, b.name, layer)
+            writer = stage(made[0]) if made is not None else None
             if writer is None or u.buffer not in local_reads(writer, b):
                 return f"{b.name} reads {u.buffer} locally, but no stage that deals by blocks writes it"
             n = b.units(cfg, launch)
@@ -416,13 +424,17 @@ def local_problem(cfg: ModelConfig, launch: Launch = Launch()) -> str | None:
 
 
 def block_barrier_before(cfg: ModelConfig, stage_name: str) -> bool:
-    """Whether the stage reads, within its block, what the stage before it wrote with no grid barrier between:
-    the generated step puts a block barrier there."""
-    seq = [s for s, _ in _execution(cfg.n_layers)]
-    i = seq.index(stage_name)
+    """Whether a block barrier goes before the stage: the stage before it runs in the same slot (no grid barrier
+    between them) and one of the two is a grid stage. Its warps may read what other warps of the block just wrote
+    (a local read) or reuse the shared memory they still read; a block barrier orders both."""
+    seq = list(_execution(cfg.n_layers))
+    i = next(k for k, (name, _) in enumerate(seq) if name == stage_name)
     if i == 0:
         return False
-    return bool(local_reads(stage(seq[i - 1]), stage(stage_name)))
+    prev = seq[i - 1]
+    if barrier_slot(cfg, prev[0], prev[1]) is not None:
+        return False
+    return stage(prev[0]).runs_on == "grid" or stage(stage_name).runs_on == "grid"
 
 
 def _barriers(seq) -> list[bool]:
@@ -623,8 +635,7 @@ class Stream:
         return self.k // self.pieces
 
     def items(self, launch: "Launch", block: int) -> int:
-        n = self.units
-        return ((block + 1) * n // launch.grid - block * n // launch.grid) * self.rows * self.pieces
+        return len(block_units(self.units, launch.grid, block)) * self.rows * self.pieces
 
     def max_items(self, launch: "Launch") -> int:
         return max(self.items(launch, b) for b in range(launch.grid))

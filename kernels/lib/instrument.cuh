@@ -47,7 +47,8 @@ __device__ __forceinline__ bool wb_done(const Params* __restrict__ P) { return (
 #if WB_TAPS
 // Debug build: after a stage, block 0 copies what it wrote into the step's tap record (steps the host asked for),
 // so the host can check every stage of every layer on its own inputs. The copies read buffers that the next stage
-// does not write (the generator refuses a plan where it would), so they need no extra barrier.
+// does not write (the generator refuses a plan where it would); where a later stage of the next slot writes one,
+// WB_TAP_SYNC below holds the grid until block 0 is done.
 #define WB_TAP_COPIES(copies) do { if (wb_bid() == 0 && P->tap_slot[s.step] >= 0) { copies wb_syncthreads(); } } while (0)
 // After a stage that no grid barrier follows: every block copies the rows of its own units (a stage that deals
 // by blocks), once its warps have written them.

@@ -6,13 +6,13 @@
 // FMA, which is what keeps enough bytes moving to approach the bandwidth roofline.
 #pragma once
 
-// How a stage's units are dealt (the plan's Stage.deal). WB_DEAL_WARPS: round-robin over the whole grid's warps,
+// How a stage's units are dealt (the plan's Stage.deal, WB_DEAL_<STAGE> in the generated header: a section passes
+// its own). WB_DEAL_WARPS: round-robin over the whole grid's warps,
 // warp g taking units g, g + NW, g + 2·NW ..., warps numbered block by block (g = block·warps + warp) so that a
 // block's warps read neighbouring rows. WB_DEAL_ACROSS: the same, numbered block-fastest (g = warp·blocks + block),
 // so that a stage with fewer units than warps loads every SM alike instead of filling the first blocks.
 // WB_DEAL_BLOCKS: block b owns the contiguous units wb_block_units (as a stream build deals every stage), its warps
 // round-robin over them, so that a later stage can read them with only a block barrier (the plan's Use.local).
-enum WbDeal { WB_DEAL_WARPS = 0, WB_DEAL_ACROSS = 1, WB_DEAL_BLOCKS = 2 };
 template <int DEAL = WB_DEAL_WARPS>
 __device__ __forceinline__ int grid_warp() {
     return DEAL == WB_DEAL_ACROSS ? wb_warp() * wb_nbid() + wb_bid() : wb_bid() * wb_nwarps() + wb_warp();

@@ -4,7 +4,8 @@
 // block's hmlp: only a block barrier, not a grid barrier, stands between the two stages. It reads the rows j of
 // Wdᵀ (wd is stored transposed, row j = Wd's column j, contiguous) and forms the partial sum Σ_j hmlp[j]·Wd[:, j]
 // over all D outputs, which it adds into x atomically. x holds h (o_proj wrote both), and no block reads x in this
-// slot: gate_up_silu's norm reads h.
+// slot: gate_up_silu's norm reads h. The build is specialised to its grid (WB_BLOCKS, the runtime compiles for the
+// grid it launches), which sizes the hmlp region.
 //
 // A thread owns 4 adjacent columns (one 8-byte load of a Wdᵀ row: four accumulators and two registers a row in
 // flight, where 16-byte loads spilled the kernel at its 128-register cap) and every PHASES-th of the block's rows,
@@ -23,6 +24,8 @@ constexpr int DOWN_ROWS_PER_THREAD = ((WB_FF + WB_BLOCKS - 1) / WB_BLOCKS + DOWN
 #endif
 constexpr int DOWN_LOADS = WB_DOWN_LOADS;
 static_assert(WB_D % 4 == 0, "a row of Wdᵀ is whole 8-byte loads");
+static_assert(WB_DEAL_DOWN_RESIDUAL == WB_DEAL_BLOCKS && WB_DEAL_GATE_UP_SILU == WB_DEAL_BLOCKS,
+              "down reads the hmlp rows of its own block's units: the plan deals both MLP stages by blocks");
 static_assert(WB_SMEM_DOWN_RESIDUAL_SUM_FLOATS >= DOWN_PHASES * WB_D &&
               WB_SMEM_DOWN_RESIDUAL_HMLP_FLOATS >= (WB_FF + WB_BLOCKS - 1) / WB_BLOCKS,
               "the plan's regions hold every phase's sums and the block's hmlp rows");

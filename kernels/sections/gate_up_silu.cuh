@@ -9,7 +9,7 @@ WB_SECTION void stage_gate_up_silu(const float* h, const bf16* __restrict__ wgu,
     float* act = smem + WB_SMEM_GATE_UP_SILU_ACT;
     float* red = smem + WB_SMEM_GATE_UP_SILU_RED;
     auto prologue = [&] { load_rms_normalized(act, h, WB_D, red); };
-    for_warp_units<WB_D, 2, WB_DEAL_BLOCKS>(wgu, WB_FF, act, prologue, [&](int j, const float* gu) {
+    for_warp_units<WB_D, 2, WB_DEAL_GATE_UP_SILU>(wgu, WB_FF, act, prologue, [&](int j, const float* gu) {
         if (wb_lane() == 0) hmlp[j] = gu[0] / (1.f + wb_exp(-gu[0])) * gu[1];
     });
 }

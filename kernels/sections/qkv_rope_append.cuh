@@ -12,7 +12,6 @@
 // the head in a fixed order.
 #pragma once
 
-
 __device__ __forceinline__ void qk_put(float* o, float v) { *o = v; }
 __device__ __forceinline__ void qk_put(bf16* o, float v) { *o = f32_to_bf16(v); }
 
@@ -57,7 +56,7 @@ WB_SECTION void stage_qkv_rope_append(const float* x, const bf16* __restrict__ w
     const long long kv_base = (long long)pos * WB_HEAD_DIM;                 // cache [Hkv, max_seq, hd], row pos
     auto prologue = [&] { load_rms_normalized(act, x, WB_D, red); };
     // fewer row pairs than warps (1,536 for 2,112 on 1B shapes): dealt across blocks, so that every SM loads a share
-    for_warp_units<WB_D, 2, WB_DEAL_ACROSS>(wqkv, PAIRS, act, prologue, [&](int u, const float* y) {
+    for_warp_units<WB_D, 2, WB_DEAL_QKV_ROPE_APPEND>(wqkv, PAIRS, act, prologue, [&](int u, const float* y) {
         const int row = 2 * u;
         // the biases in Wqkv's row order, added before RoPE as HF does (a model without them compiles this away)
         const float r[2] = {WB_QKV_BIAS ? y[0] + bqkv[row] : y[0], WB_QKV_BIAS ? y[1] + bqkv[row + 1] : y[1]};

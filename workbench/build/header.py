@@ -60,6 +60,10 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
         out.append(f"__device__ __forceinline__ int wb_where_{n}(u32 w) {{ return {val}; }}")
     out.append(f"constexpr int WB_SLOTS = {plan.n_slots(cfg)};           // grid barriers per step")
     out.append(f"constexpr int WB_BLOCKS = {launch.grid};         // the grid the build is specialised to (one block an SM)")
+    out.append("// how each stage deals its units (plan.Stage.deal): a section passes its WB_DEAL_<STAGE> to for_warp_units")
+    out.append("enum WbDeal { " + ", ".join(f"WB_DEAL_{d.upper()} = {i}" for i, d in enumerate(plan.DEALS)) + " };")
+    for st in plan.STAGES:
+        out.append(f"constexpr WbDeal WB_DEAL_{_upper(st.name)} = WB_DEAL_{st.deal.upper()};")
     # taps
     out.append(f"constexpr int WB_TAP_STEP_FLOATS = {plan.tap_step_floats(cfg, launch)};   // one step's tap record")
     for t in plan.taps(cfg, launch):
@@ -174,7 +178,7 @@ def stage_call(st: plan.Stage, layer: str = "layer") -> str:
     return f"{result} = {call}" if result else call
 
 
-def _tap_lines(cfg: ModelConfig, st: plan.Stage, layer: str, local: bool = False) -> list[str]:
+def _tap_lines(cfg: ModelConfig, launch: plan.Launch, st: plan.Stage, layer: str, local: bool = False) -> list[str]:
     """The copies of what the stage wrote. `local`: no grid barrier follows the stage, so every block copies the
     rows of its own units (a stage that deals by blocks, each unit whole rows of the buffer)."""
     out = []
@@ -182,12 +186,12 @@ def _tap_lines(cfg: ModelConfig, st: plan.Stage, layer: str, local: bool = False
     for buf in st.taps:
         if local:
             w = next(u for u in st.writes if u.buffer == buf)
-            n = st.units(cfg, plan.Launch())
-            (lo, hi), = w.rows(cfg, 0)
-            per = hi - lo
-            if st.deal != "blocks" or lo != 0 or any(w.rows(cfg, u) != ((u * per, (u + 1) * per),) for u in (1, n - 1)):
-                raise ValueError(f"stage {st.name} taps {buf} with no grid barrier after it: it must deal by blocks "
-                                 f"and each unit write whole adjacent rows")
+            n = st.units(cfg, launch)
+            first = w.rows(cfg, 0) if w.rows is not None else ()
+            per = first[0][1] - first[0][0] if len(first) == 1 else 0
+            if st.deal != "blocks" or per <= 0 or any(w.rows(cfg, u) != ((u * per, (u + 1) * per),) for u in range(n)):
+                raise ValueError(f"stage {st.name} taps {buf} with no grid barrier after it, so each block copies its "
+                                 f"own units' rows: it must deal by blocks and unit u write rows [u·k, (u+1)·k)")
             name = f"WB_TAP_{_upper(st.name)}_{_upper(buf)}"
             out.append(f"wb_tap_f32_units(P, s.step, {name}, {layer}, {_arg(plan.Use(buf), layer)}, {n}, {per});")
             continue
@@ -235,18 +239,20 @@ def decode_step(cfg: ModelConfig, launch: plan.Launch) -> str:
         lines = [f"{indent}// {st.math}" + (f"  ({st.doc})" if st.doc else "")]
         macro = "WB_BLOCK0" if st.runs_on == "block0" else "WB_GRID"
         if plan.block_barrier_before(cfg, st.name):
-            lines.append(f"{indent}wb_syncthreads();   // a block barrier: the stage reads what this block's warps "
-                         f"just wrote (a local read, no grid barrier)")
+            lines.append(f"{indent}wb_syncthreads();   // a block barrier: one slot, no grid barrier before this "
+                         f"stage (it may read what this block's warps just wrote: a local read)")
         lines.append(f"{indent}{macro}(ST_{_upper(st.name)}, {layer}, {stage_call(st)});")
         b = plan.barrier_slot(cfg, st.name, 0 if st.scope == "layer" else -1)
         if b is not None:
             slot = f"{b} + {per_layer} * layer" if st.scope == "layer" else str(b)
             lines.append(f"{indent}WB_SYNC(ST_{_upper(st.name)}, {layer}, {slot});")
         local = b is None and st.runs_on == "grid"
-        taps = _tap_lines(cfg, st, "layer", local=local)
+        taps = _tap_lines(cfg, launch, st, "layer", local=local)
         if taps:
             lines.append(f"{indent}{'WB_TAP_LOCAL_COPIES' if local else 'WB_TAP_COPIES'}(" + " ".join(taps) + ");")
-            if b is not None and st.runs_on == "grid" and _next_slot_writes(cfg, b, st.taps):
+            layers = range(cfg.n_layers) if st.scope == "layer" else (-1,)
+            after = [plan.barrier_slot(cfg, st.name, l) for l in layers]
+            if b is not None and st.runs_on == "grid" and any(_next_slot_writes(cfg, a, st.taps) for a in after):
                 lines.append(f"{indent}WB_TAP_SYNC(ST_{_upper(st.name)}, {layer});   // the next slot writes what "
                              f"block 0 just copied")
         if b == len(slots) - 1:
@@ -262,7 +268,9 @@ def decode_step(cfg: ModelConfig, launch: plan.Launch) -> str:
     out = ["// ---- the decode step, generated from workbench/plan.py: edit the plan, not this text ----",
            "// One statement per stage: what it computes, then the call (inputs, then after /* → */ what it writes).",
            "// WB_GRID: every block takes a share; WB_BLOCK0: block 0 alone. WB_SYNC: a grid barrier where the plan's",
-           "// reads and writes need one (slot k of the step). WB_TAP_COPIES: what the debug build copies out.",
+           "// reads and writes need one (slot k of the step); wb_syncthreads() between two stages of one slot.",
+           "// WB_TAP_COPIES: what the debug build copies out (block 0, after the barrier; WB_TAP_SYNC then waits",
+           "// for it where the next slot overwrites it); WB_TAP_LOCAL_COPIES: each block its own units' rows.",
            "__device__ __forceinline__ bool wb_decode_step(const Params* P, WbStep& s, float* smem) {"]
     for st in plan.STAGES[:first]:
         out += emit(st, "    ")

@@ -320,7 +320,7 @@ class Prepared:
     """Kernel-layout weights (bf16 bits) and tables, all in `xp`.
     wqkv [L, q_dim+2·kv_dim, D]: q heads, k heads, v heads, rows in rope pairs, attn-norm gain folded in.
     wo [L, D, q_dim]. wgu [L, 2F, D]: gate row j then up row j, mlp-norm gain folded in. wd [L, F, D]: Wd
-    transposed, row j is Wd's column j (the kernel's down projection reads Wd by columns)).
+    transposed, row j is Wd's column j (the kernel's down projection reads Wd by columns).
     lm_head [V, D]: final-norm gain folded in (a copy even when embeddings are tied). embed [V, D].
     rope_cos/rope_sin [max_seq, hd/2] fp32."""
     cfg: ModelConfig

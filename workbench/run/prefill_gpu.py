@@ -159,7 +159,7 @@ def gemm(a, w, out, accumulate: bool, w_t: bool = False):
     if w.shape != ((k, n) if w_t else (n, k)) or out.shape != (m, n) or out.dtype != cupy.float32 or a.dtype != cupy.uint16 \
             or w.dtype != cupy.uint16 or not (a.flags.c_contiguous and w.flags.c_contiguous and out.flags.c_contiguous):
         raise ValueError(f"gemm: a {a.dtype}{a.shape}, w {w.dtype}{w.shape}, out {out.dtype}{out.shape}: expected "
-                         f"contiguous bf16 bits [m, K] and [N, K] into float32 [m, N]")
+                         f"contiguous bf16 bits [m, K] and {'[K, N]' if w_t else '[N, K]'} into float32 [m, N]")
     h = cupy.cuda.device.get_cublas_handle()
     cublas.setStream(h, cupy.cuda.get_current_stream().ptr)
     mode = cublas.getPointerMode(h)

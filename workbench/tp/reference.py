@@ -104,11 +104,9 @@ def tp_forward(source, tokens, ranks: int, positions=None, *, caches: list | Non
             outs.append(st.reference(io))
         if zero is not None:                          # the all-reduce: every rank gets the sum of the partials
             total = state[0][zero] + sum(o[zero] for o in outs)
+            copies = [u.buffer for u in st.writes if u.same_as == zero]   # h, the MLP norm's copy of x
             for o in outs:
-                # a copy the stage also writes (h, the MLP norm's x) is the same array: it gets the sum too
-                copies = [b for b, v in o.items() if b != zero and v is o[zero]]
-                o[zero] = total
-                o.update({b: total for b in copies})
+                o.update({b: total for b in (zero, *copies)})
             exchanges.append(Exchange(stage_name, layer, "all-reduce", sh.all_reduce_bytes()))
         if "logits" in {u.buffer for u in st.writes}:   # the vocabulary slices, joined in order
             joined = xp.concatenate([o["logits"] for o in outs], axis=-1)
