@@ -13,9 +13,9 @@
 // blocks' additions reach x varies from run to run.
 #pragma once
 
-constexpr int DOWN_THREADS = WB_THREADS - (WB_STREAMING ? WB_WARP : 0);      // the threads that run a stage
 constexpr int DOWN_GROUPS = WB_D / 4;                                          // 8-byte column groups of a row
-constexpr int DOWN_PHASES = DOWN_THREADS / DOWN_GROUPS > 1 ? DOWN_THREADS / DOWN_GROUPS : 1;   // plan.down_phases
+// the row phases the plan sized the sum region for (plan.down_phases: as many covers of D as the threads make)
+constexpr int DOWN_PHASES = WB_SMEM_DOWN_RESIDUAL_SUM_FLOATS / WB_D;
 constexpr int DOWN_ROWS_PER_THREAD = ((WB_FF + WB_BLOCKS - 1) / WB_BLOCKS + DOWN_PHASES - 1) / DOWN_PHASES;
 // rows in flight per thread: 8 (more spilled the kernel at its 128-register cap; a stream build has less room still),
 // and no more than a thread has (small models' phases leave it few, and spare loads spilled there too)
@@ -26,9 +26,9 @@ constexpr int DOWN_LOADS = WB_DOWN_LOADS;
 static_assert(WB_D % 4 == 0, "a row of Wdᵀ is whole 8-byte loads");
 static_assert(WB_DEAL_DOWN_RESIDUAL == WB_DEAL_BLOCKS && WB_DEAL_GATE_UP_SILU == WB_DEAL_BLOCKS,
               "down reads the hmlp rows of its own block's units: the plan deals both MLP stages by blocks");
-static_assert(WB_SMEM_DOWN_RESIDUAL_SUM_FLOATS >= DOWN_PHASES * WB_D &&
+static_assert(DOWN_PHASES >= 1 && WB_SMEM_DOWN_RESIDUAL_SUM_FLOATS == DOWN_PHASES * WB_D &&
               WB_SMEM_DOWN_RESIDUAL_HMLP_FLOATS >= (WB_FF + WB_BLOCKS - 1) / WB_BLOCKS,
-              "the plan's regions hold every phase's sums and the block's hmlp rows");
+              "the plan's regions hold whole phases of sums and the block's hmlp rows");
 
 WB_SECTION void stage_down_residual(const float* hmlp, const bf16* __restrict__ wd, int layer, float* smem, float* x) {
     float* hs = smem + WB_SMEM_DOWN_RESIDUAL_HMLP;     // this block's hmlp rows
