@@ -5,8 +5,10 @@
 
 #if defined(__HIP_PLATFORM_AMD__) || defined(__AMDGCN__)
 #define WB_AMD 1
+#define WB_HAS_MMA 0    // no mma.sync: a section that multiplies on the tensor cores keeps a plain path for AMD
 #else
 #define WB_NV 1
+#define WB_HAS_MMA 1    // wb_mma_bf16_16816, wb_ldmatrix_x4(_trans), wb_movmatrix_trans, wb_pack_bf16x2
 #endif
 
 typedef unsigned char      u8;
@@ -116,6 +118,16 @@ __device__ __forceinline__ wb_u4 wb_ld_cg_u4(const void* p) {
     return wb_u4{v.x, v.y, v.z, v.w};
 }
 #define WB_INF __builtin_inff()
+// No asynchronous copy to LDS that takes 16 bytes a lane here: the copy passes through registers and is complete
+// when it returns, so a commit and a wait have nothing to do (the caller's block barrier still orders it).
+__device__ __forceinline__ void wb_cp_async16(void* dst, const void* src, bool valid) {
+    typedef u32 v4u __attribute__((ext_vector_type(4)));
+    v4u v = {0u, 0u, 0u, 0u};
+    if (valid) v = *WB_GLOBAL(v4u, src);
+    *(v4u*)dst = v;
+}
+__device__ __forceinline__ void wb_cp_async_commit() {}
+template <int pending> __device__ __forceinline__ void wb_cp_async_wait() {}
 #else  // ---------------------------------------------------------------------------------------------- NVIDIA
 #define WB_WARP 32
 // WB_STREAM: the block's last warp streams weights (kernels/lib/stream.cuh) and the stages run on the other warps.
@@ -256,6 +268,13 @@ __device__ __forceinline__ void wb_mma_bf16_16816(float* d, const u32* a, const 
                  "{%0,%1,%2,%3};"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+// An 8×8 bf16 matrix held as mma fragments (lane 4g + t: row g, columns 2t and 2t+1, a word) transposed in the
+// registers: the lane then holds row g of the transpose, which is column g of the input.
+__device__ __forceinline__ u32 wb_movmatrix_trans(u32 x) {
+    u32 r;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+    return r;
 }
 // two floats → a bf16 pair (the first in the low half), each rounded to nearest even, NaN staying NaN: one
 // conversion instruction where f32_to_bf16 takes five integer ones a value

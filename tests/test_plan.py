@@ -154,6 +154,24 @@ def test_shared_memory_is_the_largest_stage():
             assert off % 4 == 0 and n % 4 == 0
 
 
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_attentions_rings_fit_their_budget_and_the_block(preset):
+    """As many warps get a ring of attention's K/V steps as the budget holds (at most the block's, one in a stream
+    build, none in the AMD build), and the whole stage stays inside a block's shared memory."""
+    from workbench.build.assemble import BuildOptions
+    cfg = get_config(preset)
+    launch = plan.Launch()
+    per_warp = launch.attn_bufs * plan.ATTN_STEP * 2 * (cfg.head_dim + plan.ATTN_PAD) * 2
+    w = launch.attn_warps(cfg)
+    assert 1 <= w <= launch.consumer_warps and w * per_warp <= launch.attn_kv_bytes < (w + 1) * per_warp or \
+        w == launch.consumer_warps
+    regions = plan.smem_regions(cfg, launch)["attention_decode"]
+    assert regions["kv"][1] * 4 == w * per_warp                    # floats of the region: the rings' bytes / 4
+    assert plan.smem_bytes(cfg, launch) <= plan.SMEM_LIMIT - plan.STATIC_SMEM
+    assert plan.Launch(stream=True).attn_warps(cfg) == 1
+    assert BuildOptions().for_target("hip").launch.attn_warps(cfg) == 0
+
+
 def test_where_words_round_trip():
     for stage_i, name in enumerate(plan.STAGE_NAMES):
         for layer in (-1, 0, 31):

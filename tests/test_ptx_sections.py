@@ -54,9 +54,18 @@ def test_parameters_are_named_as_the_cpp_declaration_names_them():
         cpp_params("void other() {}", "stage_embedding")
 
 
+# qwen3-0.6b keeps the step's token in 8 B of stack across the sampling and publish calls since attention's loop
+# went to the tensor cores (NOTES.md round 14; test_portability's SPILLS_ACROSS_CALLS): a build whose attention is
+# a stub has no spill. strict: the marker goes when the spill does.
+QWEN3_SPILL = pytest.mark.xfail(strict=True, reason="the step's token kept in 8 B of stack across the sampler call")
+# the stubs that leave the spill (a stub of attention, the embedding or the publish frees the registers it takes)
+QWEN3_SPILLS = {("qwen3-0.6b", s) for s in ("qkv_rope_append", "o_proj_residual", "gate_up_silu", "down_residual",
+                                            "lm_head", "sampling")}
+
+
 @needs_ptxas
-@pytest.mark.parametrize("model", ["tiny", "qwen3-0.6b"])
-@pytest.mark.parametrize("stage", STAGE_NAMES)
+@pytest.mark.parametrize("model,stage", [pytest.param(m, s, marks=QWEN3_SPILL) if (m, s) in QWEN3_SPILLS else (m, s)
+                                         for m in ("tiny", "qwen3-0.6b") for s in STAGE_NAMES])
 def test_every_stage_can_be_written_in_ptx_with_all_its_parameters(model, stage):
     """A body (here one that only returns) can replace any stage's: the compiler keeps every parameter of the C++
     declaration, even those the C++ body leaves unused (layer, a family's buffers) or that every call passes the
@@ -91,7 +100,8 @@ def test_the_ptx_embedding_assembles_and_its_sass_is_listed_by_its_lines():
 OPROJ = BuildOptions(variants=(("o_proj_residual", "ptx"),))
 
 
-@pytest.mark.parametrize("model", ["tiny", "llama-3.2-1b", "llama-3.1-8b", "qwen3-0.6b"])
+@pytest.mark.parametrize("model", ["tiny", "llama-3.2-1b", "llama-3.1-8b",
+                                   pytest.param("qwen3-0.6b", marks=QWEN3_SPILL)])
 def test_the_ptx_gemv_assembles_without_spills_and_its_loop_is_listed_by_its_lines(model):
     """o_proj_residual@ptx.ptx, the O projection's warp GEMV in PTX: it uses the plan header's shared-memory
     offset by name, assembles on every shape without stack, and its 16-byte weight loads and FMAs are listed under

@@ -33,6 +33,12 @@ def test_coverage_takes_every_attention_path():
     c, S = launch.attn_min_chunk, launch.max_splits(cfg)
     assert {c, c + 1} <= set(n) and {c * S, c * S + 1} <= set(n) and max(pos) >= 4096
     assert {cfg.max_seq - 2, cfg.max_seq - 1} <= set(pos)       # the context's end, wherever --max-seq puts it
+    # attention's steps: a chunk of one step and of one more; every reading warp one step, and one more; a warp's
+    # ring refilled, and come round to its first buffer
+    every = launch.attn_warps(cfg) * plan.ATTN_STEP
+    assert {plan.ATTN_STEP, plan.ATTN_STEP + 1} <= set(n)
+    assert {S * every, S * (every + 1), S * (every * (launch.attn_bufs - 1) + 1),
+            S * (every * launch.attn_bufs + 1)} <= set(n)
     long = get_config("llama-3.2-1b", max_seq=131072)
     assert 131071 in {p for r in coverage(long, launch) for p in r.positions}
     assert runs[0].pos0 == 0 and runs[0].new > 1              # the generation path, from position 0

@@ -425,7 +425,7 @@ def cmd_build(args) -> int:
     target = args.target or ("hip" if args.dump == "amdgcn" else "cuda")
     arch = args.arch or {"cuda": "sm_90", "hip": "gfx942"}[target]
     names = list(PRESETS) if args.all_presets else [args.model]
-    opt = BuildOptions(threads=args.threads, timing=args.timing, variants=tuple(args.variant))
+    opt = BuildOptions(threads=args.threads, timing=args.timing, variants=tuple(args.variant)).for_target(target)
     failed = False
     for name in names:
         cfg = get_config(name, max_seq=args.max_seq)

@@ -37,12 +37,22 @@ class Launch:
     grid: int = 132
     threads: int = 512
     attn_min_chunk: int = 32        # fewest cache positions per attention split
+    attn_kv_bytes: int = 131072     # shared memory for attention's rings of K/V steps (one ring per warp); 0: none
+    attn_bufs: int = 3              # steps in a warp's ring: all but one in flight while the warp reads one
     stream: bool = False
     register_stages: tuple = ()     # in a stream build, stages that still read their weights straight to registers
 
     def max_splits(self, cfg: ModelConfig) -> int:
         """Attention splits each kv head's positions over at most this many blocks (≈ one block per SM)."""
         return max(1, self.grid // cfg.n_kv_heads)
+
+    def attn_warps(self, cfg: ModelConfig) -> int:
+        """Warps of a block that read K/V in attention (WB_ATTN_WARPS), each through its own ring of attn_bufs steps
+        of ATTN_STEP positions (K and V rows of hd bf16, padded by 8 bf16 against bank conflicts): as many as
+        attn_kv_bytes holds, at most the block's. A stream build gives attention one warp's ring at most: its weight
+        ring takes the shared memory beside the stages'."""
+        per_warp = self.attn_bufs * ATTN_STEP * 2 * (cfg.head_dim + ATTN_PAD) * 2
+        return min(1 if self.stream else self.consumer_warps, self.attn_kv_bytes // per_warp)
 
     @property
     def consumer_warps(self) -> int:
@@ -55,6 +65,8 @@ class Launch:
         return self.consumer_warps * NV_WARP
 
 
+ATTN_STEP = 16                      # cache positions a warp takes at a time in attention: an mma's 16 rows
+ATTN_PAD = 8                        # bf16 after each K/V row in shared memory: 8 rows' 16-byte loads hit distinct banks
 NV_WARP = 32                        # lanes of an NVIDIA warp (WB_WARP there, and in a stage's PTX body)
 MAX_WARPS = 32                      # warps in a 1024-thread block at the narrowest warp (32 lanes, NVIDIA)
 
@@ -234,14 +246,18 @@ def _qkv_write(part: str):
 def attention_paths(c: ModelConfig, l: Launch, thorough: bool = False) -> list[int]:
     """Positions on both sides of every change of attention's code path: one split (direct write) to two (partials
     merged by the last block), every further split when thorough, the saturation at max_splits (beyond it the
-    chunks grow), a long position (≥ 4,096, where chunks span several passes of the block's warps), and the
-    context's last two positions (the cache's end, wherever --max-seq put it)."""
+    chunks grow), a chunk of one step of 16 positions and of a step and one, a chunk that gives every reading warp
+    one step and one more, a warp's ring refilled and coming round to its first buffer again, a long position
+    (≥ 4,096), and the context's last two positions (the cache's end, wherever --max-seq put it)."""
     chunk, S = l.attn_min_chunk, l.max_splits(c)
-    n = {1, 2, 3, 4}
+    n = {1, 2, 3, 4, ATTN_STEP, ATTN_STEP + 1}
     if S > 1:
         n |= {chunk - 1, chunk, chunk + 1, chunk + 2, chunk * S, chunk * S + 1}
     if thorough:
         n |= {chunk * m + d for m in range(2, S) for d in (0, 1)}
+    # a block's chunk: every reading warp one step, one step more, the first refill of a ring, the ring round
+    every = max(1, l.attn_warps(c)) * ATTN_STEP
+    n |= {S * every, S * (every + 1), S * (every * (l.attn_bufs - 1) + 1), S * (every * l.attn_bufs + 1)}
     n |= {4096, 4097, 4098, c.max_seq - 1, c.max_seq}
     return sorted(p - 1 for p in n if 1 <= p <= c.max_seq)
 
@@ -286,8 +302,10 @@ STAGES: tuple[Stage, ...] = (
                   Use("attn_count")),
           units=lambda c, l: c.n_kv_heads, unit="a kv head (its positions split over up to max_splits blocks)",
           taps=("o",),
-          smem=lambda c, l: {"q": _pad4(c.group * c.head_dim),
-                             "warps": _pad4(l.threads // 32 * c.group * (c.head_dim + 2))},
+          smem=lambda c, l: {"q": _pad4(max(c.group, 12) * c.head_dim),
+                             "warps": _pad4(l.threads // 32 * c.group * (c.head_dim + 2)),
+                             "kv": l.attn_warps(c) * l.attn_bufs * ATTN_STEP * (c.head_dim + ATTN_PAD),
+                             "src": 4 * l.attn_warps(c)},
           extra_args=("layer", "s.pos", "P->attn_max_splits", "smem"), paths=attention_paths,
           reference=ref.attention_decode_io, tolerances={"o": ref.ATTENTION}),
     Stage("o_proj_residual", "layer", "h = x += Wo·o",

@@ -37,6 +37,8 @@ class BuildOptions:
     grid: int = 132              # blocks: the device's SM count (the runtime sets it; 132 on an H200)
     timing: bool = False         # WB_TIMING: per-stage %globaltimer stamps
     attn_min_chunk: int = 32     # fewest cache positions per attention split
+    attn_kv_bytes: int = 131072  # shared memory for attention's per-warp rings of K/V steps
+    attn_bufs: int = 3           # steps in a warp's ring
     taps: bool = False           # WB_TAPS: copy every stage's output of chosen steps into tap buffers
     hang: tuple | None = None    # (stage, layer, block): fault injection for hang-safety tests
     variants: tuple = ()         # ((section, variant), ...): alternative section files, see section_path
@@ -62,13 +64,21 @@ class BuildOptions:
             raise ValueError(f"threads {why}")
         if self.stream_register and not self.stream:
             raise ValueError("stream_register names stages of a stream build: set stream too")
+        if self.attn_bufs < 2:
+            raise ValueError(f"attn_bufs must be at least 2 (one step read while the next lands), got {self.attn_bufs!r}")
         if not (isinstance(self.grid, int) and self.grid >= 1):
             raise ValueError(f"grid must be a positive number of blocks, got {self.grid!r}")
+
+    def for_target(self, target: str) -> "BuildOptions":
+        """These options as the AMD build takes them: a gfx942 workgroup has 64 KiB of LDS and no matrix product
+        of the kind attention's rings feed (mma.sync), so attention reads its cache straight to registers there
+        and gets no ring."""
+        return dataclasses.replace(self, attn_kv_bytes=0) if target == "hip" else self
 
     @property
     def launch(self) -> plan.Launch:
         return plan.Launch(grid=self.grid, threads=self.threads, attn_min_chunk=self.attn_min_chunk,
-                           stream=self.stream, register_stages=tuple(filter(None, self.stream_register.split("+"))))
+                           attn_kv_bytes=self.attn_kv_bytes, attn_bufs=self.attn_bufs, stream=self.stream, register_stages=tuple(filter(None, self.stream_register.split("+"))))
 
 
 def option_from_text(field: str, text: str):

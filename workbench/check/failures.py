@@ -65,9 +65,9 @@ INJECTIONS = (
               "    if (wb_tid() == 0) { volatile int spin = 1; while (spin) { } }\n"
               "    // max logit and greedy argmax from the LM head's per-block partials", "hang", 0),
     Injection("too-much-shared", "attention_decode", "asks for 256 KB of static shared memory",
-              "    float* qs = smem + WB_SMEM_ATTENTION_DECODE_Q;",
+              "    u32* qf = (u32*)(smem + WB_SMEM_ATTENTION_DECODE_Q);",
               "    __shared__ float huge[64 * 1024];\n    huge[wb_tid()] = 1.f;\n"
-              "    float* qs = smem + WB_SMEM_ATTENTION_DECODE_Q;\n    if (huge[(wb_tid() * 7) % 1024] == 2.f) o[0] = 0.f;",
+              "    u32* qf = (u32*)(smem + WB_SMEM_ATTENTION_DECODE_Q);\n    if (huge[(wb_tid() * 7) % 1024] == 2.f) o[0] = 0.f;",
               "compile error"),
     # 2^24 copies of a statement, by the preprocessor: the compiler front end alone takes minutes (a large
     # `#pragma unroll` is not enough: NVVM declines to unroll past its own limit and compiles in seconds)

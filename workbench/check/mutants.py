@@ -86,19 +86,27 @@ MUTANTS: tuple[Mutant, ...] = (
       "/ (float)n + WB_RMS_EPS);", "/ (float)n + 10.f * WB_RMS_EPS);", "qkv_rope_append"),
     # attention_decode
     M("merge-drops-last-split", "attention_decode", "the split merge leaves out the last split (only S ≥ 2)",
-      "for (int s = 0; s < S; ++s)", "for (int s = 0; s < S - 1; ++s)", "attention_decode", count=2),
+      "const bool in = s0 + j < S;", "const bool in = s0 + j < S - 1;", "attention_decode"),
+    M("attn-ring-skips-step", "attention_decode", "a warp's third step is never fetched (the ring's refill re-fetches "
+      "the step in flight): only where a warp has three steps of a chunk",
+      "if (j + WB_ATTN_BUFS - 1 < mine) issue(j + WB_ATTN_BUFS - 1);",
+      "if (j + WB_ATTN_BUFS - 1 < mine) issue(j + WB_ATTN_BUFS - 2);", "attention_decode"),
+    M("attn-step-tail-unmasked", "attention_decode", "the first position past a chunk's end is not masked (a zero key "
+      "and value weigh in): only where a chunk ends inside a step", "if (k0 + g + 8 >= left) s[2] = s[3] = -WB_INF;",
+      "if (k0 + g + 8 > left) s[2] = s[3] = -WB_INF;", "attention_decode"),
     M("gqa-wrong-head", "attention_decode", "a kv head reads the next group's queries",
-      "wb_ld_cg(q + kvh * ATT_GQ * HD + i)", "wb_ld_cg(q + ((kvh + 1) % WB_KV_HEADS) * ATT_GQ * HD + i)",
+      "const float* qh = q + (kvh * ATT_GQ + g) * HD;", "const float* qh = q + (((kvh + 1) % WB_KV_HEADS) * ATT_GQ + g) * HD;",
       "attention_decode"),
     M("attn-scale-1e-4", "attention_decode", "scores scaled 1e-4 too much", "const float scale = wb_rsqrt((float)HD);",
       "const float scale = wb_rsqrt((float)HD) * 1.0001f;", "attention_decode"),
     M("attn-long-context-short", "attention_decode", "from 4,096 on, the newest position is left out",
       "const int n = pos + 1, S", "const int n = pos + (pos >= 4096 ? 0 : 1), S", "attention_decode"),
     M("softmax-no-rescale", "attention_decode", "the running sum is not rescaled when the max grows",
-      "l[g] = l[g] * c + p;", "l[g] = l[g] + p;", "attention_decode"),
-    M("merge-warps-drops-last", "attention_decode", "the warp merge leaves out the last warp's sum",
+      "l0 = l0 * c0 + s[0] + s[2];", "l0 = l0 + s[0] + s[2];", "attention_decode"),
+    M("merge-warps-drops-first", "attention_decode", "the warp merge leaves out the first warp's sum (the last "
+      "warps read no positions on NVIDIA, so leaving out the last one changed nothing)",
       "    for (int w = 0; w < wb_nwarps(); ++w) {\n        const float* st",
-      "    for (int w = 0; w < wb_nwarps() - 1; ++w) {\n        const float* st", "attention_decode"),
+      "    for (int w = 1; w < wb_nwarps(); ++w) {\n        const float* st", "attention_decode"),
     # o_proj_residual
     M("o-residual-one-layer", "o_proj_residual", "layer 1 loses its attention residual",
       "if (wb_lane() == 0) x[r] = h[r] = wb_ld_cg(x + r) + y[0];",
