@@ -193,6 +193,11 @@ def test_build_options_from_text_and_bad_values():
         option_from_text("threads", "many")
     with pytest.raises(ValueError, match="ptxas_opt"):
         BuildOptions(ptxas_opt=7)
+    with pytest.raises(ValueError, match="attn_bufs must be at least 2"):
+        BuildOptions(attn_bufs=1)
+    with pytest.raises(ValueError, match="attn_kv_bytes must be a number of bytes"):
+        BuildOptions(attn_kv_bytes=-1)
+    assert option_from_text("attn_kv_bytes", "65536") == 65536
 
 
 def test_fast_compile_build_reports_only_the_kernel():
@@ -298,3 +303,14 @@ def test_cupys_nvrtc_binding_makes_the_same_kernel():
     assert not a[0] and not b[0] and a[1] == b[1] and "undeclared_thing" in a[1]
     with pytest.raises(FileNotFoundError, match="cuda-bindings"):
         C._nvrtc_cupy(asm.source, opts)
+
+
+def test_an_attention_budget_without_a_ring_is_one_clear_compile_error():
+    """attn_kv_bytes too small for one warp's ring on NVIDIA: the build stops at attention's section with the reason,
+    not at a fault on the GPU."""
+    cfg = get_config("tiny")
+    opt = BuildOptions(attn_kv_bytes=plan.Launch().attn_ring_bytes(cfg) - 1)
+    assert opt.launch.attn_warps(cfg) == 0
+    with pytest.raises(CompileError) as e:
+        compile_cubin(assemble(cfg, opt))
+    assert "attention_decode.cuh" in str(e.value) and "attn_kv_bytes holds no warp's ring" in str(e.value)

@@ -161,7 +161,8 @@ def test_attentions_rings_fit_their_budget_and_the_block(preset):
     from workbench.build.assemble import BuildOptions
     cfg = get_config(preset)
     launch = plan.Launch()
-    per_warp = launch.attn_bufs * plan.ATTN_STEP * 2 * (cfg.head_dim + plan.ATTN_PAD) * 2
+    per_warp = launch.attn_ring_bytes(cfg)
+    assert per_warp == launch.attn_bufs * plan.ATTN_STEP * 2 * (cfg.head_dim + 8) * 2    # steps × (K + V) rows × bf16
     w = launch.attn_warps(cfg)
     assert 1 <= w <= launch.consumer_warps and w * per_warp <= launch.attn_kv_bytes < (w + 1) * per_warp or \
         w == launch.consumer_warps

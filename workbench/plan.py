@@ -51,8 +51,11 @@ class Launch:
         of ATTN_STEP positions (K and V rows of hd bf16, padded by 8 bf16 against bank conflicts): as many as
         attn_kv_bytes holds, at most the block's. A stream build gives attention one warp's ring at most: its weight
         ring takes the shared memory beside the stages'."""
-        per_warp = self.attn_bufs * ATTN_STEP * 2 * (cfg.head_dim + ATTN_PAD) * 2
-        return min(1 if self.stream else self.consumer_warps, self.attn_kv_bytes // per_warp)
+        return min(1 if self.stream else self.consumer_warps, self.attn_kv_bytes // self.attn_ring_bytes(cfg))
+
+    def attn_ring_bytes(self, cfg: ModelConfig) -> int:
+        """One warp's ring: attn_bufs steps, each ATTN_STEP K rows then ATTN_STEP V rows of attn_row(cfg) bf16."""
+        return self.attn_bufs * ATTN_STEP * 2 * attn_row(cfg) * 2
 
     @property
     def consumer_warps(self) -> int:
@@ -67,6 +70,17 @@ class Launch:
 
 ATTN_STEP = 16                      # cache positions a warp takes at a time in attention: an mma's 16 rows
 ATTN_PAD = 8                        # bf16 after each K/V row in shared memory: 8 rows' 16-byte loads hit distinct banks
+
+
+def attn_row(cfg: ModelConfig) -> int:
+    """bf16 a K or V row takes in attention's rings (WB_ATTN_KS): head_dim, padded."""
+    return cfg.head_dim + ATTN_PAD
+
+
+def attn_query_words(cfg: ModelConfig) -> int:
+    """The queries as the tensor cores take them (NVIDIA): per 16 dims of head_dim, 32 lanes × 6 words (two bf16
+    pairs, each split in three parts)."""
+    return cfg.head_dim // 16 * 6 * NV_WARP
 NV_WARP = 32                        # lanes of an NVIDIA warp (WB_WARP there, and in a stage's PTX body)
 MAX_WARPS = 32                      # warps in a 1024-thread block at the narrowest warp (32 lanes, NVIDIA)
 
@@ -302,10 +316,10 @@ STAGES: tuple[Stage, ...] = (
                   Use("attn_count")),
           units=lambda c, l: c.n_kv_heads, unit="a kv head (its positions split over up to max_splits blocks)",
           taps=("o",),
-          smem=lambda c, l: {"q": _pad4(max(c.group, 12) * c.head_dim),
+          smem=lambda c, l: {"q": _pad4(max(c.group * c.head_dim, attn_query_words(c))),
                              "warps": _pad4(l.threads // 32 * c.group * (c.head_dim + 2)),
-                             "kv": l.attn_warps(c) * l.attn_bufs * ATTN_STEP * (c.head_dim + ATTN_PAD),
-                             "src": 4 * l.attn_warps(c)},
+                             "kv": l.attn_warps(c) * l.attn_ring_bytes(c) // 4,
+                             "src": 4 * l.attn_warps(c)},             # two pointers a reading warp
           extra_args=("layer", "s.pos", "P->attn_max_splits", "smem"), paths=attention_paths,
           reference=ref.attention_decode_io, tolerances={"o": ref.ATTENTION}),
     Stage("o_proj_residual", "layer", "h = x += Wo·o",

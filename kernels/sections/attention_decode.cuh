@@ -64,9 +64,11 @@ constexpr int ATT_CH = WB_HEAD_DIM / 8;             // 16-byte copies a K (or V)
 constexpr int ATT_RING = 2 * WB_ATTN_STEP * WB_ATTN_KS;   // bf16 a step: its K rows, then its V rows
 static_assert(WB_HEAD_DIM % 16 == 0 && ATT_GQ <= 8 && WB_ATTN_STEP == 16,
               "head_dim in 16-wide steps; the group's query heads are the 8 columns of one mma tile");
-static_assert(WB_ATTN_WARPS >= 1 && WB_ATTN_WARPS <= WB_THREADS / WB_WARP && WB_ATTN_BUFS >= 2 &&
+static_assert(WB_ATTN_WARPS >= 1, "attn_kv_bytes holds no warp's ring of K/V steps: raise it (only the AMD build, "
+              "which has no ring, goes without)");
+static_assert(WB_ATTN_WARPS <= WB_THREADS / WB_WARP && WB_ATTN_BUFS >= 2 &&
               2 * WB_SMEM_ATTENTION_DECODE_KV_FLOATS >= WB_ATTN_WARPS * WB_ATTN_BUFS * ATT_RING &&
-              WB_SMEM_ATTENTION_DECODE_Q_FLOATS >= 12 * WB_HEAD_DIM &&
+              WB_SMEM_ATTENTION_DECODE_Q_FLOATS >= ATT_KK * 6 * WB_WARP &&
               WB_SMEM_ATTENTION_DECODE_SRC_FLOATS >= 4 * WB_ATTN_WARPS && WB_SMEM_ATTENTION_DECODE_SRC % 2 == 0,
               "the plan's regions hold every reading warp's ring, its K/V addresses and the queries' fragments");
 

@@ -64,6 +64,8 @@ class BuildOptions:
             raise ValueError(f"threads {why}")
         if self.stream_register and not self.stream:
             raise ValueError("stream_register names stages of a stream build: set stream too")
+        if not (isinstance(self.attn_kv_bytes, int) and self.attn_kv_bytes >= 0):
+            raise ValueError(f"attn_kv_bytes must be a number of bytes, 0 or more, got {self.attn_kv_bytes!r}")
         if self.attn_bufs < 2:
             raise ValueError(f"attn_bufs must be at least 2 (one step read while the next lands), got {self.attn_bufs!r}")
         if not (isinstance(self.grid, int) and self.grid >= 1):
@@ -78,7 +80,8 @@ class BuildOptions:
     @property
     def launch(self) -> plan.Launch:
         return plan.Launch(grid=self.grid, threads=self.threads, attn_min_chunk=self.attn_min_chunk,
-                           attn_kv_bytes=self.attn_kv_bytes, attn_bufs=self.attn_bufs, stream=self.stream, register_stages=tuple(filter(None, self.stream_register.split("+"))))
+                           attn_kv_bytes=self.attn_kv_bytes, attn_bufs=self.attn_bufs, stream=self.stream,
+                           register_stages=tuple(filter(None, self.stream_register.split("+"))))
 
 
 def option_from_text(field: str, text: str):

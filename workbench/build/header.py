@@ -77,7 +77,7 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
                        f"WB_SMEM_{_upper(st)}_{_upper(r)}_FLOATS = {n};")
     out.append(f"constexpr int WB_SMEM_FLOATS = {plan.smem_floats(cfg, launch)};   // the largest stage's layout")
     out.append(f"constexpr int WB_ATTN_WARPS = {launch.attn_warps(cfg)}, WB_ATTN_BUFS = {launch.attn_bufs}, "
-               f"WB_ATTN_STEP = {plan.ATTN_STEP}, WB_ATTN_KS = {cfg.head_dim + plan.ATTN_PAD};   "
+               f"WB_ATTN_STEP = {plan.ATTN_STEP}, WB_ATTN_KS = {plan.attn_row(cfg)};   "
                f"// attention's rings: warps with one, steps a ring, positions a step, bf16 a K/V row")
     out += stream_constants(cfg, launch)
     # per-layer slices
