@@ -10,11 +10,16 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) wb_generate(const Pa
     if (wb_is_streamer()) { wb_stream_run(P); return; }    // the last warp: weights into the ring, until we leave
 #endif
     wb_grid_sync_init();
-    WbStep s;
+    // the step's values and the first position in shared memory: held in registers across the whole step they
+    // took some of every thread's 128, and the larger builds spilled them to the stack
+    __shared__ int values[WB_STEP_VALUES], pos0;
+    static_assert(WB_STEP_VALUES == 2, "the step carries the token and the sampled token");
+    WbStep s{0, 0, values[0], values[1]};
     s.token = P->tokens_in[0];
     s.sampled = -1;
+    pos0 = P->pos0;
     for (s.step = 0;; ++s.step) {
-        s.pos = P->pos0 + s.step;
+        s.pos = pos0 + s.step;
         if (wb_decode_step(P, s, smem)) break;
     }
 #if WB_STREAMING

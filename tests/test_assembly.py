@@ -198,6 +198,10 @@ def test_build_options_from_text_and_bad_values():
     with pytest.raises(ValueError, match="attn_kv_bytes must be a number of bytes"):
         BuildOptions(attn_kv_bytes=-1)
     assert option_from_text("attn_kv_bytes", "65536") == 65536
+    with pytest.raises(ValueError, match="attn_min_chunk must be 0"):
+        BuildOptions(attn_min_chunk=-1)
+    with pytest.raises(ValueError, match="attn_single must be a number of chunks"):
+        BuildOptions(attn_single=0)
 
 
 def test_fast_compile_build_reports_only_the_kernel():

@@ -58,8 +58,9 @@ def test_every_stage_on_its_own_inputs_on_every_code_path(tiny_taps):
     print(table)
     assert table.passed, table.summary()
     assert max(table.positions) >= 4096
-    S = tiny_taps.attn_max_splits
-    assert {32 * m for m in range(1, S + 1)} <= {p + 1 for p in table.positions}
+    S, launch, cfg = tiny_taps.attn_max_splits, tiny_taps.launch, tiny_taps.cfg
+    c, one = launch.attn_chunk(cfg), launch.attn_single_positions(cfg)
+    assert {one, one + 1} | {c * m for m in range(2, S + 1) if c * m <= cfg.max_seq} <= {p + 1 for p in table.positions}
 
 
 def test_every_sampler_mode_draw_by_draw(tiny_taps):

@@ -173,6 +173,24 @@ def test_attentions_rings_fit_their_budget_and_the_block(preset):
     assert BuildOptions().for_target("hip").launch.attn_warps(cfg) == 0
 
 
+@pytest.mark.parametrize("preset", ["llama-3.2-1b", "llama-3.1-8b", "tiny"])
+def test_attentions_splits_follow_its_rings(preset):
+    """By default a split gives every reading warp one step, and one block takes a kv head alone (no merge) up to
+    attn_single such chunks; the header carries both, and an explicit attn_min_chunk wins."""
+    from workbench.build.assemble import BuildOptions
+    from workbench.build.header import plan_header
+    cfg = get_config(preset)
+    launch = plan.Launch()
+    chunk = launch.attn_warps(cfg) * plan.ATTN_STEP
+    assert launch.attn_chunk(cfg) == chunk and launch.attn_single_positions(cfg) == 2 * chunk
+    assert f"WB_ATTN_MIN_CHUNK = {chunk}, WB_ATTN_SINGLE = {2 * chunk};" in plan_header(cfg, launch)
+    assert plan.Launch(attn_min_chunk=40, attn_single=3).attn_single_positions(cfg) == 120
+    assert BuildOptions(attn_min_chunk=40, attn_single=3).launch == plan.Launch(attn_min_chunk=40, attn_single=3)
+    assert BuildOptions().for_target("hip").launch.attn_chunk(cfg) == 32        # no rings: the CUDA-core path's 32
+    paths = {p + 1 for p in plan.attention_paths(cfg, launch)}
+    assert {2 * chunk, 2 * chunk + 1} <= paths or 2 * chunk >= cfg.max_seq
+
+
 def test_where_words_round_trip():
     for stage_i, name in enumerate(plan.STAGE_NAMES):
         for layer in (-1, 0, 31):

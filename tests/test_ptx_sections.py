@@ -54,13 +54,11 @@ def test_parameters_are_named_as_the_cpp_declaration_names_them():
         cpp_params("void other() {}", "stage_embedding")
 
 
-# qwen3-0.6b keeps the step's token in 8 B of stack across the sampling and publish calls since attention's loop
-# went to the tensor cores (NOTES.md round 14; test_portability's SPILLS_ACROSS_CALLS): a build whose attention is
-# a stub has no spill. strict: the marker goes when the spill does.
-QWEN3_SPILL = pytest.mark.xfail(strict=True, reason="the step's token kept in 8 B of stack across the sampler call")
-# the stubs that leave the spill (a stub of attention, the embedding or the publish frees the registers it takes)
-QWEN3_SPILLS = {("qwen3-0.6b", s) for s in ("qkv_rope_append", "o_proj_residual", "gate_up_silu", "down_residual",
-                                            "lm_head", "sampling")}
+# qwen3-0.6b with down_residual's body gone holds attention's counter pointer in 8 B of stack across attention's
+# loop (one store and one load a layer, in a build that computes nothing): at the 128-register cap a stub changes
+# the allocation of the stages beside it. strict: the marker goes when the spill does.
+QWEN3_SPILL = pytest.mark.xfail(strict=True, reason="a pointer kept in 8 B of stack across attention's loop")
+QWEN3_SPILLS = {("qwen3-0.6b", "down_residual")}
 
 
 @needs_ptxas
@@ -100,8 +98,7 @@ def test_the_ptx_embedding_assembles_and_its_sass_is_listed_by_its_lines():
 OPROJ = BuildOptions(variants=(("o_proj_residual", "ptx"),))
 
 
-@pytest.mark.parametrize("model", ["tiny", "llama-3.2-1b", "llama-3.1-8b",
-                                   pytest.param("qwen3-0.6b", marks=QWEN3_SPILL)])
+@pytest.mark.parametrize("model", ["tiny", "llama-3.2-1b", "llama-3.1-8b", "qwen3-0.6b"])
 def test_the_ptx_gemv_assembles_without_spills_and_its_loop_is_listed_by_its_lines(model):
     """o_proj_residual@ptx.ptx, the O projection's warp GEMV in PTX: it uses the plan header's shared-memory
     offset by name, assembles on every shape without stack, and its 16-byte weight loads and FMAs are listed under

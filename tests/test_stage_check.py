@@ -30,8 +30,8 @@ def test_coverage_takes_every_attention_path():
     runs = coverage(cfg, launch)
     pos = sorted(p for r in runs for p in r.positions)
     n = [p + 1 for p in pos]                                   # attention reads n = pos + 1 positions
-    c, S = launch.attn_min_chunk, launch.max_splits(cfg)
-    assert {c, c + 1} <= set(n) and {c * S, c * S + 1} <= set(n) and max(pos) >= 4096
+    c, S, one = launch.attn_chunk(cfg), launch.max_splits(cfg), launch.attn_single_positions(cfg)
+    assert {one, one + 1} <= set(n) and {c * S, c * S + 1} <= set(n) and max(pos) >= 4096
     assert {cfg.max_seq - 2, cfg.max_seq - 1} <= set(pos)       # the context's end, wherever --max-seq puts it
     # attention's steps: a chunk of one step and of one more; every reading warp one step, and one more; a warp's
     # ring refilled, and come round to its first buffer
@@ -45,7 +45,7 @@ def test_coverage_takes_every_attention_path():
     flat = [p for r in runs for p in r.positions]
     assert len(flat) == len(set(flat)) and flat == sorted(flat)   # no run writes rows another one reads
     thorough = {p + 1 for r in coverage(cfg, launch, thorough=True) for p in r.positions}
-    assert all({c * m, c * m + 1} <= thorough for m in range(1, S + 1))
+    assert all({c * m, c * m + 1} <= thorough for m in range(2, S + 1))
     sampled = coverage(cfg, launch, sampling=True)
     assert len([r for r in sampled if r.sampling]) == 4
     flat = [p for r in sampled for p in r.positions]

@@ -36,7 +36,8 @@ class Launch:
     warp is the weight streamer (see `streams`) and the stages run on the others."""
     grid: int = 132
     threads: int = 512
-    attn_min_chunk: int = 32        # fewest cache positions per attention split
+    attn_min_chunk: int = 0         # fewest cache positions per attention split (0: one step per reading warp)
+    attn_single: int = 2            # a block takes a kv head's whole context alone up to this many chunks
     attn_kv_bytes: int = 131072     # shared memory for attention's rings of K/V steps (one ring per warp); 0: none
     attn_bufs: int = 3              # steps in a warp's ring: all but one in flight while the warp reads one
     stream: bool = False
@@ -45,6 +46,22 @@ class Launch:
     def max_splits(self, cfg: ModelConfig) -> int:
         """Attention splits each kv head's positions over at most this many blocks (≈ one block per SM)."""
         return max(1, self.grid // cfg.n_kv_heads)
+
+    def attn_chunk(self, cfg: ModelConfig) -> int:
+        """The fewest cache positions an attention split takes (WB_ATTN_MIN_CHUNK): attn_min_chunk, or by default
+        one step for each reading warp, since a split with less leaves warps idle and still pays for its merge.
+        Without rings (AMD), 32 positions, as measured on the CUDA-core path."""
+        if self.attn_min_chunk:
+            return self.attn_min_chunk
+        warps = self.attn_warps(cfg)
+        return warps * ATTN_STEP if warps else 32
+
+    def attn_single_positions(self, cfg: ModelConfig) -> int:
+        """Up to this many positions (WB_ATTN_SINGLE) one block takes a kv head's context alone and writes o
+        itself. Splitting pays a merge (partials out, an arrival counter, the last block's reads of every partial:
+        ~1 µs a layer); at 129–256 positions on the 1B one block with two steps a warp was 2% faster than two
+        splits of one step (NOTES.md, round 15). Past it, the positions split into chunks of attn_chunk."""
+        return self.attn_single * self.attn_chunk(cfg)
 
     def attn_warps(self, cfg: ModelConfig) -> int:
         """Warps of a block that read K/V in attention (WB_ATTN_WARPS), each through its own ring of attn_bufs steps
@@ -258,15 +275,15 @@ def _qkv_write(part: str):
 
 
 def attention_paths(c: ModelConfig, l: Launch, thorough: bool = False) -> list[int]:
-    """Positions on both sides of every change of attention's code path: one split (direct write) to two (partials
-    merged by the last block), every further split when thorough, the saturation at max_splits (beyond it the
+    """Positions on both sides of every change of attention's code path: one block alone (direct write) to
+    splits (partials merged by the last block), every further split when thorough, the saturation at max_splits (beyond it the
     chunks grow), a chunk of one step of 16 positions and of a step and one, a chunk that gives every reading warp
     one step and one more, a warp's ring refilled and coming round to its first buffer again, a long position
     (≥ 4,096), and the context's last two positions (the cache's end, wherever --max-seq put it)."""
-    chunk, S = l.attn_min_chunk, l.max_splits(c)
+    chunk, S, single = l.attn_chunk(c), l.max_splits(c), l.attn_single_positions(c)
     n = {1, 2, 3, 4, ATTN_STEP, ATTN_STEP + 1}
     if S > 1:
-        n |= {chunk - 1, chunk, chunk + 1, chunk + 2, chunk * S, chunk * S + 1}
+        n |= {single, single + 1, single + 2, chunk * S, chunk * S + 1}
     if thorough:
         n |= {chunk * m + d for m in range(2, S) for d in (0, 1)}
     # a block's chunk: every reading warp one step, one step more, the first refill of a ring, the ring round

@@ -35,7 +35,9 @@ static_assert(WB_SMEM_ATTENTION_DECODE_Q_FLOATS >= ATT_GQ * WB_HEAD_DIM &&
               "the plan's regions hold the group's queries and every warp's (m, l, acc) per head");
 constexpr int ATT_MERGE = 8;                        // splits whose partials the merging block loads at once
 
+// One block alone up to WB_ATTN_SINGLE positions (no merge to pay), else chunks of at least WB_ATTN_MIN_CHUNK
 __device__ __forceinline__ int attn_splits(int n, int max_splits) {
+    if (n <= WB_ATTN_SINGLE) return 1;
     int s = (n + WB_ATTN_MIN_CHUNK - 1) / WB_ATTN_MIN_CHUNK;
     return s < max_splits ? s : max_splits;
 }

@@ -36,7 +36,8 @@ class BuildOptions:
     threads: int = 512           # per block; one block per SM
     grid: int = 132              # blocks: the device's SM count (the runtime sets it; 132 on an H200)
     timing: bool = False         # WB_TIMING: per-stage %globaltimer stamps
-    attn_min_chunk: int = 32     # fewest cache positions per attention split
+    attn_min_chunk: int = 0      # fewest cache positions per attention split (0: one step per reading warp)
+    attn_single: int = 2         # a block takes a kv head's whole context alone up to this many chunks
     attn_kv_bytes: int = 131072  # shared memory for attention's per-warp rings of K/V steps
     attn_bufs: int = 3           # steps in a warp's ring
     taps: bool = False           # WB_TAPS: copy every stage's output of chosen steps into tap buffers
@@ -66,6 +67,11 @@ class BuildOptions:
             raise ValueError("stream_register names stages of a stream build: set stream too")
         if not (isinstance(self.attn_kv_bytes, int) and self.attn_kv_bytes >= 0):
             raise ValueError(f"attn_kv_bytes must be a number of bytes, 0 or more, got {self.attn_kv_bytes!r}")
+        if not (isinstance(self.attn_min_chunk, int) and self.attn_min_chunk >= 0):
+            raise ValueError(f"attn_min_chunk must be 0 (one step per reading warp) or a number of positions, got "
+                             f"{self.attn_min_chunk!r}")
+        if not (isinstance(self.attn_single, int) and self.attn_single >= 1):
+            raise ValueError(f"attn_single must be a number of chunks, 1 or more, got {self.attn_single!r}")
         if self.attn_bufs < 2:
             raise ValueError(f"attn_bufs must be at least 2 (one step read while the next lands), got {self.attn_bufs!r}")
         if not (isinstance(self.grid, int) and self.grid >= 1):
@@ -80,6 +86,7 @@ class BuildOptions:
     @property
     def launch(self) -> plan.Launch:
         return plan.Launch(grid=self.grid, threads=self.threads, attn_min_chunk=self.attn_min_chunk,
+                           attn_single=self.attn_single,
                            attn_kv_bytes=self.attn_kv_bytes, attn_bufs=self.attn_bufs, stream=self.stream,
                            register_stages=tuple(filter(None, self.stream_register.split("+"))))
 
@@ -126,7 +133,7 @@ def defines(cfg: ModelConfig, opt: BuildOptions) -> dict[str, str]:
     """The #defines at the top of the source: the config's shapes and the build's switches."""
     d = dict(cfg.defines())
     d.update(WB_THREADS=str(opt.threads), WB_TIMING=str(int(opt.timing)),
-             WB_ATTN_MIN_CHUNK=str(opt.attn_min_chunk), WB_TAPS=str(int(opt.taps)),
+             WB_TAPS=str(int(opt.taps)),
              WB_SAMPLER_FULL=str(int(opt.sampler == "full")), WB_STREAM=str(int(opt.stream)))
     d.update({k: str(v) for k, v in opt.defines})
     if opt.hang:

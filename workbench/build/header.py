@@ -79,6 +79,9 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
     out.append(f"constexpr int WB_ATTN_WARPS = {launch.attn_warps(cfg)}, WB_ATTN_BUFS = {launch.attn_bufs}, "
                f"WB_ATTN_STEP = {plan.ATTN_STEP}, WB_ATTN_KS = {plan.attn_row(cfg)};   "
                f"// attention's rings: warps with one, steps a ring, positions a step, bf16 a K/V row")
+    out.append(f"constexpr int WB_ATTN_MIN_CHUNK = {launch.attn_chunk(cfg)}, "
+               f"WB_ATTN_SINGLE = {launch.attn_single_positions(cfg)};   "
+               f"// attention's fewest positions a split, and up to how many one block takes alone")
     out += stream_constants(cfg, launch)
     # per-layer slices
     for b in plan.BUFFERS.values():
@@ -86,8 +89,12 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
             n = b.elements(cfg, launch) // cfg.n_layers
             out.append(f"constexpr long long WB_PER_LAYER_{_upper(b.name)} = {n}LL;")
     values = [b.name for b in plan.BUFFERS.values() if b.kind == "value"]
-    out.append("// what one step carries from stage to stage in registers (block 0's thread 0 holds the tokens)")
-    out.append("struct WbStep { int step; int pos; " + " ".join(f"int {v};" for v in values) + " };")
+    out.append("// what one step carries from stage to stage: its number and position in registers, its values (only block")
+    out.append("// 0's thread 0 uses them) in block 0's shared memory")
+    # held in registers across the whole step, the values took two of every thread's 128 and the 8B and Qwen3
+    # builds spilled them (8 B of stack); in shared memory they cost one load where a stage reads one
+    out.append("struct WbStep { int step; int pos; " + " ".join(f"int& {v};" for v in values) + " };")
+    out.append(f"constexpr int WB_STEP_VALUES = {len(values)};")
     return "\n".join(out) + "\n"
 
 
