@@ -15,9 +15,10 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) wb_generate(const Pa
     __shared__ int values[WB_STEP_VALUES], pos0;
     static_assert(WB_STEP_VALUES == 2, "the step carries the token and the sampled token");
     WbStep s{0, 0, values[0], values[1]};
-    s.token = P->tokens_in[0];
-    s.sampled = -1;
-    pos0 = P->pos0;
+    wb_set_value(s.token, P->tokens_in[0]);
+    wb_set_value(s.sampled, -1);
+    wb_set_value(pos0, P->pos0);
+    wb_syncthreads();
     for (s.step = 0;; ++s.step) {
         s.pos = pos0 + s.step;
         if (wb_decode_step(P, s, smem)) break;

@@ -289,7 +289,7 @@ def test_the_decode_step_is_generated_from_the_plan():
     assert "wb_syncthreads();" in mlp and "WB_SYNC(" not in mlp and "WB_TAP_LOCAL_COPIES(wb_tap_f32_units(" in mlp
     # block 0's copy of o_proj's x must be done before the MLP's blocks add into x
     assert "WB_TAP_SYNC(ST_O_PROJ_RESIDUAL, layer);" in text and text.count("WB_TAP_SYNC(") == 1
-    assert stage_call(plan.stage("sampling")).startswith("s.sampled = stage_sampling(P->logits")
+    assert stage_call(plan.stage("sampling")).startswith("wb_set_value(s.sampled, stage_sampling(P->logits")
     for st in plan.STAGES:
         assert f"// {st.math}" in text
 

@@ -36,6 +36,10 @@ __device__ __forceinline__ bool wb_done(const Params* __restrict__ P) { return (
     do {                                                                                                        \
         if (wb_bid() == 0) { wb_enter(P, stage, layer, s.step); wb_maybe_hang(P, stage, layer); call; wb_syncthreads(); } \
     } while (0)
+// A value the step carries (WbStep's, in block 0's shared memory) is stored by thread 0 alone: every thread storing
+// the same value would still race with the others' reads. A block-0 stage ends in the block barrier that publishes
+// it (WB_BLOCK0).
+__device__ __forceinline__ void wb_set_value(int& value, int v) { if (wb_tid() == 0) value = v; }
 // Ends a slot: the grid barrier (returning from the step on an error or abort) and, when timing, its two stamps.
 #define WB_SYNC(stage, layer, slot)                                                                            \
     do {                                                                                                        \

@@ -185,7 +185,7 @@ def stage_call(st: plan.Stage, layer: str = "layer") -> str:
     args = ins + list(st.extra_args)
     call = f"stage_{st.name}(" + ", ".join(args) + (", /* → */ " if outs and args else "/* → */ " if outs else "") \
         + ", ".join(outs) + ")"
-    return f"{result} = {call}" if result else call
+    return f"wb_set_value({result}, {call})" if result else call
 
 
 def _tap_lines(cfg: ModelConfig, launch: plan.Launch, st: plan.Stage, layer: str, local: bool = False) -> list[str]:
