@@ -54,16 +54,8 @@ def test_parameters_are_named_as_the_cpp_declaration_names_them():
         cpp_params("void other() {}", "stage_embedding")
 
 
-# qwen3-0.6b with down_residual's body gone holds attention's counter pointer in 8 B of stack across attention's
-# loop (one store and one load a layer, in a build that computes nothing): at the 128-register cap a stub changes
-# the allocation of the stages beside it. strict: the marker goes when the spill does.
-QWEN3_SPILL = pytest.mark.xfail(strict=True, reason="a pointer kept in 8 B of stack across attention's loop")
-QWEN3_SPILLS = {("qwen3-0.6b", "down_residual")}
-
-
 @needs_ptxas
-@pytest.mark.parametrize("model,stage", [pytest.param(m, s, marks=QWEN3_SPILL) if (m, s) in QWEN3_SPILLS else (m, s)
-                                         for m in ("tiny", "qwen3-0.6b") for s in STAGE_NAMES])
+@pytest.mark.parametrize("model,stage", [(m, s) for m in ("tiny", "qwen3-0.6b") for s in STAGE_NAMES])
 def test_every_stage_can_be_written_in_ptx_with_all_its_parameters(model, stage):
     """A body (here one that only returns) can replace any stage's: the compiler keeps every parameter of the C++
     declaration, even those the C++ body leaves unused (layer, a family's buffers) or that every call passes the

@@ -46,15 +46,18 @@ __device__ __forceinline__ void wb_enter(const Params* __restrict__ P, int stage
 // Out of line: it runs only when a barrier times out, and inlined into every barrier it made the kernel 1,300 PTX
 // lines longer and its compile 16% slower.
 __device__ __noinline__ void wb_report(const Params* __restrict__ P, int code, int stage, int layer, int step, u32 epoch) {
-    // who has not arrived: looked at before the stop is raised, since the stop releases the stragglers too (a hung
-    // block that watches for it arrives moments later)
+    // One reporter, claimed before anything is looked at: every waiter times out at about the same moment, and the
+    // stop releases the stragglers too (a hung block that watches for it moves on to its next stage within
+    // microseconds), so who has not arrived, and where they were, must be read before any stop is raised. A later
+    // reporter that read after an earlier one's stop named where the hung block went next, not where it hung. The
+    // losers leave without raising: the winner raises once it has looked, or another error's report already did.
+    if (wb_atomic_cas(P->dev_flags + WB_FLAG_REPORTED, 0, 1) != 0) return;
     int first = -1, missing = 0;
     for (int b = 0; b < wb_nbid(); ++b) {
         if (((volatile u32*)P->arrive)[b] < epoch) { if (first < 0) first = b; ++missing; }
     }
     const int first_where = first >= 0 ? (int)((volatile u32*)P->where)[first] : -1;
     wb_raise_stop(P, code);
-    if (wb_atomic_cas(P->dev_flags + WB_FLAG_REPORTED, 0, 1) != 0) return;  // someone else reported first
     volatile int* st = P->status;
     st[WB_STATUS_STAGE] = stage; st[WB_STATUS_LAYER] = layer; st[WB_STATUS_STEP] = step;
     st[WB_STATUS_BLOCK] = wb_bid(); st[WB_STATUS_EPOCH] = (int)epoch;
