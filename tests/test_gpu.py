@@ -287,6 +287,17 @@ def test_the_stream_build_verifies_stage_by_stage(name, opt):
     assert max(table.positions) >= 4096
 
 
+@pytest.mark.parametrize("name", ["tiny", "llama-3.2-1b"])
+def test_the_prefetch_build_verifies_stage_by_stage(name):
+    """BuildOptions.prefetch hints weights into L2 a stage early: it must change no value, on any path."""
+    import cupy as cp
+
+    from workbench.model.weights import prepare, random_weights
+    p = prepare(random_weights(get_config(name), fresh_seed(), xp=cp, progress=False), xp=cp, progress=False)
+    _verified(p, BuildOptions(prefetch="o_proj_residual+gate_up_silu+down_residual"), thorough=name == "tiny",
+              prompt_len=6, max_new=12)
+
+
 def test_a_section_that_reads_other_rows_than_the_stream_is_named():
     """o_proj with one unit too few: the blocks' ranges, and so the pages they ask for, no longer match the plan's."""
     import cupy as cp

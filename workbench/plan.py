@@ -42,6 +42,7 @@ class Launch:
     attn_bufs: int = 3              # steps in a warp's ring: all but one in flight while the warp reads one
     stream: bool = False
     register_stages: tuple = ()     # in a stream build, stages that still read their weights straight to registers
+    prefetch: tuple = ()            # stages whose weights each warp hints into L2 while the stage before runs
 
     def max_splits(self, cfg: ModelConfig) -> int:
         """Attention splits each kv head's positions over at most this many blocks (≈ one block per SM)."""
@@ -695,25 +696,56 @@ class Stream:
         return self.rows * self.pieces > 1
 
 
+def _weight_read(s: Stage) -> Use | None:
+    """The stage's read of a weight by units of rows (None: it reads none that way)."""
+    return next((u for u in s.reads if BUFFERS[u.buffer].kind == "weight" and u.rows is not None), None)
+
+
+def weight_units(cfg: ModelConfig, s: Stage, launch: "Launch" = None) -> Stream | None:
+    """How the stage reads its weight: its units, each `rows` whole adjacent rows of k elements, unit u at u·rows
+    (None: a stage with no weight read by units)."""
+    launch = launch or Launch()
+    u = _weight_read(s)
+    if u is None:
+        return None
+    k = BUFFERS[u.buffer].layer_shape(cfg, launch)[-1]
+    n = s.units(cfg, launch)
+    (lo, hi), = u.rows(cfg, 0)
+    per = hi - lo
+    if lo != 0 or per % k or any(u.rows(cfg, x) != ((x * per, (x + 1) * per),) for x in (1, n - 1)):
+        raise ValueError(f"stage {s.name}: a unit of {u.buffer} must be whole adjacent rows, unit u at u·rows")
+    return Stream(s.name, u.buffer, n, per // k, k, s.scope)
+
+
 def streams(cfg: ModelConfig, launch: "Launch" = None) -> tuple[Stream, ...]:
     """The weight streams of one step, in the plan's stage order (a layer stage's stream repeats per layer)."""
     launch = launch or Launch()
-    out = []
-    for s in STAGES:
-        if s.name in launch.register_stages or not s.streamed:
-            continue
-        for u in s.reads:
-            b = BUFFERS[u.buffer]
-            if b.kind != "weight" or u.rows is None:
-                continue
-            k = b.layer_shape(cfg, launch)[-1]
-            n = s.units(cfg, launch)
-            (lo, hi), = u.rows(cfg, 0)
-            per = hi - lo
-            if lo != 0 or per % k or any(u.rows(cfg, x) != ((x * per, (x + 1) * per),) for x in (1, n - 1)):
-                raise ValueError(f"stage {s.name}: a unit of {u.buffer} must be whole adjacent rows, unit u at u·rows")
-            out.append(Stream(s.name, u.buffer, n, per // k, k, s.scope))
-    return tuple(out)
+    chosen = (weight_units(cfg, s, launch) for s in STAGES if s.name not in launch.register_stages and s.streamed)
+    return tuple(x for x in chosen if x is not None)
+
+
+def prefetch_problem(names) -> str | None:
+    """Why `names` cannot be prefetched (None: they can). A stage's weights are hinted into L2 by every warp at
+    the entry of the stage before it in the same layer, the units each warp will read: so a layer stage that reads
+    a weight by units, after a stage of the same layer that every block runs."""
+    for n in names:
+        if n not in STAGE_NAMES:
+            return f"{n}: not a stage (stages: {', '.join(STAGE_NAMES)})"
+        i = STAGE_NAMES.index(n)
+        s, before = STAGES[i], STAGES[i - 1]
+        if _weight_read(s) is None:
+            return f"{n} reads no weight by units: there is nothing to prefetch"
+        if s.scope != "layer" or before.scope != "layer" or before.runs_on != "grid":
+            return (f"{n}: the stage before it must be a stage of the same layer that every block runs, where its "
+                    f"weights are hinted")
+    return None
+
+
+def prefetched_by(stage_name: str, launch: "Launch") -> Stage | None:
+    """The stage whose weights are hinted into L2 at this stage's entry (Launch.prefetch), or None."""
+    i = STAGE_NAMES.index(stage_name)
+    nxt = STAGES[i + 1] if i + 1 < len(STAGES) else None
+    return nxt if nxt is not None and nxt.name in launch.prefetch and nxt.scope == "layer" else None
 
 
 def stream_stage(cfg: ModelConfig, stage_name: str, launch: "Launch" = None) -> Stream | None:

@@ -51,6 +51,8 @@ class BuildOptions:
                                  # (sm_90; measured 6% slower than the register path so far, NOTES.md round 7)
     stream_register: str = ""   # a stream build's stages (names joined by '+') that read their weights straight to
                                  # registers instead, e.g. "qkv_rope_append+o_proj_residual"
+    prefetch: str = ""           # stages (names joined by '+') whose weights each warp hints into L2 while the
+                                 # stage before them runs, e.g. "o_proj_residual" during attention (plan.prefetch_problem)
     units: bool = False          # NVIDIA: built as one unit per stage, each cached, then linked (workbench/build/
                                  # units.py): an edit recompiles one stage; the kernel runs slower (verification only)
 
@@ -65,6 +67,8 @@ class BuildOptions:
             raise ValueError(f"threads {why}")
         if self.stream_register and not self.stream:
             raise ValueError("stream_register names stages of a stream build: set stream too")
+        if (why := plan.prefetch_problem(self.prefetch_stages)) is not None:
+            raise ValueError(f"prefetch: {why}")
         if not (isinstance(self.attn_kv_bytes, int) and self.attn_kv_bytes >= 0):
             raise ValueError(f"attn_kv_bytes must be a number of bytes, 0 or more, got {self.attn_kv_bytes!r}")
         if not (isinstance(self.attn_min_chunk, int) and self.attn_min_chunk >= 0):
@@ -88,7 +92,12 @@ class BuildOptions:
         return plan.Launch(grid=self.grid, threads=self.threads, attn_min_chunk=self.attn_min_chunk,
                            attn_single=self.attn_single,
                            attn_kv_bytes=self.attn_kv_bytes, attn_bufs=self.attn_bufs, stream=self.stream,
-                           register_stages=tuple(filter(None, self.stream_register.split("+"))))
+                           register_stages=tuple(filter(None, self.stream_register.split("+"))),
+                           prefetch=self.prefetch_stages)
+
+    @property
+    def prefetch_stages(self) -> tuple:
+        return tuple(filter(None, self.prefetch.split("+")))
 
 
 def option_from_text(field: str, text: str):

@@ -251,6 +251,11 @@ def decode_step(cfg: ModelConfig, launch: plan.Launch) -> str:
         if plan.block_barrier_before(cfg, st.name):
             lines.append(f"{indent}wb_syncthreads();   // a block barrier: one slot, no grid barrier before this "
                          f"stage (it may read what this block's warps just wrote: a local read)")
+        if (nxt := plan.prefetched_by(st.name, launch)) is not None:
+            w = plan.weight_units(cfg, nxt, launch)
+            lines.append(f"{indent}wb_prefetch_units<{w.k}, {w.rows}, WB_DEAL_{_upper(nxt.name)}>("
+                         f"{_arg(plan.Use(w.buffer), layer)}, {w.units});   // {nxt.name}'s weights into L2 while "
+                         f"{st.name} runs (Launch.prefetch)")
         lines.append(f"{indent}{macro}(ST_{_upper(st.name)}, {layer}, {stage_call(st)});")
         b = plan.barrier_slot(cfg, st.name, 0 if st.scope == "layer" else -1)
         if b is not None:
