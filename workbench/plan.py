@@ -697,8 +697,13 @@ class Stream:
 
 
 def _weight_read(s: Stage) -> Use | None:
-    """The stage's read of a weight by units of rows (None: it reads none that way)."""
-    return next((u for u in s.reads if BUFFERS[u.buffer].kind == "weight" and u.rows is not None), None)
+    """The stage's read of a weight by units of rows (None: it reads none that way). One at most: a stage's
+    weight stream, and its prefetch, are one matrix."""
+    found = [u for u in s.reads if BUFFERS[u.buffer].kind == "weight" and u.rows is not None]
+    if len(found) > 1:
+        raise ValueError(f"stage {s.name} reads {len(found)} weights by units ({', '.join(u.buffer for u in found)}): "
+                         f"a stage streams one")
+    return found[0] if found else None
 
 
 def weight_units(cfg: ModelConfig, s: Stage, launch: "Launch" = None) -> Stream | None:

@@ -92,12 +92,16 @@ class BuildOptions:
         return plan.Launch(grid=self.grid, threads=self.threads, attn_min_chunk=self.attn_min_chunk,
                            attn_single=self.attn_single,
                            attn_kv_bytes=self.attn_kv_bytes, attn_bufs=self.attn_bufs, stream=self.stream,
-                           register_stages=tuple(filter(None, self.stream_register.split("+"))),
-                           prefetch=self.prefetch_stages)
+                           register_stages=stage_names(self.stream_register), prefetch=self.prefetch_stages)
 
     @property
     def prefetch_stages(self) -> tuple:
-        return tuple(filter(None, self.prefetch.split("+")))
+        return stage_names(self.prefetch)
+
+
+def stage_names(text: str) -> tuple:
+    """Stage names joined by '+' (an option's text, as `stream_register` and `prefetch` take them)."""
+    return tuple(filter(None, text.split("+")))
 
 
 def option_from_text(field: str, text: str):
