@@ -5,7 +5,7 @@ re-recorded timing traces.
 
     python scripts/device_suite.py [--out DIR] [--only smoke pytest mutants failures sanitize verify loop assembly bench
                                    record]
-                                   [--base DIR] [--verify-models M ...]
+                                   [--base DIR] [--verify-models M ...] [--set FIELD=VALUE ...]
 
 Each part runs in its own process with a time limit (a hang or a crash in one cannot take the others down), its
 output goes to DIR/<part>.log, and the summary table comes last. `--base` names another checkout (e.g. the
@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 sys.path.insert(0, str(ROOT))
 
+from workbench.build.assemble import option_from_text  # noqa: E402
 from workbench.model.config import PRESETS  # noqa: E402
 
 
@@ -93,7 +94,7 @@ print("overhead", {k: v for k, v in out["overhead"].items() if k.endswith("pct")
 """
 
 RECORD = r"""
-import sys, numpy as np, cupy as cp
+import json, sys, numpy as np, cupy as cp
 from pathlib import Path
 from workbench.build.assemble import BuildOptions
 from workbench.measure import trace as T
@@ -103,7 +104,7 @@ from workbench.model.weights import prepare, random_weights
 from workbench.run.runtime import Monokernel
 cfg = get_config("llama-3.2-1b")
 p = prepare(random_weights(cfg, 7, xp=cp, progress=False), xp=cp, progress=False)
-mk = Monokernel(p, BuildOptions(timing=True), max_steps=4200)
+mk = Monokernel(p, BuildOptions(timing=True, **json.loads(sys.argv[3])), max_steps=4200)
 roof = stream_read_tbps(cfg.weight_bytes_per_token())["tbps"]
 for pos in (0, 3700):
     mk.generate([1], 4, eos=[], pos0=pos)
@@ -134,10 +135,13 @@ def main():
     ap.add_argument("--pytest-args", nargs="*", default=[])
     ap.add_argument("--commit", default="unknown", help="the commit the recorded traces are labelled with")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds for the whole suite")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a BuildOptions field of the kernel the bench and the recorded traces run (repeatable)")
     ap.add_argument("--wheels", help="a folder of wheels to install first, without an index (a GPU machine without "
                                      "network: cuda-bindings for the verification build in units)")
     a = ap.parse_args()
     BUDGET[0] = a.budget
+    sets = [x for item in a.set for x in ("--set", item)]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     R = {}
@@ -201,14 +205,16 @@ def main():
                 for tag, tree in order:
                     R[f"bench-{m}-{tag}-{i}"] = run(
                         f"bench-{m}-{tag}-{i}", [PY, "-m", "workbench", "bench", "--model", m, "--no-torch",
-                                                  "--json", str(out / f"bench_{m}_{tag}_{i}.json")], out, 300,
+                                                  "--json", str(out / f"bench_{m}_{tag}_{i}.json"),
+                                                  *(sets if tag == "new" else [])], out, 300,
                         cwd=tree, env={"PYTHONPATH": str(tree)})
             if not a.no_torch:
                 R[f"bench-{m}-torch"] = run(f"bench-{m}-torch", [PY, "-m", "workbench", "bench", "--model", m,
-                                                                "--no-hf", "--json", str(out / f"bench_{m}.json")],
-                                            out, 420)
+                                                                "--no-hf", "--json", str(out / f"bench_{m}.json"),
+                                                                *sets], out, 420)
     if "record" in a.only:
-        R["record"] = run("record", [PY, "-c", RECORD, str(out), a.commit], out, 240)
+        options = {k: option_from_text(k, v) for k, _, v in (x.partition("=") for x in a.set)}
+        R["record"] = run("record", [PY, "-c", RECORD, str(out), a.commit, json.dumps(options)], out, 240)
     (out / "suite.json").write_text(json.dumps(R, indent=1, default=str))
     print("\n=== summary")
     for k, v in R.items():

@@ -36,6 +36,20 @@ def positive_int(text: str) -> int:
     return n
 
 
+def build_option(text: str) -> tuple:
+    """--set FIELD=VALUE: one BuildOptions field, checked as the options check it."""
+    from .build.assemble import BuildOptions, option_from_text
+    field, eq, value = text.partition("=")
+    if not eq:
+        raise argparse.ArgumentTypeError(f"expected FIELD=VALUE, got {text!r}")
+    try:
+        v = option_from_text(field, value)
+        BuildOptions(**{field: v})
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return field, v
+
+
 def max_seq_arg(text: str):
     """--max-seq: a positive integer, or "max" (the model's max_position_embeddings)."""
     return "max" if text.strip().lower() == "max" else positive_int(text)
@@ -480,7 +494,7 @@ def cmd_build(args) -> int:
 def cmd_bench(args) -> int:
     from .measure.bench import main as bench_main
     return bench_main(args.model, args.tokens, args.repeats, args.json, args.no_torch, args.no_hf, args.positions,
-                      args.ttft, args.no_compile)
+                      args.ttft, args.no_compile, options=args.set)
 
 
 def _in_process_arg(p):
@@ -573,6 +587,8 @@ def _parser() -> argparse.ArgumentParser:
     be.add_argument("--ttft", type=positive_int, nargs="*", metavar="N",
                     help="also time to first token for N-token prompts (the batched prefill against HF "
                          "transformers' prefill; default 1k, 4k, 16k and 32k for llama-3.2-1b, 4k otherwise)")
+    be.add_argument("--set", type=build_option, action="append", default=[], metavar="FIELD=VALUE",
+                    help="a BuildOptions field of the kernel benched, e.g. --set early=o_proj_residual (repeatable)")
     _in_process_arg(be)
     return ap
 

@@ -104,7 +104,8 @@ def _median_runs(fn, repeats):
 
 def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 5, positions=None,
               torch_paths: bool = True, hf: bool = True, verify_first: bool = True, seed: int = 0,
-              ttft=(), compiled: bool = True, log=print) -> dict:
+              ttft=(), compiled: bool = True, options=(), log=print) -> dict:
+    """`options`: (field, value) pairs of the kernel's BuildOptions (e.g. ("early", "o_proj_residual"))."""
     import cupy as cp
 
     from ..build.assemble import BuildOptions
@@ -124,8 +125,9 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
     p = prepare(w, xp=cp, progress=False)
     out = {"model": cfg.name, "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
            "tokens": tokens, "repeats": repeats, "rows": []}
-    mk = Monokernel(p, BuildOptions(), max_steps=max_pos)
+    mk = Monokernel(p, BuildOptions(**dict(options)), max_steps=max_pos)
     out["kernel"] = mk.resources()
+    out["options"] = {k: str(v) for k, v in dict(options).items()}
     if verify_first:
         rep = verify(mk, prompt_len=8, max_new=16, seed=seed + 1)
         log(rep.summary())
@@ -277,9 +279,9 @@ def format_rows(out: dict) -> str:
 
 
 def main(model: str, tokens: int, repeats: int, json_path: str | None, no_torch: bool, no_hf: bool,
-         positions=None, ttft=(), no_compile: bool = False) -> int:
+         positions=None, ttft=(), no_compile: bool = False, options=()) -> int:
     out = run_bench(model, tokens=tokens, repeats=repeats, torch_paths=not no_torch, hf=not no_hf,
-                    positions=positions, ttft=ttft, compiled=not no_compile)
+                    positions=positions, ttft=ttft, compiled=not no_compile, options=options)
     print(format_rows(out))
     if json_path:
         with open(json_path, "w") as f:
