@@ -9,7 +9,7 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) wb_generate(const Pa
     wb_stream_init(P);
     if (wb_is_streamer()) { wb_stream_run(P); return; }    // the last warp: weights into the ring, until we leave
 #endif
-    wb_grid_sync_init();
+    wb_grid_sync_init(P);
     // the step's values and the first position in shared memory: held in registers across the whole step they
     // took some of every thread's 128, and the larger builds spilled them to the stack
     __shared__ int values[WB_STEP_VALUES], pos0;

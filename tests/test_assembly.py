@@ -234,6 +234,64 @@ def test_a_prefetched_stages_weights_are_hinted_at_the_stage_before_it(model):
     assert resource_usage(cubin)[0].stack == 0
 
 
+EARLY = ("qkv_rope_append", "o_proj_residual", "gate_up_silu", "lm_head")
+
+
+def test_early_names_weight_stages_after_a_grid_barrier():
+    assert BuildOptions(early="+".join(EARLY)).launch.early == EARLY
+    for bad, why in (("o_proj", "not a stage"), ("attention_decode", "reads no weight by units"),
+                     ("sampling", "reads no weight by units")):
+        with pytest.raises(ValueError, match=f"^early: {bad}.*{why}"):
+            BuildOptions(early=bad)
+    # down_residual follows gate_up in one slot (a block barrier): there is no grid barrier to load across
+    with pytest.raises(ValueError, match="^early: down_residual: no grid barrier goes before it"):
+        assemble(get_config("tiny"), BuildOptions(early="down_residual"))
+
+
+def _step_lines(cfg, opt) -> list[str]:
+    text = assemble(cfg, opt).source
+    return [l.strip() for l in text[text.index("bool wb_decode_step("):].splitlines()]
+
+
+@pytest.mark.parametrize("model", ["tiny", "llama-3.2-1b"])
+def test_early_splits_the_barriers_before_the_named_stages(model):
+    """A barrier is only arrived at (WB_ARRIVE) where the stage after it, in the step's order, loads early; the
+    step's first barrier stays whole (the stop test reads what it publishes); each early stage is followed by
+    the check that its prologue waited. A build without early splits nothing; the default loads all four early."""
+    assert BuildOptions().launch.early == EARLY
+    cfg = get_config(model)
+    plain = _step_lines(cfg, BuildOptions(early=""))
+    assert not any(l.startswith(("WB_ARRIVE", "WB_WAIT_OWED")) or "WB_ARRIVE" in l for l in plain)
+    lines = _step_lines(cfg, BuildOptions(early="+".join(EARLY)))
+    barriers = {l.split("(")[1].split(",")[0]: l.split("(")[0] for l in lines if l.startswith(("WB_SYNC", "WB_ARRIVE"))}
+    assert barriers == {"ST_EMBEDDING": "WB_SYNC", "ST_QKV_ROPE_APPEND": "WB_SYNC",
+                        "ST_ATTENTION_DECODE": "WB_ARRIVE", "ST_O_PROJ_RESIDUAL": "WB_ARRIVE",
+                        "ST_DOWN_RESIDUAL": "WB_ARRIVE", "ST_LM_HEAD": "WB_SYNC"}
+    owed = [l for l in lines if l.startswith("WB_WAIT_OWED")]
+    assert [l.split("(")[1].split(",")[0] for l in owed] == [f"ST_{n.upper()}" for n in EARLY]
+    for l in owed:                                      # right after its stage's call
+        assert lines[lines.index(l) - 1].startswith(f"WB_GRID({l.split('(')[1].split(',')[0]},")
+    # qkv alone: down_residual's barrier is split before the next layer's qkv, whole before lm_head
+    (down,) = [l for l in _step_lines(cfg, BuildOptions(early="qkv_rope_append")) if "ST_DOWN_RESIDUAL, layer, " in l
+               and ("WB_SYNC" in l or "WB_ARRIVE" in l)]
+    assert down.startswith("if (layer + 1 < WB_LAYERS) WB_ARRIVE(ST_DOWN_RESIDUAL") and "else WB_SYNC(" in down
+
+
+@pytest.mark.parametrize("model", ["tiny", "llama-3.2-1b", "llama-3.1-8b", "qwen3-0.6b"])
+def test_the_early_region_is_clear_of_the_early_stages_and_builds_without_spills(model):
+    cfg = get_config(model)
+    opt = BuildOptions(early="+".join(EARLY))
+    off, n = plan.early_region(cfg, opt.launch)
+    assert n == opt.launch.stage_threads * plan.EARLY_LOADS * 4 and off % 4 == 0
+    regions = plan.smem_regions(cfg, opt.launch)
+    for name in EARLY:
+        assert all(o + k <= off for o, k in regions[name].values()), name
+    assert plan.smem_floats(cfg, opt.launch) >= off + n
+    assert plan.early_region(cfg, BuildOptions(early="").launch) == (0, 0)
+    cubin = compile_cubin(assemble(cfg, opt))[0]
+    assert resource_usage(cubin)[0].stack == 0
+
+
 def test_fast_compile_build_reports_only_the_kernel():
     asm = assemble(get_config("tiny"), BuildOptions(fast_compile="min"))
     assert asm.flags == ("-Ofc=min",)

@@ -81,4 +81,4 @@ def test_a_runtime_compile_log_of_too_much_shared_data_lands_at_the_declaration(
     assert f"kernels/sections/{inj.section}.cuh:{line}: error: static shared memory" in text
     assert "uses too much shared data" in text
     # the user's section before the library's own arrays (the timing build's stamps)
-    assert text.index(f"kernels/sections/{inj.section}.cuh") < text.index("kernels/lib/instrument.cuh")
+    assert text.index(f"kernels/sections/{inj.section}.cuh") < text.index("kernels/lib/grid_sync.cuh")

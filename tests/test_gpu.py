@@ -298,6 +298,60 @@ def test_the_prefetch_build_verifies_stage_by_stage(name):
               prompt_len=6, max_new=12)
 
 
+EARLY = "qkv_rope_append+o_proj_residual+gate_up_silu+lm_head"
+
+
+@pytest.mark.parametrize("name,early", [("tiny", EARLY), ("tiny", "o_proj_residual"), ("llama-3.2-1b", EARLY)])
+def test_the_early_build_verifies(name, early):
+    """BuildOptions.early: the weight stages' first loads go out before the barrier they follow, whose wait moves into
+    the stage's prologue. Stage by stage (the taps build keeps each barrier whole, so this checks the sections'
+    early loads) and end to end (the plain build, barriers split: a stage that read its activations before the
+    wait would be off at every layer)."""
+    import cupy as cp
+
+    from workbench.model.weights import prepare, random_weights
+    p = prepare(random_weights(get_config(name), fresh_seed(), xp=cp, progress=False), xp=cp, progress=False)
+    # o_proj alone: the other weight stages keep their barriers whole, their shared memory under the early region
+    _verified(p, BuildOptions(early=early), thorough=name == "tiny", prompt_len=6, max_new=12)
+
+
+def test_a_hang_in_an_early_build_is_reported_at_the_owed_wait():
+    """With the barriers split, the wait that times out is a stage prologue's: the report still names the barrier
+    (after down_residual), the block that never came and the stage it was last seen in."""
+    import cupy as cp
+
+    from workbench.model.weights import prepare, random_weights
+    from workbench.run.runtime import KernelHang, Monokernel
+    p = prepare(random_weights(get_config("tiny"), 5, xp=cp, progress=False), xp=cp, progress=False)
+    hung = Monokernel(p, BuildOptions(early=EARLY, hang=("gate_up_silu", 1, 2)), max_steps=64)
+    t0 = time.perf_counter()
+    with pytest.raises(KernelHang, match=r"down_residual stage of layer 1.*block 2.*gate_up_silu of layer 1"):
+        hung.generate([1, 2], 4, timeout_s=0.5)
+    assert time.perf_counter() - t0 < 10
+    assert len(Monokernel(p, BuildOptions(early=EARLY), max_steps=64).generate([1, 2], 4, eos=[]).tokens) == 4
+
+
+def test_an_early_stage_that_never_waits_is_named():
+    """An o_proj that does not read its weights through for_warp_units never runs the wait its prologue owes:
+    the kernel stops at the stage's end and names it, instead of computing on activations not yet written."""
+    import cupy as cp
+
+    from workbench.model.weights import prepare, random_weights
+    from workbench.run.runtime import KernelError, Monokernel
+    p = prepare(random_weights(get_config("tiny"), fresh_seed(), xp=cp, progress=False), xp=cp, progress=False)
+    own_loop = """
+WB_SECTION void stage_o_proj_residual(const float* o, const bf16* __restrict__ wo, int layer, float* smem, float* x,
+                                      float* h) {
+    for (int r = wb_bid() * wb_ntid() + wb_tid(); r < WB_D; r += wb_nbid() * wb_ntid()) h[r] = wb_ld_cg(x + r);
+}
+"""
+    mk = Monokernel(p, BuildOptions(early="o_proj_residual"), max_steps=64, overrides={"o_proj_residual": own_loop})
+    with pytest.raises(KernelError, match=r"o_proj_residual of layer 0 at step 0, block \d+: stage_o_proj_residual "
+                                          r"returned without waiting"):
+        mk.generate([1, 2], 4, eos=[], timeout_s=2)
+    assert len(Monokernel(p, BuildOptions(early="o_proj_residual"), max_steps=64).generate([1, 2], 4, eos=[]).tokens) == 4
+
+
 def test_a_section_that_reads_other_rows_than_the_stream_is_named():
     """o_proj with one unit too few: the blocks' ranges, and so the pages they ask for, no longer match the plan's."""
     import cupy as cp

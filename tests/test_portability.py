@@ -59,8 +59,9 @@ def test_every_preset_compiles_for_gfx942(preset):
 
 @needs_clang
 @pytest.mark.parametrize("opt", [BuildOptions(timing=True), BuildOptions(hang=("attention_decode", 0, 1)),
-                                 BuildOptions(threads=256), BuildOptions(prefetch="o_proj_residual+gate_up_silu")],
-                         ids=["timing", "hang", "threads256", "prefetch"])
+                                 BuildOptions(threads=256), BuildOptions(prefetch="o_proj_residual+gate_up_silu"),
+                                 BuildOptions(early="qkv_rope_append+o_proj_residual+gate_up_silu+lm_head")],
+                         ids=["timing", "hang", "threads256", "prefetch", "early"])
 def test_build_options_compile_for_gfx942(opt):
     text, _ = C.compile_hip(assemble(get_config("tiny"), opt))
     assert C.amdgpu_resources(text)[0].max_threads == opt.threads

@@ -43,6 +43,7 @@ class Launch:
     stream: bool = False
     register_stages: tuple = ()     # in a stream build, stages that still read their weights straight to registers
     prefetch: tuple = ()            # stages whose weights each warp hints into L2 while the stage before runs
+    early: tuple = ()               # stages whose first weight loads go out before the grid barrier they follow
 
     def max_splits(self, cfg: ModelConfig) -> int:
         """Attention splits each kv head's positions over at most this many blocks (≈ one block per SM)."""
@@ -630,9 +631,26 @@ def smem_regions(cfg: ModelConfig, launch: Launch = Launch()) -> dict[str, dict[
     return out
 
 
+EARLY_LOADS = 8                     # 16-byte loads a thread issues before the barrier it owes (matvec.cuh's first
+#                                     chunk: WB_UNROLL_1 loads of a row, or WB_UNROLL_2 of each of a row pair)
+
+
+def early_region(cfg: ModelConfig, launch: Launch = Launch()) -> tuple[int, int]:
+    """(offset, floats) of the shared memory where an early stage's first loads land (Launch.early): one chunk of
+    EARLY_LOADS 16-byte pieces a thread, after the regions of every early stage (which run while it fills), over
+    what the other stages use (a block's own previous stage is over when it arrives at the barrier). Only a stage
+    that owes a wait loads early (matvec.cuh): the others' regions may lie under it."""
+    if not launch.early or launch.stream:
+        return 0, 0
+    regions = smem_regions(cfg, launch)
+    off = max(sum(n for _, n in regions[name].values()) for name in launch.early)
+    return off, launch.stage_threads * EARLY_LOADS * 4
+
+
 def smem_floats(cfg: ModelConfig, launch: Launch = Launch()) -> int:
-    """The largest stage's layout (the stream's partials and ring follow it)."""
-    return max((sum(n for _, n in r.values()) for r in smem_regions(cfg, launch).values()), default=0)
+    """The largest stage's layout, or the early region's end (the stream's partials and ring follow)."""
+    stages = max((sum(n for _, n in r.values()) for r in smem_regions(cfg, launch).values()), default=0)
+    return max(stages, sum(early_region(cfg, launch)))
 
 
 def smem_bytes(cfg: ModelConfig, launch: Launch = Launch()) -> int:
@@ -744,6 +762,34 @@ def prefetch_problem(names) -> str | None:
             return (f"{n}: the stage before it must be a stage of the same layer that every block runs, where its "
                     f"weights are hinted")
     return None
+
+
+def early_problem(cfg: ModelConfig | None, names) -> str | None:
+    """Why `names` cannot load early (None: they can; cfg None: what holds for every model). An early stage's warps issue the first loads of their
+    weight units before waiting at the grid barrier in front of it (the barrier split into its arrival and its
+    wait, the wait owed to the stage's prologue): so a grid stage that reads a weight by units, after a grid
+    barrier. The step's first barrier is never split: the stop test reads what it publishes."""
+    for n in names:
+        if n not in STAGE_NAMES:
+            return f"{n}: not a stage (stages: {', '.join(STAGE_NAMES)})"
+        s = stage(n)
+        if _weight_read(s) is None or s.runs_on != "grid":
+            return f"{n} reads no weight by units on every block: there is nothing to load early"
+        if cfg is not None and not any(early_barrier(cfg, Launch(early=(n,)), name, layer)
+                                       for name, layer in _execution(cfg.n_layers)):
+            return f"{n}: no grid barrier goes before it (the stage before it runs in the same slot)"
+    return None
+
+
+def early_barrier(cfg: ModelConfig, launch: "Launch", stage_name: str, layer: int) -> bool:
+    """Whether the grid barrier after (stage, layer) is only arrived at, its wait owed to the next stage in the
+    step's order (which loads weights first, Launch.early). False where no barrier follows, and for slot 0."""
+    b = barrier_slot(cfg, stage_name, layer)
+    if b is None or b == 0 or not launch.early:
+        return False
+    seq = _execution(cfg.n_layers)
+    i = seq.index((stage_name, layer))
+    return seq[(i + 1) % len(seq)][0] in launch.early
 
 
 def prefetched_by(stage_name: str, launch: "Launch") -> Stage | None:
@@ -926,7 +972,7 @@ def dependencies(cfg: ModelConfig, launch: Launch = Launch()) -> dict:
 STATUS_WORDS = ("code", "stage", "layer", "step", "block", "epoch", "missing_block", "missing_where", "n_missing",
                 "stream_want", "stream_got")   # a stream error: the item the section asked for and the ring's (where-words)
 STATUS_LEN = 16
-ERRORS = ("ok", "hang", "aborted", "bad_token", "stream")
+ERRORS = ("ok", "hang", "aborted", "bad_token", "stream", "unwaited")
 # dev_flags[] (device memory, cheap to poll): the stop's reason (an ERRORS code: every block stops at its next
 # barrier), the previous step's decision that generation is done, and whether a barrier's hang report is taken.
 DEV_FLAGS = ("stop", "done", "reported")

@@ -72,9 +72,23 @@ __device__ __noinline__ void wb_report(const Params* __restrict__ P, int code, i
 // Barriers this block has passed. In shared memory, so nothing of the barrier stays live in the caller's registers
 // across the out-of-line stages; reset by wb_grid_sync_init at kernel start.
 __shared__ u32 wb_epoch;
+#if WB_TIMING
+// Stamps of %globaltimer at each barrier: when this block arrived (its work done) and when it left (all arrived).
+// A slot's work is [previous leave, arrive); its wait is [arrive, leave). A step's stamps collect in shared memory
+// (nothing extra stays live in registers across the stage calls) and warp 0 writes them out once the step's last
+// barrier is passed (instrument.cuh): a global store after every barrier cost 2.5% tok/s, mostly in the next
+// barrier's release waiting for it.
+__shared__ u64 wb_t_stamps[WB_SLOTS][2];
+#endif
+// A barrier arrived at and not yet waited for (wb_grid_arrive, BuildOptions.early): its where-word for a report, and
+// the slot its timing stamp goes to; the stop its wait saw. Shared, for the same reason as wb_epoch.
+__shared__ int wb_bar_pending, wb_bar_stop, wb_bar_slot;
+__shared__ u32 wb_bar_where;
+// The kernel's parameters, for the waits that library code runs on a stage's behalf (sections have no P).
+__shared__ const Params* wb_P;
 
-__device__ __forceinline__ void wb_grid_sync_init() {
-    if (wb_tid() == 0) { wb_epoch = 0; wb_where_entered = 0; }
+__device__ __forceinline__ void wb_grid_sync_init(const Params* __restrict__ P) {
+    if (wb_tid() == 0) { wb_epoch = 0; wb_where_entered = 0; wb_bar_pending = 0; wb_bar_stop = 0; wb_P = P; }
     wb_syncthreads();
 }
 
@@ -93,33 +107,92 @@ __device__ __forceinline__ void wb_grid_sync_init() {
 #endif
 #endif
 
-// Returns true when the kernel must stop (error or abort); callers return at once.
-__device__ __forceinline__ bool grid_sync(const Params* __restrict__ P, int stage, int layer, int step) {
-    __shared__ int stop;
-    wb_syncthreads();
-    if (wb_tid() == 0) {
-        const u32 epoch = ++wb_epoch;
-        const u32 target = epoch * (u32)wb_nbid();
-        stop = 0;
-        if (WB_BAR_FENCES) wb_fence_gpu();
-        wb_red_release_add(P->bar_count, 1u);
-        ((volatile u32*)P->arrive)[wb_bid()] = epoch;
-        ((volatile u32*)P->where)[wb_bid()] = wb_where_entered | WB_WHERE_WAITING;   // for the host: arrived, waiting
-        u64 t0 = 0;
-        u32 seen;
-        for (u32 spin = 0; ((seen = wb_load_acquire(P->bar_count)) & ~WB_BAR_STOP) < target && !(seen & WB_BAR_STOP); ++spin) {
-            if ((spin & 63) == 63) {                          // the slow checks, off the fast path
-                if (wb_should_stop(P)) { stop = 1; break; }
-                const u64 now = wb_globaltimer_ns();
-                if (t0 == 0) t0 = now;
-                else if (now - t0 > P->timeout_ns) { wb_report(P, WB_ERR_HANG, stage, layer, step, epoch); stop = 1; break; }
+// (thread 0) this block's arrival, and the wait it owes from now on
+__device__ __forceinline__ void wb_arrive_t0(const Params* __restrict__ P, u32 where, int slot) {
+#if WB_TIMING
+    if (slot >= 0) wb_t_stamps[slot][0] = wb_globaltimer_ns();
+#endif
+    ++wb_epoch;
+    wb_bar_stop = 0;
+    wb_bar_pending = 1;
+    wb_bar_slot = slot;
+    wb_bar_where = where;
+    if (WB_BAR_FENCES) wb_fence_gpu();
+    wb_red_release_add(P->bar_count, 1u);
+    ((volatile u32*)P->arrive)[wb_bid()] = wb_epoch;
+    ((volatile u32*)P->where)[wb_bid()] = wb_where_entered | WB_WHERE_WAITING;   // for the host: arrived, waiting
+}
+
+// (thread 0) until every block has arrived: bounded, a timeout reported with the barrier's stage, layer and step
+__device__ __forceinline__ void wb_wait_t0(const Params* __restrict__ P) {
+    const u32 epoch = wb_epoch, target = epoch * (u32)wb_nbid();
+    u64 t0 = 0;
+    u32 seen;
+    for (u32 spin = 0; ((seen = wb_load_acquire(P->bar_count)) & ~WB_BAR_STOP) < target && !(seen & WB_BAR_STOP); ++spin) {
+        if ((spin & 63) == 63) {                          // the slow checks, off the fast path
+            if (wb_should_stop(P)) { wb_bar_stop = 1; break; }
+            const u64 now = wb_globaltimer_ns();
+            if (t0 == 0) t0 = now;
+            else if (now - t0 > P->timeout_ns) {
+                const u32 w = wb_bar_where;
+                wb_report(P, WB_ERR_HANG, wb_where_stage(w), wb_where_layer(w), wb_where_step(w), epoch);
+                wb_bar_stop = 1;
+                break;
             }
         }
-        if (seen & WB_BAR_STOP) stop = 1;
-        if (WB_BAR_FENCES) wb_fence_gpu();
     }
+    if (seen & WB_BAR_STOP) wb_bar_stop = 1;
+    wb_bar_pending = 0;
+    if (WB_BAR_FENCES) wb_fence_gpu();
+#if WB_TIMING
+    if (wb_bar_slot >= 0) wb_t_stamps[wb_bar_slot][1] = wb_globaltimer_ns();
+#endif
+}
+
+// The whole barrier. `where`: the stage, layer and step it follows (a timeout's report names them); `slot`: its
+// timing stamps' row (-1: none, the debug build's extra barriers). True when the kernel must stop (an error or an
+// abort): callers return at once.
+// A stage that loads early (BuildOptions.early) returned with the barrier before it still owed: its section did not
+// read its weights through for_warp_units, whose prologue waits, so it read its inputs before every block had
+// written them. The decode step then waits (the grid stays in step) and stops the kernel with the stage named.
+__device__ __noinline__ void wb_report_unwaited(const Params* __restrict__ P, int stage, int layer, int step) {
+    if (wb_tid() != 0) return;
+    wb_raise_stop(P, WB_ERR_UNWAITED);
+    if (wb_atomic_cas(P->dev_flags + WB_FLAG_REPORTED, 0, 1) != 0) return;
+    volatile int* st = P->status;
+    st[WB_STATUS_STAGE] = stage; st[WB_STATUS_LAYER] = layer; st[WB_STATUS_STEP] = step;
+    st[WB_STATUS_BLOCK] = wb_bid();
+    wb_fence_system();
+    st[WB_STATUS_CODE] = WB_ERR_UNWAITED;
+    wb_fence_system();
+}
+
+__device__ __forceinline__ bool grid_sync(const Params* __restrict__ P, u32 where, int slot) {
     wb_syncthreads();
-    return stop != 0;
+    if (wb_tid() == 0) { wb_arrive_t0(P, where, slot); wb_wait_t0(P); }
+    wb_syncthreads();
+    return wb_bar_stop != 0;
+}
+
+// The barrier in two halves (BuildOptions.early). Between the arrival and the wait a block may do only what reads
+// nothing another block writes before the barrier: the next stage's first weight loads, weights being immutable.
+__device__ __forceinline__ void wb_grid_arrive(const Params* __restrict__ P, u32 where, int slot) {
+    wb_syncthreads();
+    if (wb_tid() == 0) wb_arrive_t0(P, where, slot);
+    wb_syncthreads();                                  // every thread sees the wait owed
+}
+
+// The wait owed when the barrier before a stage was only arrived at (the decode step's WB_ARRIVE): a stage's
+// prologue runs it after its first weight loads, and the decode step after the stage in case it did not. Nothing
+// when none is owed; true when the kernel must stop. Every thread of the block calls it; each has read the flag
+// before thread 0 clears it (the block barrier first).
+__device__ __forceinline__ bool wb_grid_wait_owed(const Params* __restrict__ P) {
+    if (wb_bar_pending) {
+        wb_syncthreads();
+        if (wb_tid() == 0) wb_wait_t0(P);
+        wb_syncthreads();
+    }
+    return wb_bar_stop != 0;
 }
 
 #ifdef WB_HANG_STAGE

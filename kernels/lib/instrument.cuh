@@ -4,14 +4,6 @@
 #pragma once
 
 #if WB_TIMING
-// Stamps of %globaltimer at each barrier: when this block arrived (its work done) and when it left (all arrived).
-// A slot's work is [previous leave, arrive); its wait is [arrive, leave). A step's stamps collect in shared memory
-// (nothing extra stays live in registers across the stage calls) and warp 0 writes them out once the step's last
-// barrier is passed: a global store after every barrier cost 2.5% tok/s, mostly in the next barrier's release
-// waiting for it.
-__shared__ u64 wb_t_stamps[WB_SLOTS][2];
-#define WB_STAMP_ARRIVE(slot) if (wb_tid() == 0) wb_t_stamps[slot][0] = wb_globaltimer_ns()
-#define WB_STAMP_LEAVE(slot) if (wb_tid() == 0) wb_t_stamps[slot][1] = wb_globaltimer_ns()
 // timing[step][slot][block][arrive, leave]. Out of line: inlined, its index arithmetic was hoisted out of the
 // step loop and spilled (the kernel is at its 128-register cap).
 __device__ __noinline__ void wb_flush_stamps(const Params* __restrict__ P, int step) {
@@ -21,8 +13,6 @@ __device__ __noinline__ void wb_flush_stamps(const Params* __restrict__ P, int s
         P->timing[(((long long)step * WB_SLOTS + i / 2) * wb_nbid() + wb_bid()) * 2 + i % 2] = wb_t_stamps[i / 2][i % 2];
 }
 #else
-#define WB_STAMP_ARRIVE(slot) ((void)0)
-#define WB_STAMP_LEAVE(slot) ((void)0)
 #define wb_flush_stamps(P, step) ((void)0)
 #endif
 
@@ -40,12 +30,21 @@ __device__ __forceinline__ bool wb_done(const Params* __restrict__ P) { return (
 // the same value would still race with the others' reads. A block-0 stage ends in the block barrier that publishes
 // it (WB_BLOCK0).
 __device__ __forceinline__ void wb_set_value(int& value, int v) { if (wb_tid() == 0) value = v; }
-// Ends a slot: the grid barrier (returning from the step on an error or abort) and, when timing, its two stamps.
+// Ends a slot: the grid barrier (returning from the step on an error or abort), stamped when timing.
 #define WB_SYNC(stage, layer, slot)                                                                            \
+    do { if (grid_sync(P, wb_where(stage, layer, s.step), slot)) return true; } while (0)
+// Ends a slot whose next stage reads weights before the wait (BuildOptions.early): only the arrival here; the
+// wait is that stage's (its prologue's wb_grid_wait_owed, after its first loads); WB_WAIT_OWED after the stage
+// stops the kernel, naming the stage, if its section returned without it. The debug build waits here: block 0 copies the slot's outputs after the barrier.
+#if WB_TAPS
+#define WB_ARRIVE(stage, layer, slot) WB_SYNC(stage, layer, slot)
+#else
+#define WB_ARRIVE(stage, layer, slot) wb_grid_arrive(P, wb_where(stage, layer, s.step), slot)
+#endif
+#define WB_WAIT_OWED(stage, layer)                                                                             \
     do {                                                                                                        \
-        WB_STAMP_ARRIVE(slot);                                                                                  \
-        if (grid_sync(P, stage, layer, s.step)) return true;                                                   \
-        WB_STAMP_LEAVE(slot);                                                                                   \
+        if (wb_bar_pending) { wb_grid_wait_owed(P); wb_report_unwaited(P, stage, layer, s.step); return true; } \
+        if (wb_bar_stop) return true;                                                                           \
     } while (0)
 
 #if WB_TAPS
@@ -94,7 +93,7 @@ __device__ __forceinline__ void wb_tap_value(const Params* __restrict__ P, int s
 }
 // After block 0's copies of a buffer that a stage of the next slot writes (down_residual adds into all of x while
 // block 0 would still be copying o_proj's x): the debug build waits for the copies at a grid barrier of its own.
-#define WB_TAP_SYNC(stage, layer) do { if (grid_sync(P, stage, layer, s.step)) return true; } while (0)
+#define WB_TAP_SYNC(stage, layer) do { if (grid_sync(P, wb_where(stage, layer, s.step), -1)) return true; } while (0)
 #else
 #define WB_TAP_SYNC(stage, layer) ((void)0)
 #define WB_TAP_COPIES(copies) ((void)0)

@@ -35,7 +35,7 @@ struct RowLoads {
 
 // acc[r] += the chunk of UNROLL loads starting at step i0, for each of the NR rows
 template <int K, int NR>
-__device__ __forceinline__ void warp_rows_fma(const wb_u4 (&w)[NR][RowLoads<K, NR>::UNROLL], int i0,
+__device__ __forceinline__ void warp_rows_fma(const wb_u4 (*w)[RowLoads<K, NR>::UNROLL], int i0,
                                               const float* __restrict__ act, float (&acc)[NR]) {
     using L = RowLoads<K, NR>;
 #pragma unroll
@@ -48,29 +48,40 @@ __device__ __forceinline__ void warp_rows_fma(const wb_u4 (&w)[NR][RowLoads<K, N
     }
 }
 
-// out[r] = row r · act for NR rows of K (UNROLL loads per row in flight before the first FMA)
+// The chunk of UNROLL loads starting at step i0 of NR rows, into w
 template <int K, int NR>
+__device__ __forceinline__ void warp_rows_load(const bf16* __restrict__ row0, long long row_stride, int i0,
+                                               wb_u4 (&w)[NR][RowLoads<K, NR>::UNROLL]) {
+    using L = RowLoads<K, NR>;
+#pragma unroll
+    for (int u = 0; u < L::UNROLL; ++u) {
+        const int k = (i0 + u) * L::STEP + wb_lane() * 8;
+        if (i0 + u < L::ITERS && (K % L::STEP == 0 || k < K)) {
+#pragma unroll
+            for (int r = 0; r < NR; ++r) w[r][u] = wb_ld_stream(row0 + r * row_stride + k);
+        }
+    }
+}
+
+// out[r] = row r · act for NR rows of K (UNROLL loads per row in flight before the first FMA). FIRST: the first
+// chunk is already in `first` (loaded before the grid barrier: warp_units_from_registers).
+template <int K, int NR, bool FIRST = false>
 __device__ __forceinline__ void warp_rows_dot(const bf16* __restrict__ row0, long long row_stride,
-                                              const float* __restrict__ act, float (&out)[NR]) {
+                                              const float* __restrict__ act, float (&out)[NR],
+                                              const wb_u4 (*first)[RowLoads<K, NR>::UNROLL] = nullptr) {
     using L = RowLoads<K, NR>;
     float acc[NR];
 #pragma unroll
     for (int r = 0; r < NR; ++r) acc[r] = 0.f;
+    if (FIRST) warp_rows_fma<K, NR>(first, 0, act, acc);
     // Row pairs: chunks not unrolled. Each chunk's loads are already UNROLL deep; unrolling the chunks as well cost
     // registers, 2% tok/s (H200: 1,144 vs 1,121 tok/s) and a tenth of the compile time. Single rows stay unrolled
     // up to K = 8,192, rolled beyond: measured when the down projection still read Wd by rows (rolled, its rows
     // spilled 3b's row pointers; unrolled, 8b's K = 14,336 spilled 56 B).
 #pragma unroll L::CHUNKS_UNROLLED
-    for (int i0 = 0; i0 < L::ITERS; i0 += L::UNROLL) {
+    for (int i0 = FIRST ? L::UNROLL : 0; i0 < L::ITERS; i0 += L::UNROLL) {
         wb_u4 w[NR][L::UNROLL];
-#pragma unroll
-        for (int u = 0; u < L::UNROLL; ++u) {
-            const int k = (i0 + u) * L::STEP + wb_lane() * 8;
-            if (i0 + u < L::ITERS && (K % L::STEP == 0 || k < K)) {
-#pragma unroll
-                for (int r = 0; r < NR; ++r) w[r][u] = wb_ld_stream(row0 + r * row_stride + k);
-            }
-        }
+        warp_rows_load<K, NR>(row0, row_stride, i0, w);
         warp_rows_fma<K, NR>(w, i0, act, acc);
     }
 #pragma unroll
@@ -104,13 +115,55 @@ __device__ __forceinline__ void wb_prefetch_units(const bf16* __restrict__ W, in
 // handed to `done(unit, y[NR])`, after the block-wide `prologue` has filled `act`: the register path, and a stream
 // build's register stages (whose prologue has run already: an empty one). The units are found before the prologue
 // runs: that order is the machine code measured on the H200 (NOTES round 13).
+//
+// WB_EARLY_LOADS (BuildOptions.early): in a stage that owes the wait of the grid barrier before it (the decode
+// step's WB_ARRIVE), the first unit's first chunk of loads goes out before that wait and the prologue, so the
+// weights are on their way while the block waits for its activations. They land in shared memory (the plan's early region, [warp][row][load][lane] 16-byte pieces), by
+// asynchronous copies: held in registers across the wait and the prologue, they spilled (384 B on the 1B).
+#ifndef WB_EARLY_LOADS
+#define WB_EARLY_LOADS 0
+#endif
 template <int K, int NR, int DEAL, typename Prologue, typename Done>
 __device__ __forceinline__ void warp_units_from_registers(const bf16* __restrict__ W, int n_units,
                                                           const float* act, Prologue prologue, Done done) {
+    using L = RowLoads<K, NR>;
     float y[NR];
     int u, end, stride;
     warp_units<DEAL>(n_units, u, end, stride);
-    prologue();                                        // block-wide: every thread takes part
+    if (WB_EARLY_LOADS && wb_bar_pending) {           // only a stage that owes a wait loads early (plan.early_region)
+        static_assert(!WB_EARLY_LOADS || WB_SMEM_EARLY_FLOATS >= WB_THREADS * NR * L::UNROLL * 4,
+                      "the plan's early region holds a chunk of loads a thread");
+        extern __shared__ __attribute__((aligned(16))) float wb_smem_floats[];
+        wb_u4* first = (wb_u4*)(wb_smem_floats + WB_SMEM_EARLY) + wb_warp() * NR * L::UNROLL * WB_WARP + wb_lane();
+        const bf16* row0 = W + (long long)u * NR * K;
+        if (u < end) {
+#pragma unroll
+            for (int i = 0; i < L::UNROLL; ++i) {
+                const int k = i * L::STEP + wb_lane() * 8;
+                if (i < L::ITERS && (K % L::STEP == 0 || k < K)) {
+#pragma unroll
+                    for (int r = 0; r < NR; ++r) wb_cp_async16(first + (r * L::UNROLL + i) * WB_WARP, row0 + r * K + k, true);
+                }
+            }
+        }
+        wb_cp_async_commit();
+        wb_grid_wait_owed(wb_P);                       // a stop is seen by the decode step after the stage
+        prologue();                                    // block-wide: every thread takes part
+        if (u < end) {
+            wb_cp_async_wait<0>();                     // this lane's pieces, which only it reads
+            wb_u4 w[NR][L::UNROLL];
+#pragma unroll
+            for (int i = 0; i < L::UNROLL; ++i)
+#pragma unroll
+                for (int r = 0; r < NR; ++r) w[r][i] = first[(r * L::UNROLL + i) * WB_WARP];
+            warp_rows_dot<K, NR, true>(row0, K, act, y, w);
+            done(u, y);
+            u += stride;
+        }
+    } else {
+        wb_grid_wait_owed(wb_P);
+        prologue();
+    }
     for (; u < end; u += stride) {
         warp_rows_dot<K, NR>(W + (long long)u * NR * K, K, act, y);
         done(u, y);
@@ -165,9 +218,10 @@ __device__ __forceinline__ void for_warp_units(const bf16* __restrict__ W, int n
     // thread 0 wrote the where-word at the stage's entry; the others see it after the prologue's block barrier
     if (WB_STREAM_AHEAD > 0 && wb_tid() == 0 && wb_stage_streamed(wb_where_entered))
         ((volatile u32*)&wb_streams_entered)[0] = wb_streams_entered + 1;
+    wb_grid_wait_owed(wb_P);                           // the ring's pages fill while the block waits
     prologue();                                        // block-wide: every consumer thread takes part
     if (WB_STREAM_REGISTER_STAGES && !wb_stage_streamed(wb_where_entered)) {   // BuildOptions.stream_register
-        warp_units_from_registers<K, NR, DEAL>(W, n_units, act, [] {}, done);
+        warp_units_from_registers<K, NR, DEAL>(W, n_units, act, [] {}, done);   // no wait owed: waited above
         return;
     }
     const u32 tag = wb_stream_tag();

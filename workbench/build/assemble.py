@@ -53,6 +53,10 @@ class BuildOptions:
                                  # registers instead, e.g. "qkv_rope_append+o_proj_residual"
     prefetch: str = ""           # stages (names joined by '+') whose weights each warp hints into L2 while the
                                  # stage before them runs, e.g. "o_proj_residual" during attention (plan.prefetch_problem)
+    early: str = "qkv_rope_append+o_proj_residual+gate_up_silu+lm_head"
+                                 # stages (names joined by '+') whose warps issue their first weight loads before
+                                 # waiting at the grid barrier in front of the stage (plan.early_problem; "": none).
+                                 # H200, 1b: +3.7% at position 128 (NOTES.md, round 16)
     units: bool = False          # NVIDIA: built as one unit per stage, each cached, then linked (workbench/build/
                                  # units.py): an edit recompiles one stage; the kernel runs slower (verification only)
 
@@ -69,6 +73,8 @@ class BuildOptions:
             raise ValueError("stream_register names stages of a stream build: set stream too")
         if (why := plan.prefetch_problem(self.prefetch_stages)) is not None:
             raise ValueError(f"prefetch: {why}")
+        if (why := plan.early_problem(None, stage_names(self.early))) is not None:
+            raise ValueError(f"early: {why}")
         if not (isinstance(self.attn_kv_bytes, int) and self.attn_kv_bytes >= 0):
             raise ValueError(f"attn_kv_bytes must be a number of bytes, 0 or more, got {self.attn_kv_bytes!r}")
         if not (isinstance(self.attn_min_chunk, int) and self.attn_min_chunk >= 0):
@@ -92,7 +98,8 @@ class BuildOptions:
         return plan.Launch(grid=self.grid, threads=self.threads, attn_min_chunk=self.attn_min_chunk,
                            attn_single=self.attn_single,
                            attn_kv_bytes=self.attn_kv_bytes, attn_bufs=self.attn_bufs, stream=self.stream,
-                           register_stages=stage_names(self.stream_register), prefetch=self.prefetch_stages)
+                           register_stages=stage_names(self.stream_register), prefetch=self.prefetch_stages,
+                           early=stage_names(self.early))
 
     @property
     def prefetch_stages(self) -> tuple:
@@ -222,6 +229,8 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
     launch = opt.launch
     if (why := plan.register_stages_problem(cfg, launch.register_stages)) is not None:
         raise ValueError(f"stream_register: {why}")
+    if (why := plan.early_problem(cfg, launch.early)) is not None:
+        raise ValueError(f"early: {why}")
     header = plan_header(cfg, launch)
     paste("<generated: plan header>", header)
     body_constants = {**build_defines, **header_constants(header)}

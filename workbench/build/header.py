@@ -75,6 +75,9 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
         for r, (off, n) in regs.items():
             out.append(f"constexpr int WB_SMEM_{_upper(st)}_{_upper(r)} = {off}, "
                        f"WB_SMEM_{_upper(st)}_{_upper(r)}_FLOATS = {n};")
+    off, n = plan.early_region(cfg, launch)
+    out.append(f"constexpr int WB_SMEM_EARLY = {off}, WB_SMEM_EARLY_FLOATS = {n};   // early stages' first loads "
+               f"(Launch.early)")
     out.append(f"constexpr int WB_SMEM_FLOATS = {plan.smem_floats(cfg, launch)};   // the largest stage's layout")
     out.append(f"constexpr int WB_ATTN_WARPS = {launch.attn_warps(cfg)}, WB_ATTN_BUFS = {launch.attn_bufs}, "
                f"WB_ATTN_STEP = {plan.ATTN_STEP}, WB_ATTN_KS = {plan.attn_row(cfg)};   "
@@ -83,6 +86,9 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
                f"WB_ATTN_SINGLE = {launch.attn_single_positions(cfg)};   "
                f"// attention's fewest positions a split, and up to how many one block takes alone")
     out += stream_constants(cfg, launch)
+    if launch.early and not launch.stream:          # a stream build's ring fills during the owed wait instead
+        out.append("// BuildOptions.early: a weight stage's first loads go out before the barrier it owes (matvec.cuh)")
+        out += ["#ifndef WB_EARLY_LOADS", "#define WB_EARLY_LOADS 1", "#endif"]
     # per-layer slices
     for b in plan.BUFFERS.values():
         if b.per_layer:
@@ -237,6 +243,22 @@ def _next_stage(st: plan.Stage) -> plan.Stage | None:
     return plan.stage(names[(i + 1) % len(names)])
 
 
+def _barrier(cfg: ModelConfig, launch: plan.Launch, st: plan.Stage, layer: str, slot: str) -> str:
+    """The grid barrier after a stage: whole (WB_SYNC), or only its arrival (WB_ARRIVE) where the next stage
+    loads weights before it waits (plan.early_barrier); the last layer's may differ from the others'."""
+    layers = range(cfg.n_layers) if st.scope == "layer" else (-1,)
+    split = [plan.early_barrier(cfg, launch, st.name, l) for l in layers]
+    macro = {True: "WB_ARRIVE", False: "WB_SYNC"}
+    call = lambda m: f"{m}(ST_{_upper(st.name)}, {layer}, {slot});"
+    if len(set(split)) == 1:
+        return call(macro[split[0]])
+    if len(set(split[:-1])) == 1:
+        return (f"if (layer + 1 < WB_LAYERS) {call(macro[split[0]])} else {call(macro[split[-1]])}"
+                f"   // the next stage: the next layer's, or the first after the layers")
+    raise ValueError(f"the barrier after {st.name} is split in some layers and not others: the generated loop "
+                     f"cannot say which")
+
+
 def decode_step(cfg: ModelConfig, launch: plan.Launch) -> str:
     """The decode step: `wb_decode_step(P, s, smem)` runs one step and returns true when the kernel must stop."""
     slots = plan.slots(cfg)
@@ -257,10 +279,13 @@ def decode_step(cfg: ModelConfig, launch: plan.Launch) -> str:
                          f"{_arg(plan.Use(w.buffer), layer)}, {w.units});   // {nxt.name}'s weights into L2 while "
                          f"{st.name} runs (Launch.prefetch)")
         lines.append(f"{indent}{macro}(ST_{_upper(st.name)}, {layer}, {stage_call(st)});")
+        if st.name in launch.early:
+            lines.append(f"{indent}WB_WAIT_OWED(ST_{_upper(st.name)}, {layer});   // its prologue waited at the "
+                         f"barrier before it, after its first loads (Launch.early)")
         b = plan.barrier_slot(cfg, st.name, 0 if st.scope == "layer" else -1)
         if b is not None:
             slot = f"{b} + {per_layer} * layer" if st.scope == "layer" else str(b)
-            lines.append(f"{indent}WB_SYNC(ST_{_upper(st.name)}, {layer}, {slot});")
+            lines.append(indent + _barrier(cfg, launch, st, layer, slot))
         local = b is None and st.runs_on == "grid"
         taps = _tap_lines(cfg, launch, st, "layer", local=local)
         if taps:

@@ -46,10 +46,10 @@ INJECTIONS = (
               *_after_act("o_proj_residual",
                           "    if (wb_bid() == 3) { volatile int* never = (volatile int*)act; if (wb_tid() == 0) "
                           "*never = 0;\n                         while (*never == 0) { } }"), "hang", 3),
-    Injection("barrier-skipped", "grid_sync", "block 5 skips the barrier after gate_up_silu of layer 1",
-              "    __shared__ int stop;\n    wb_syncthreads();",
-              "    __shared__ int stop;\n    if (wb_bid() == 5 && stage == ST_GATE_UP_SILU && layer == 1) return false;\n"
-              "    wb_syncthreads();", "hang", 5),
+    Injection("barrier-skipped", "grid_sync", "block 5 skips the barrier after qkv_rope_append of layer 1",
+              "bool grid_sync(const Params* __restrict__ P, u32 where, int slot) {\n    wb_syncthreads();",
+              "bool grid_sync(const Params* __restrict__ P, u32 where, int slot) {\n    if (wb_bid() == 5 && wb_where_stage(where) == ST_QKV_ROPE_APPEND && "
+              "wb_where_layer(where) == 1) return false;\n    wb_syncthreads();", "hang", 5),
     Injection("trap", "gate_up_silu", "block 7 executes a trap",
               *_after_act("gate_up_silu", "    if (wb_bid() == 7 && wb_tid() == 0) __trap();"), "fault", 7),
     # through a null pointer, not far past a buffer: a far address can land in another allocation and not fault

@@ -586,6 +586,13 @@ class Monokernel:
             raise NonFiniteLogits(f"no valid token at step {int(st[STATUS['step']])}: the logits are NaN or infinite")
         if code == ERROR["stream"]:
             raise stream_mismatch(self.cfg, self.launch, [int(v) for v in st])
+        if code == ERROR["unwaited"]:
+            name = plan.stage_name(int(st[STATUS["stage"]]))
+            raise KernelError(
+                f"{plan.place(name, int(st[STATUS['layer']]), int(st[STATUS['step']]))}, block {st[STATUS['block']]}: "
+                f"stage_{name} returned without waiting at the grid barrier before it, which the build's early={name} "
+                f"leaves to its prologue: read the weights through for_warp_units (kernels/lib/matvec.cuh), or "
+                f"build without early={name}; it read its inputs before every block had written them")
         raise KernelError(f"kernel reported error code {code}")
 
 
