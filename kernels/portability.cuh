@@ -90,8 +90,6 @@ __device__ __forceinline__ wb_u4 wb_ld_stream(const void* p) {
     v4u v = __builtin_nontemporal_load(WB_GLOBAL(v4u, p));
     return wb_u4{v.x, v.y, v.z, v.w};
 }
-// A hint that a span of weights is read soon: gfx942 has no L2 prefetch of a span, so none is made
-__device__ __forceinline__ void wb_prefetch_l2(const void*, u32) {}
 struct wb_u2 { u32 x, y; };
 __device__ __forceinline__ wb_u2 wb_ld_stream_u2(const void* p) {
     typedef u32 v2u __attribute__((ext_vector_type(2)));
@@ -200,11 +198,6 @@ __device__ __forceinline__ wb_u4 wb_ld_stream(const void* p) {
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
     return v;
-}
-// A hint that `bytes` of weights from p (16-byte aligned, a multiple of 16) are read soon: one bulk prefetch into
-// L2 (sm_90), no registers held and nothing to wait for
-__device__ __forceinline__ void wb_prefetch_l2(const void* p, u32 bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(p), "r"(bytes) : "memory");
 }
 // 8 bytes of a weight row (four bf16), the same way: where a thread keeps many rows in flight, half the registers
 struct wb_u2 { u32 x, y; };

@@ -287,17 +287,6 @@ def test_the_stream_build_verifies_stage_by_stage(name, opt):
     assert max(table.positions) >= 4096
 
 
-@pytest.mark.parametrize("name", ["tiny", "llama-3.2-1b"])
-def test_the_prefetch_build_verifies_stage_by_stage(name):
-    """BuildOptions.prefetch hints weights into L2 a stage early: it must change no value, on any path."""
-    import cupy as cp
-
-    from workbench.model.weights import prepare, random_weights
-    p = prepare(random_weights(get_config(name), fresh_seed(), xp=cp, progress=False), xp=cp, progress=False)
-    _verified(p, BuildOptions(prefetch="o_proj_residual+gate_up_silu+down_residual"), thorough=name == "tiny",
-              prompt_len=6, max_new=12)
-
-
 EARLY = "qkv_rope_append+o_proj_residual+gate_up_silu+lm_head"
 
 

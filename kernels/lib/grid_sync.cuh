@@ -81,14 +81,17 @@ __shared__ u32 wb_epoch;
 __shared__ u64 wb_t_stamps[WB_SLOTS][2];
 #endif
 // A barrier arrived at and not yet waited for (wb_grid_arrive, BuildOptions.early): its where-word for a report, and
-// the slot its timing stamp goes to; the stop its wait saw. Shared, for the same reason as wb_epoch.
-__shared__ int wb_bar_pending, wb_bar_stop, wb_bar_slot;
+// the slot its timing stamp goes to; the stop its wait saw; whether the stage after it loads its first weights
+// before its prologue (and before the wait, where one is owed). Shared, for the same reason as wb_epoch.
+__shared__ int wb_bar_pending, wb_bar_stop, wb_bar_slot, wb_bar_early;
 __shared__ u32 wb_bar_where;
 // The kernel's parameters, for the waits that library code runs on a stage's behalf (sections have no P).
 __shared__ const Params* wb_P;
 
 __device__ __forceinline__ void wb_grid_sync_init(const Params* __restrict__ P) {
-    if (wb_tid() == 0) { wb_epoch = 0; wb_where_entered = 0; wb_bar_pending = 0; wb_bar_stop = 0; wb_P = P; }
+    if (wb_tid() == 0) {
+        wb_epoch = 0; wb_where_entered = 0; wb_bar_pending = 0; wb_bar_stop = 0; wb_bar_early = 0; wb_P = P;
+    }
     wb_syncthreads();
 }
 
@@ -108,13 +111,16 @@ __device__ __forceinline__ void wb_grid_sync_init(const Params* __restrict__ P) 
 #endif
 
 // (thread 0) this block's arrival, and the wait it owes from now on
-__device__ __forceinline__ void wb_arrive_t0(const Params* __restrict__ P, u32 where, int slot) {
+__device__ __forceinline__ void wb_arrive_t0(const Params* __restrict__ P, u32 where, int slot, int early) {
 #if WB_TIMING
     if (slot >= 0) wb_t_stamps[slot][0] = wb_globaltimer_ns();
 #endif
     ++wb_epoch;
     wb_bar_stop = 0;
     wb_bar_pending = 1;
+#if WB_TAPS
+    wb_bar_early = early;
+#endif
     wb_bar_slot = slot;
     wb_bar_where = where;
     if (WB_BAR_FENCES) wb_fence_gpu();
@@ -149,9 +155,6 @@ __device__ __forceinline__ void wb_wait_t0(const Params* __restrict__ P) {
 #endif
 }
 
-// The whole barrier. `where`: the stage, layer and step it follows (a timeout's report names them); `slot`: its
-// timing stamps' row (-1: none, the debug build's extra barriers). True when the kernel must stop (an error or an
-// abort): callers return at once.
 // A stage that loads early (BuildOptions.early) returned with the barrier before it still owed: its section did not
 // read its weights through for_warp_units, whose prologue waits, so it read its inputs before every block had
 // written them. The decode step then waits (the grid stays in step) and stops the kernel with the stage named.
@@ -167,18 +170,30 @@ __device__ __noinline__ void wb_report_unwaited(const Params* __restrict__ P, in
     wb_fence_system();
 }
 
-__device__ __forceinline__ bool grid_sync(const Params* __restrict__ P, u32 where, int slot) {
+// The whole barrier. `where`: the stage, layer and step it follows (a timeout's report names them); `slot`: its
+// timing stamps' row (-1: none, the debug build's extra barriers); `early`: the stage after it loads its first
+// weights before its prologue (the debug build's WB_ARRIVE, which waits at once). True when the kernel must stop
+// (an error or an abort): callers return at once.
+__device__ __forceinline__ bool grid_sync(const Params* __restrict__ P, u32 where, int slot, int early = 0) {
     wb_syncthreads();
-    if (wb_tid() == 0) { wb_arrive_t0(P, where, slot); wb_wait_t0(P); }
+    if (wb_tid() == 0) { wb_arrive_t0(P, where, slot, early); wb_wait_t0(P); }
     wb_syncthreads();
     return wb_bar_stop != 0;
 }
+
+// Whether this stage takes its first weights early: it owes the wait of a split barrier (a plain build), or the
+// debug build's whole barrier before it was marked early (WB_ARRIVE there), so that verification runs that path.
+#if WB_TAPS
+#define WB_LOADS_EARLY() (wb_bar_early != 0)
+#else
+#define WB_LOADS_EARLY() (wb_bar_pending != 0)
+#endif
 
 // The barrier in two halves (BuildOptions.early). Between the arrival and the wait a block may do only what reads
 // nothing another block writes before the barrier: the next stage's first weight loads, weights being immutable.
 __device__ __forceinline__ void wb_grid_arrive(const Params* __restrict__ P, u32 where, int slot) {
     wb_syncthreads();
-    if (wb_tid() == 0) wb_arrive_t0(P, where, slot);
+    if (wb_tid() == 0) wb_arrive_t0(P, where, slot, 1);
     wb_syncthreads();                                  // every thread sees the wait owed
 }
 

@@ -35,9 +35,11 @@ __device__ __forceinline__ void wb_set_value(int& value, int v) { if (wb_tid() =
     do { if (grid_sync(P, wb_where(stage, layer, s.step), slot)) return true; } while (0)
 // Ends a slot whose next stage reads weights before the wait (BuildOptions.early): only the arrival here; the
 // wait is that stage's (its prologue's wb_grid_wait_owed, after its first loads); WB_WAIT_OWED after the stage
-// stops the kernel, naming the stage, if its section returned without it. The debug build waits here: block 0 copies the slot's outputs after the barrier.
+// stops the kernel, naming the stage, if its section returned without it. The debug build waits here (block 0
+// copies the slot's outputs after the barrier), and its next stage still takes its first weights the early way,
+// so that stage-by-stage verification checks that path too.
 #if WB_TAPS
-#define WB_ARRIVE(stage, layer, slot) WB_SYNC(stage, layer, slot)
+#define WB_ARRIVE(stage, layer, slot) do { if (grid_sync(P, wb_where(stage, layer, s.step), slot, 1)) return true; } while (0)
 #else
 #define WB_ARRIVE(stage, layer, slot) wb_grid_arrive(P, wb_where(stage, layer, s.step), slot)
 #endif
@@ -93,7 +95,8 @@ __device__ __forceinline__ void wb_tap_value(const Params* __restrict__ P, int s
 }
 // After block 0's copies of a buffer that a stage of the next slot writes (down_residual adds into all of x while
 // block 0 would still be copying o_proj's x): the debug build waits for the copies at a grid barrier of its own.
-#define WB_TAP_SYNC(stage, layer) do { if (grid_sync(P, wb_where(stage, layer, s.step), -1)) return true; } while (0)
+#define WB_TAP_SYNC(stage, layer)                                                                              \
+    do { if (grid_sync(P, wb_where(stage, layer, s.step), -1, wb_bar_early)) return true; } while (0)
 #else
 #define WB_TAP_SYNC(stage, layer) ((void)0)
 #define WB_TAP_COPIES(copies) ((void)0)

@@ -99,18 +99,6 @@ __device__ __forceinline__ void warp_units(int n_units, int& u, int& end, int& s
     }
 }
 
-// The units this warp will read in a later stage (NR adjacent rows of K, dealt as DEAL says), hinted into L2 now,
-// a unit a lane (BuildOptions.prefetch: the decode step calls it at the entry of the stage before, whose own
-// loads leave HBM idle, as attention's do at short positions).
-template <int K, int NR, int DEAL>
-__device__ __forceinline__ void wb_prefetch_units(const bf16* __restrict__ W, int n_units) {
-    static_assert(NR * K * 2 % 16 == 0, "a unit's bytes are a whole number of 16-byte spans");
-    int u, end, stride;
-    warp_units<DEAL>(n_units, u, end, stride);
-    for (u += wb_lane() * stride; u < end; u += WB_WARP * stride)
-        wb_prefetch_l2(W + (long long)u * NR * K, NR * K * 2);
-}
-
 // This warp's units (NR adjacent rows of K, dealt as DEAL says), each read straight to registers and its result
 // handed to `done(unit, y[NR])`, after the block-wide `prologue` has filled `act`: the register path, and a stream
 // build's register stages (whose prologue has run already: an empty one). The units are found before the prologue
@@ -130,7 +118,7 @@ __device__ __forceinline__ void warp_units_from_registers(const bf16* __restrict
     float y[NR];
     int u, end, stride;
     warp_units<DEAL>(n_units, u, end, stride);
-    if (WB_EARLY_LOADS && wb_bar_pending) {           // only a stage that owes a wait loads early (plan.early_region)
+    if (WB_EARLY_LOADS && WB_LOADS_EARLY()) {         // only the stage after a split barrier (plan.early_region)
         static_assert(!WB_EARLY_LOADS || WB_SMEM_EARLY_FLOATS >= WB_THREADS * NR * L::UNROLL * 4,
                       "the plan's early region holds a chunk of loads a thread");
         extern __shared__ __attribute__((aligned(16))) float wb_smem_floats[];

@@ -51,12 +51,9 @@ class BuildOptions:
                                  # (sm_90; measured 6% slower than the register path so far, NOTES.md round 7)
     stream_register: str = ""   # a stream build's stages (names joined by '+') that read their weights straight to
                                  # registers instead, e.g. "qkv_rope_append+o_proj_residual"
-    prefetch: str = ""           # stages (names joined by '+') whose weights each warp hints into L2 while the
-                                 # stage before them runs, e.g. "o_proj_residual" during attention (plan.prefetch_problem)
-    early: str = "qkv_rope_append+o_proj_residual+gate_up_silu+lm_head"
+    early: str = "+".join(plan.Launch.early)
                                  # stages (names joined by '+') whose warps issue their first weight loads before
-                                 # waiting at the grid barrier in front of the stage (plan.early_problem; "": none).
-                                 # H200, 1b: +3.7% at position 128 (NOTES.md, round 16)
+                                 # waiting at the grid barrier in front of the stage (plan.early_problem; "": none)
     units: bool = False          # NVIDIA: built as one unit per stage, each cached, then linked (workbench/build/
                                  # units.py): an edit recompiles one stage; the kernel runs slower (verification only)
 
@@ -71,8 +68,6 @@ class BuildOptions:
             raise ValueError(f"threads {why}")
         if self.stream_register and not self.stream:
             raise ValueError("stream_register names stages of a stream build: set stream too")
-        if (why := plan.prefetch_problem(self.prefetch_stages)) is not None:
-            raise ValueError(f"prefetch: {why}")
         if (why := plan.early_problem(None, stage_names(self.early))) is not None:
             raise ValueError(f"early: {why}")
         if not (isinstance(self.attn_kv_bytes, int) and self.attn_kv_bytes >= 0):
@@ -90,24 +85,19 @@ class BuildOptions:
     def for_target(self, target: str) -> "BuildOptions":
         """These options as the AMD build takes them: a gfx942 workgroup has 64 KiB of LDS and no matrix product
         of the kind attention's rings feed (mma.sync), so attention reads its cache straight to registers there
-        and gets no ring."""
-        return dataclasses.replace(self, attn_kv_bytes=0) if target == "hip" else self
+        and gets no ring; nor does it load early (no asynchronous copy to shared memory there, and no room)."""
+        return dataclasses.replace(self, attn_kv_bytes=0, early="") if target == "hip" else self
 
     @property
     def launch(self) -> plan.Launch:
         return plan.Launch(grid=self.grid, threads=self.threads, attn_min_chunk=self.attn_min_chunk,
                            attn_single=self.attn_single,
                            attn_kv_bytes=self.attn_kv_bytes, attn_bufs=self.attn_bufs, stream=self.stream,
-                           register_stages=stage_names(self.stream_register), prefetch=self.prefetch_stages,
-                           early=stage_names(self.early))
-
-    @property
-    def prefetch_stages(self) -> tuple:
-        return stage_names(self.prefetch)
+                           register_stages=stage_names(self.stream_register), early=stage_names(self.early))
 
 
 def stage_names(text: str) -> tuple:
-    """Stage names joined by '+' (an option's text, as `stream_register` and `prefetch` take them)."""
+    """Stage names joined by '+' (an option's text, as `stream_register` and `early` take them)."""
     return tuple(filter(None, text.split("+")))
 
 

@@ -273,11 +273,6 @@ def decode_step(cfg: ModelConfig, launch: plan.Launch) -> str:
         if plan.block_barrier_before(cfg, st.name):
             lines.append(f"{indent}wb_syncthreads();   // a block barrier: one slot, no grid barrier before this "
                          f"stage (it may read what this block's warps just wrote: a local read)")
-        if (nxt := plan.prefetched_by(st.name, launch)) is not None:
-            w = plan.weight_units(cfg, nxt, launch)
-            lines.append(f"{indent}wb_prefetch_units<{w.k}, {w.rows}, WB_DEAL_{_upper(nxt.name)}>("
-                         f"{_arg(plan.Use(w.buffer), layer)}, {w.units});   // {nxt.name}'s weights into L2 while "
-                         f"{st.name} runs (Launch.prefetch)")
         lines.append(f"{indent}{macro}(ST_{_upper(st.name)}, {layer}, {stage_call(st)});")
         if st.name in launch.early:
             lines.append(f"{indent}WB_WAIT_OWED(ST_{_upper(st.name)}, {layer});   // its prologue waited at the "

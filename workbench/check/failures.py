@@ -41,14 +41,16 @@ def _after_act(section: str, code: str, region: str = "act") -> tuple[str, str]:
     return line, f"{line}\n{code}"
 
 
+_GRID_SYNC = "bool grid_sync(const Params* __restrict__ P, u32 where, int slot, int early = 0) {"   # its first line
+
 INJECTIONS = (
     Injection("spin-on-flag", "o_proj_residual", "block 3 spins on a flag nobody sets, outside any barrier",
               *_after_act("o_proj_residual",
                           "    if (wb_bid() == 3) { volatile int* never = (volatile int*)act; if (wb_tid() == 0) "
                           "*never = 0;\n                         while (*never == 0) { } }"), "hang", 3),
     Injection("barrier-skipped", "grid_sync", "block 5 skips the barrier after qkv_rope_append of layer 1",
-              "bool grid_sync(const Params* __restrict__ P, u32 where, int slot) {\n    wb_syncthreads();",
-              "bool grid_sync(const Params* __restrict__ P, u32 where, int slot) {\n    if (wb_bid() == 5 && wb_where_stage(where) == ST_QKV_ROPE_APPEND && "
+              _GRID_SYNC + "\n    wb_syncthreads();",
+              _GRID_SYNC + "\n    if (wb_bid() == 5 && wb_where_stage(where) == ST_QKV_ROPE_APPEND && "
               "wb_where_layer(where) == 1) return false;\n    wb_syncthreads();", "hang", 5),
     Injection("trap", "gate_up_silu", "block 7 executes a trap",
               *_after_act("gate_up_silu", "    if (wb_bid() == 7 && wb_tid() == 0) __trap();"), "fault", 7),
