@@ -3,6 +3,7 @@ through NVRTC (no GPU needed)."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import re
 
 import numpy as np
@@ -259,8 +260,9 @@ def test_the_early_region_is_clear_of_the_early_stages_and_builds_without_spills
         assert all(o + k <= off for o, k in regions[name].values()), name
     assert plan.smem_floats(cfg, opt.launch) >= off + n
     assert plan.early_region(cfg, BuildOptions(early="").launch) == (0, 0)
-    cubin = compile_cubin(assemble(cfg, opt))[0]
-    assert resource_usage(cubin)[0].stack == 0
+    for one_loop in ("0", "1"):                         # WB_EARLY_ONE_LOOP: the candidate without the copied loop
+        cubin = compile_cubin(assemble(cfg, dataclasses.replace(opt, defines=(("WB_EARLY_ONE_LOOP", one_loop),))))[0]
+        assert resource_usage(cubin)[0].stack == 0, one_loop
 
 
 def test_fast_compile_build_reports_only_the_kernel():

@@ -39,7 +39,8 @@ __device__ __forceinline__ void wb_set_value(int& value, int v) { if (wb_tid() =
 // copies the slot's outputs after the barrier), and its next stage still takes its first weights the early way,
 // so that stage-by-stage verification checks that path too.
 #if WB_TAPS
-#define WB_ARRIVE(stage, layer, slot) do { if (grid_sync(P, wb_where(stage, layer, s.step), slot, 1)) return true; } while (0)
+#define WB_ARRIVE(stage, layer, slot)                                                                          \
+    do { if (grid_sync(P, wb_where(stage, layer, s.step), slot, 1)) return true; } while (0)
 #else
 #define WB_ARRIVE(stage, layer, slot) wb_grid_arrive(P, wb_where(stage, layer, s.step), slot)
 #endif
