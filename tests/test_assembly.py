@@ -3,7 +3,6 @@ through NVRTC (no GPU needed)."""
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import re
 
 import numpy as np
@@ -220,6 +219,22 @@ def test_early_names_weight_stages_after_a_grid_barrier():
         assemble(get_config("tiny"), BuildOptions(early="down_residual"))
 
 
+def test_the_default_early_leaves_out_what_cannot_load_early_and_a_named_one_is_an_error():
+    """qkv in a one-layer model follows the step's first barrier, which stays whole; a PTX body reads its weights
+    itself and would never wait: the default builds without them, a user who names them is told why."""
+    one = get_config("tiny").with_(n_layers=1)
+    lines = _step_lines(one, BuildOptions())
+    arrives = [l.split("(")[1].split(",")[0] for l in lines if l.startswith("WB_ARRIVE(")]
+    assert arrives == ["ST_ATTENTION_DECODE", "ST_O_PROJ_RESIDUAL", "ST_DOWN_RESIDUAL"]   # o_proj, gate_up, lm_head
+    with pytest.raises(ValueError, match="^early: qkv_rope_append: no grid barrier goes before it"):
+        assemble(one, BuildOptions(early="qkv_rope_append+gate_up_silu"))
+    ptx = BuildOptions(variants=(("o_proj_residual", "ptx"),))
+    assert ptx.launch.early == tuple(n for n in EARLY if n != "o_proj_residual")
+    assert not [l for l in _step_lines(get_config("tiny"), ptx) if l.startswith("WB_WAIT_OWED(ST_O_PROJ_RESIDUAL")]
+    with pytest.raises(ValueError, match="^early: o_proj_residual: a PTX body reads its weights itself"):
+        BuildOptions(variants=(("o_proj_residual", "ptx"),), early="o_proj_residual")
+
+
 def _step_lines(cfg, opt) -> list[str]:
     text = assemble(cfg, opt).source
     return [l.strip() for l in text[text.index("bool wb_decode_step("):].splitlines()]
@@ -260,9 +275,8 @@ def test_the_early_region_is_clear_of_the_early_stages_and_builds_without_spills
         assert all(o + k <= off for o, k in regions[name].values()), name
     assert plan.smem_floats(cfg, opt.launch) >= off + n
     assert plan.early_region(cfg, BuildOptions(early="").launch) == (0, 0)
-    for one_loop in ("0", "1"):                         # WB_EARLY_ONE_LOOP: the candidate without the copied loop
-        cubin = compile_cubin(assemble(cfg, dataclasses.replace(opt, defines=(("WB_EARLY_ONE_LOOP", one_loop),))))[0]
-        assert resource_usage(cubin)[0].stack == 0, one_loop
+    cubin = compile_cubin(assemble(cfg, opt))[0]
+    assert resource_usage(cubin)[0].stack == 0
 
 
 def test_fast_compile_build_reports_only_the_kernel():

@@ -31,6 +31,9 @@ def threads_problem(n) -> str | None:
     return f"must be a multiple of 64 from 64 to 1024, got {n!r}"
 
 
+DEFAULT_EARLY = "+".join(plan.Launch.early)
+
+
 @dataclasses.dataclass(frozen=True)
 class BuildOptions:
     threads: int = 512           # per block; one block per SM
@@ -51,9 +54,10 @@ class BuildOptions:
                                  # (sm_90; measured 6% slower than the register path so far, NOTES.md round 7)
     stream_register: str = ""   # a stream build's stages (names joined by '+') that read their weights straight to
                                  # registers instead, e.g. "qkv_rope_append+o_proj_residual"
-    early: str = "+".join(plan.Launch.early)
-                                 # stages (names joined by '+') whose warps issue their first weight loads before
-                                 # waiting at the grid barrier in front of the stage (plan.early_problem; "": none)
+    early: str = DEFAULT_EARLY   # stages (names joined by '+') whose warps issue their first weight loads before
+                                 # waiting at the grid barrier in front of the stage (plan.early_problem; "": none).
+                                 # The default leaves out what cannot load early in a build (early_stages); a
+                                 # stage named on purpose that cannot is an error
     units: bool = False          # NVIDIA: built as one unit per stage, each cached, then linked (workbench/build/
                                  # units.py): an edit recompiles one stage; the kernel runs slower (verification only)
 
@@ -70,6 +74,9 @@ class BuildOptions:
             raise ValueError("stream_register names stages of a stream build: set stream too")
         if (why := plan.early_problem(None, stage_names(self.early))) is not None:
             raise ValueError(f"early: {why}")
+        if self.early != DEFAULT_EARLY and (ptx := [n for n in stage_names(self.early) if self._ptx_body(n)]):
+            raise ValueError(f"early: {', '.join(ptx)}: a PTX body reads its weights itself, so it never waits at "
+                             f"the barrier before it (for_warp_units does that); build without early={ptx[0]}")
         if not (isinstance(self.attn_kv_bytes, int) and self.attn_kv_bytes >= 0):
             raise ValueError(f"attn_kv_bytes must be a number of bytes, 0 or more, got {self.attn_kv_bytes!r}")
         if not (isinstance(self.attn_min_chunk, int) and self.attn_min_chunk >= 0):
@@ -88,12 +95,22 @@ class BuildOptions:
         and gets no ring; nor does it load early (no asynchronous copy to shared memory there, and no room)."""
         return dataclasses.replace(self, attn_kv_bytes=0, early="") if target == "hip" else self
 
+    def _ptx_body(self, name: str) -> bool:
+        return is_ptx_variant(dict(self.variants).get(name))
+
+    @property
+    def early_stages(self) -> tuple:
+        """The stages that load early in this build: those named, less, by default, a stage whose section is a PTX
+        body (its weights do not pass through for_warp_units, whose prologue waits)."""
+        names = stage_names(self.early)
+        return tuple(n for n in names if not self._ptx_body(n)) if self.early == DEFAULT_EARLY else names
+
     @property
     def launch(self) -> plan.Launch:
         return plan.Launch(grid=self.grid, threads=self.threads, attn_min_chunk=self.attn_min_chunk,
                            attn_single=self.attn_single,
                            attn_kv_bytes=self.attn_kv_bytes, attn_bufs=self.attn_bufs, stream=self.stream,
-                           register_stages=stage_names(self.stream_register), early=stage_names(self.early))
+                           register_stages=stage_names(self.stream_register), early=self.early_stages)
 
 
 def stage_names(text: str) -> tuple:
@@ -219,7 +236,9 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
     launch = opt.launch
     if (why := plan.register_stages_problem(cfg, launch.register_stages)) is not None:
         raise ValueError(f"stream_register: {why}")
-    if (why := plan.early_problem(cfg, launch.early)) is not None:
+    # a default early stage with no grid barrier before it in this model (qkv when there is one layer) loads as
+    # any stage does; one named on purpose is an error
+    if opt.early != DEFAULT_EARLY and (why := plan.early_problem(cfg, launch.early)) is not None:
         raise ValueError(f"early: {why}")
     header = plan_header(cfg, launch)
     paste("<generated: plan header>", header)
