@@ -66,6 +66,22 @@ def test_named_wants_the_block_inside_its_section_or_in_the_report():
     assert ce.named(rec)
 
 
+def test_named_alone_wants_every_other_block_waiting():
+    """The hang inside attention while o_proj loads early: the blocks held at o_proj's owed wait must read as
+    waiting (the barrier after attention), not as inside o_proj, or every one of them would look hung."""
+    from workbench.loop.records import ReloadRecord
+    from workbench.run.worker import BlockState
+    inj = suite.by_name("spin-in-attention")
+    rec = ReloadRecord(0.0, "edit", inj.section, None, ())
+    rec.blocks = [BlockState(b, "attention_decode", 1, 0, True, False) for b in range(12)]
+    rec.blocks[4] = BlockState(4, "attention_decode", 1, 0, False, False)
+    assert inj.named(rec)
+    rec.blocks[7] = BlockState(7, "o_proj_residual", 1, 0, False, False)     # shown inside its early stage
+    assert not inj.named(rec)
+    rec.blocks[7] = BlockState(7, "o_proj_residual", 1, 0, False, True)      # moving on: not stuck
+    assert inj.named(rec)
+
+
 def test_a_runtime_compile_log_of_too_much_shared_data_lands_at_the_declaration():
     """CuPy's compile (the kernel the GPU runs) hands back NVRTC's log as this text, as the H200 printed it: the
     same messages as the compile without a driver, at the section's static shared array."""

@@ -290,10 +290,8 @@ def test_the_stream_build_verifies_stage_by_stage(name, opt):
 EARLY = "qkv_rope_append+o_proj_residual+gate_up_silu+lm_head"
 
 
-@pytest.mark.parametrize("name,early,one_loop", [("tiny", EARLY, 0), ("tiny", "o_proj_residual", 0),
-                                                 ("llama-3.2-1b", EARLY, 0), ("tiny", EARLY, 1),
-                                                 ("llama-3.2-1b", EARLY, 1)])
-def test_the_early_build_verifies(name, early, one_loop):
+@pytest.mark.parametrize("name,early", [("tiny", EARLY), ("tiny", "o_proj_residual"), ("llama-3.2-1b", EARLY)])
+def test_the_early_build_verifies(name, early):
     """BuildOptions.early: the weight stages' first loads go out before the barrier they follow, whose wait moves into
     the stage's prologue. Stage by stage (the taps build keeps each barrier whole, so this checks the sections'
     early loads) and end to end (the plain build, barriers split: a stage that read its activations before the
@@ -303,9 +301,7 @@ def test_the_early_build_verifies(name, early, one_loop):
     from workbench.model.weights import prepare, random_weights
     p = prepare(random_weights(get_config(name), fresh_seed(), xp=cp, progress=False), xp=cp, progress=False)
     # o_proj alone: the other weight stages keep their barriers whole, their shared memory under the early region
-    # one_loop: the first chunk read inside the row loop (WB_EARLY_ONE_LOOP), the candidate to replace its copy
-    _verified(p, BuildOptions(early=early, defines=(("WB_EARLY_ONE_LOOP", str(one_loop)),)),
-              thorough=name == "tiny", prompt_len=6, max_new=12)
+    _verified(p, BuildOptions(early=early), thorough=name == "tiny", prompt_len=6, max_new=12)
 
 
 def test_a_hang_in_an_early_build_is_reported_at_the_owed_wait():

@@ -129,8 +129,12 @@ __device__ __forceinline__ void wb_arrive_t0(const Params* __restrict__ P, u32 w
     ((volatile u32*)P->where)[wb_bid()] = wb_where_entered | WB_WHERE_WAITING;   // for the host: arrived, waiting
 }
 
-// (thread 0) until every block has arrived: bounded, a timeout reported with the barrier's stage, layer and step
-__device__ __forceinline__ void wb_wait_t0(const Params* __restrict__ P) {
+// (thread 0) until every block has arrived: bounded, a timeout reported with the barrier's stage, layer and step.
+// A wait that reaches the slow checks shows the block waiting at this barrier, for the host's picture of a hang:
+// an owed wait runs inside the next stage, whose entry overwrote the word the arrival wrote. True when it did (the
+// owed wait then writes the stage back); the fast path writes nothing (stores to mapped memory there measured
+// about 1% on the 1B).
+__device__ __forceinline__ bool wb_wait_t0(const Params* __restrict__ P) {
     const u32 epoch = wb_epoch, target = epoch * (u32)wb_nbid();
     u64 t0 = 0;
     u32 seen;
@@ -138,8 +142,10 @@ __device__ __forceinline__ void wb_wait_t0(const Params* __restrict__ P) {
         if ((spin & 63) == 63) {                          // the slow checks, off the fast path
             if (wb_should_stop(P)) { wb_bar_stop = 1; break; }
             const u64 now = wb_globaltimer_ns();
-            if (t0 == 0) t0 = now;
-            else if (now - t0 > P->timeout_ns) {
+            if (t0 == 0) {
+                t0 = now;
+                ((volatile u32*)P->where)[wb_bid()] = wb_bar_where | WB_WHERE_WAITING;
+            } else if (now - t0 > P->timeout_ns) {
                 const u32 w = wb_bar_where;
                 wb_report(P, WB_ERR_HANG, wb_where_stage(w), wb_where_layer(w), wb_where_step(w), epoch);
                 wb_bar_stop = 1;
@@ -153,6 +159,7 @@ __device__ __forceinline__ void wb_wait_t0(const Params* __restrict__ P) {
 #if WB_TIMING
     if (wb_bar_slot >= 0) wb_t_stamps[wb_bar_slot][1] = wb_globaltimer_ns();
 #endif
+    return t0 != 0;
 }
 
 // A stage that loads early (BuildOptions.early) returned with the barrier before it still owed: its section did not
@@ -204,7 +211,8 @@ __device__ __forceinline__ void wb_grid_arrive(const Params* __restrict__ P, u32
 __device__ __forceinline__ bool wb_grid_wait_owed(const Params* __restrict__ P) {
     if (wb_bar_pending) {
         wb_syncthreads();
-        if (wb_tid() == 0) wb_wait_t0(P);
+        // a long wait showed the block waiting at that barrier (wb_wait_t0): it is in its stage again
+        if (wb_tid() == 0 && wb_wait_t0(P)) ((volatile u32*)P->where)[wb_bid()] = wb_where_entered;
         wb_syncthreads();
     }
     return wb_bar_stop != 0;

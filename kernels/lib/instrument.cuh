@@ -47,8 +47,17 @@ __device__ __forceinline__ void wb_set_value(int& value, int v) { if (wb_tid() =
 #define WB_WAIT_OWED(stage, layer)                                                                             \
     do {                                                                                                        \
         if (wb_bar_pending) { wb_grid_wait_owed(P); wb_report_unwaited(P, stage, layer, s.step); return true; } \
+        WB_EARLY_DONE();                                                                                        \
         if (wb_bar_stop) return true;                                                                           \
     } while (0)
+// The debug build's mark that the stage after a barrier loads early lasts until that stage is done: a later stage
+// of the same slot (no barrier between) must not take it for its own. Its threads read it before the prologue's
+// block barrier, which thread 0 has passed by now.
+#if WB_TAPS
+#define WB_EARLY_DONE() do { if (wb_tid() == 0) wb_bar_early = 0; } while (0)
+#else
+#define WB_EARLY_DONE() ((void)0)
+#endif
 
 #if WB_TAPS
 // Debug build: after a stage, block 0 copies what it wrote into the step's tap record (steps the host asked for),

@@ -64,13 +64,11 @@ __device__ __forceinline__ void warp_rows_load(const bf16* __restrict__ row0, lo
 }
 
 // out[r] = row r · act for NR rows of K (UNROLL loads per row in flight before the first FMA). FIRST: the first
-// chunk is already in `first` (loaded before the grid barrier: warp_units_from_registers). `first_smem`
-// (WB_EARLY_ONE_LOOP): where in shared memory the first chunk is, or null, read in place of its loads.
+// chunk is already in `first` (loaded before the grid barrier: warp_units_from_registers).
 template <int K, int NR, bool FIRST = false>
 __device__ __forceinline__ void warp_rows_dot(const bf16* __restrict__ row0, long long row_stride,
                                               const float* __restrict__ act, float (&out)[NR],
-                                              const wb_u4 (*first)[RowLoads<K, NR>::UNROLL] = nullptr,
-                                              const wb_u4* first_smem = nullptr) {
+                                              const wb_u4 (*first)[RowLoads<K, NR>::UNROLL] = nullptr) {
     using L = RowLoads<K, NR>;
     float acc[NR];
 #pragma unroll
@@ -83,15 +81,7 @@ __device__ __forceinline__ void warp_rows_dot(const bf16* __restrict__ row0, lon
 #pragma unroll L::CHUNKS_UNROLLED
     for (int i0 = FIRST ? L::UNROLL : 0; i0 < L::ITERS; i0 += L::UNROLL) {
         wb_u4 w[NR][L::UNROLL];
-        if (i0 == 0 && first_smem != nullptr) {
-            wb_cp_async_wait<0>();                     // this lane's pieces, which only it reads
-#pragma unroll
-            for (int i = 0; i < L::UNROLL; ++i)
-#pragma unroll
-                for (int r = 0; r < NR; ++r) w[r][i] = first_smem[(r * L::UNROLL + i) * WB_WARP];
-        } else {
-            warp_rows_load<K, NR>(row0, row_stride, i0, w);
-        }
+        warp_rows_load<K, NR>(row0, row_stride, i0, w);
         warp_rows_fma<K, NR>(w, i0, act, acc);
     }
 #pragma unroll
@@ -119,14 +109,10 @@ __device__ __forceinline__ void warp_units(int n_units, int& u, int& end, int& s
 // weights are on their way while the block waits for its activations. They land in shared memory (the plan's
 // early region, [warp][row][load][lane] 16-byte pieces), by asynchronous copies: held in registers across the
 // wait and the prologue, they spilled (384 B on the 1B). The first unit then runs its own copy of the row loop
-// (measured, H200: +3.7% on 1b at 128); WB_EARLY_ONE_LOOP=1 reads the chunk inside the one loop instead, which
-// compiles as fast as without early loads and spills less (qwen3-4b 16 B, not 104), not yet measured on a GPU
-// (NOTES.md round 16).
+// (measured, H200: +3.7% on 1b at 128). Reading the chunk inside the one loop instead compiled faster and spilled
+// less, and ran 3% slower on the 1B (NOTES.md round 17).
 #ifndef WB_EARLY_LOADS
 #define WB_EARLY_LOADS 0
-#endif
-#ifndef WB_EARLY_ONE_LOOP
-#define WB_EARLY_ONE_LOOP 0
 #endif
 template <int K, int NR, int DEAL, typename Prologue, typename Done>
 __device__ __forceinline__ void warp_units_from_registers(const bf16* __restrict__ W, int n_units,
@@ -135,33 +121,6 @@ __device__ __forceinline__ void warp_units_from_registers(const bf16* __restrict
     float y[NR];
     int u, end, stride;
     warp_units<DEAL>(n_units, u, end, stride);
-#if WB_EARLY_ONE_LOOP
-    const wb_u4* first = nullptr;
-    if (WB_EARLY_LOADS && WB_LOADS_EARLY()) {
-        extern __shared__ __attribute__((aligned(16))) float wb_smem_floats[];
-        wb_u4* at = (wb_u4*)(wb_smem_floats + WB_SMEM_EARLY) + wb_warp() * NR * L::UNROLL * WB_WARP + wb_lane();
-        if (u < end) {
-            const bf16* row0 = W + (long long)u * NR * K;
-#pragma unroll
-            for (int i = 0; i < L::UNROLL; ++i) {
-                const int k = i * L::STEP + wb_lane() * 8;
-                if (i < L::ITERS && (K % L::STEP == 0 || k < K)) {
-#pragma unroll
-                    for (int r = 0; r < NR; ++r) wb_cp_async16(at + (r * L::UNROLL + i) * WB_WARP, row0 + r * K + k, true);
-                }
-            }
-            first = at;
-        }
-        wb_cp_async_commit();
-    }
-    wb_grid_wait_owed(wb_P);
-    prologue();
-    for (; u < end; u += stride, first = nullptr) {
-        warp_rows_dot<K, NR>(W + (long long)u * NR * K, K, act, y, nullptr, first);
-        done(u, y);
-    }
-    return;
-#endif
     if (WB_EARLY_LOADS && WB_LOADS_EARLY()) {         // only the stage after a split barrier (plan.early_region)
         static_assert(!WB_EARLY_LOADS || WB_SMEM_EARLY_FLOATS >= WB_THREADS * NR * L::UNROLL * 4,
                       "the plan's early region holds a chunk of loads a thread");
@@ -179,7 +138,10 @@ __device__ __forceinline__ void warp_units_from_registers(const bf16* __restrict
             }
         }
         wb_cp_async_commit();
-        wb_grid_wait_owed(wb_P);                       // a stop is seen by the decode step after the stage
+        if (wb_grid_wait_owed(wb_P)) {                 // the kernel stops (the decode step returns after the stage):
+            wb_cp_async_wait<0>();                     // its inputs may never come, and no copy may land after it
+            return;
+        }
         prologue();                                    // block-wide: every thread takes part
         if (u < end) {
             wb_cp_async_wait<0>();                     // this lane's pieces, which only it reads

@@ -19,6 +19,7 @@ class Injection:
     replace: str
     expect: str                # the record status expected
     block: int | None = None   # the block the report must name (None: no block to name, a compile-time failure)
+    alone: bool = False        # every other block must be shown waiting at a barrier, none inside a stage
 
     def apply(self, text: str) -> str:
         if text.count(self.find) != 1:
@@ -30,6 +31,8 @@ class Injection:
         by the kernel's barrier report; a compile error at the section's file."""
         if self.block is None:
             return self.expect != "compile error" or f"{self.section}.cuh" in (rec.error or "")
+        if self.alone:
+            return [b.block for b in rec.blocks or () if not b.waiting and not b.moved] == [self.block]
         stuck = [b.block for b in rec.blocks or () if b.stage == self.section and not b.waiting and not b.moved]
         return self.block in stuck or re.search(rf"\bblock {self.block}\b", rec.error or "") is not None
 
@@ -48,6 +51,13 @@ INJECTIONS = (
               *_after_act("o_proj_residual",
                           "    if (wb_bid() == 3) { volatile int* never = (volatile int*)act; if (wb_tid() == 0) "
                           "*never = 0;\n                         while (*never == 0) { } }"), "hang", 3),
+    # o_proj loads early by default: the other blocks enter it, issue their first loads and wait at the barrier
+    # after attention inside it; the picture must show them waiting there, and block 4 alone inside its stage
+    Injection("spin-in-attention", "attention_decode", "block 4 spins in attention while the others wait inside o_proj",
+              "    u32* qf = (u32*)(smem + WB_SMEM_ATTENTION_DECODE_Q);",
+              "    u32* qf = (u32*)(smem + WB_SMEM_ATTENTION_DECODE_Q);\n"
+              "    if (wb_bid() == 4) { volatile u32* never = qf; if (wb_tid() == 0) *never = 0;\n"
+              "                         while (*never == 0) { } }", "hang", 4, alone=True),
     Injection("barrier-skipped", "grid_sync", "block 5 skips the barrier after qkv_rope_append of layer 1",
               _GRID_SYNC + "\n    wb_syncthreads();",
               _GRID_SYNC + "\n    if (wb_bid() == 5 && wb_where_stage(where) == ST_QKV_ROPE_APPEND && "
