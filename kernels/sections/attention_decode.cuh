@@ -85,9 +85,12 @@ __device__ __forceinline__ void att_split3(float x0, float x1, u32* part) {
 
 // This warp's (m, l, acc) over its steps of the chunk (`left` positions from K and V) into ws. qf: the scaled
 // queries as B fragments of Qᵀ, [ATT_KK][6][lane] words: rows 2t, 2t+1 then 2t+8, 2t+9 of column g (head g of the
-// group, zero past it), each as hi, mid, lo.
+// group, zero past it), each as hi, mid, lo, which `load_q` (block-wide) fills after the warp's first steps are
+// issued: K and V do not depend on the queries, so the cache's latency runs beside the queries' trip to L2
+// instead of after it.
+template <typename LoadQ>
 __device__ __forceinline__ void att_warp_mma(const bf16* K, const bf16* V, int left, const u32* qf, bf16* rings,
-                                             const bf16* volatile* src, float* ws) {
+                                             const bf16* volatile* src, float* ws, LoadQ load_q) {
     constexpr int HD = WB_HEAD_DIM, KS = WB_ATTN_KS, AW = WB_ATTN_WARPS;
     const int w = wb_warp(), lane = wb_lane(), g = lane >> 2, t = lane & 3;
     const int steps = (left + WB_ATTN_STEP - 1) / WB_ATTN_STEP;
@@ -119,6 +122,7 @@ __device__ __forceinline__ void att_warp_mma(const bf16* K, const bf16* V, int l
         if (j < mine) issue(j);
         wb_cp_async_commit();
     }
+    load_q();
     float o[ATT_KK][4];                 // Oᵀ: rows d = 16mt + g (+8), columns heads 2t, 2t + 1
 #pragma unroll
     for (int mt = 0; mt < ATT_KK; ++mt) o[mt][0] = o[mt][1] = o[mt][2] = o[mt][3] = 0.f;
@@ -271,20 +275,22 @@ WB_SECTION void stage_attention_decode(const float* q, const bf16* k_cache, cons
     const float scale = wb_rsqrt((float)HD);
 #if WB_HAS_MMA
     u32* qf = (u32*)(smem + WB_SMEM_ATTENTION_DECODE_Q);
-    for (int i = wb_tid(); i < ATT_KK * WB_WARP; i += wb_ntid()) {
-        const int kk = i / WB_WARP, g = (i % WB_WARP) >> 2, t = i & 3, d = kk * 16 + 2 * t;
-        const float* qh = q + (kvh * ATT_GQ + g) * HD;
-        const bool real = g < ATT_GQ;
-        u32* f = qf + kk * 6 * WB_WARP + i % WB_WARP;
-        u32 lo[3], hi[3];
-        att_split3(real ? wb_ld_cg(qh + d) * scale : 0.f, real ? wb_ld_cg(qh + d + 1) * scale : 0.f, lo);
-        att_split3(real ? wb_ld_cg(qh + d + 8) * scale : 0.f, real ? wb_ld_cg(qh + d + 9) * scale : 0.f, hi);
+    auto load_q = [&] {                               // after the first K/V steps are issued
+        for (int i = wb_tid(); i < ATT_KK * WB_WARP; i += wb_ntid()) {
+            const int kk = i / WB_WARP, g = (i % WB_WARP) >> 2, t = i & 3, d = kk * 16 + 2 * t;
+            const float* qh = q + (kvh * ATT_GQ + g) * HD;
+            const bool real = g < ATT_GQ;
+            u32* f = qf + kk * 6 * WB_WARP + i % WB_WARP;
+            u32 lo[3], hi[3];
+            att_split3(real ? wb_ld_cg(qh + d) * scale : 0.f, real ? wb_ld_cg(qh + d + 1) * scale : 0.f, lo);
+            att_split3(real ? wb_ld_cg(qh + d + 8) * scale : 0.f, real ? wb_ld_cg(qh + d + 9) * scale : 0.f, hi);
 #pragma unroll
-        for (int part = 0; part < 3; ++part) { f[part * WB_WARP] = lo[part]; f[(3 + part) * WB_WARP] = hi[part]; }
-    }
-    wb_syncthreads();
+            for (int part = 0; part < 3; ++part) { f[part * WB_WARP] = lo[part]; f[(3 + part) * WB_WARP] = hi[part]; }
+        }
+        wb_syncthreads();
+    };
     att_warp_mma(K, V, end - start, qf, (bf16*)(smem + WB_SMEM_ATTENTION_DECODE_KV),
-                 (const bf16* volatile*)(smem + WB_SMEM_ATTENTION_DECODE_SRC), ws);
+                 (const bf16* volatile*)(smem + WB_SMEM_ATTENTION_DECODE_SRC), ws, load_q);
 #else
     float* qs = smem + WB_SMEM_ATTENTION_DECODE_Q;      // [GQ][HD], pre-scaled by 1/sqrt(hd)
     for (int i = wb_tid(); i < ATT_GQ * HD; i += wb_ntid()) qs[i] = wb_ld_cg(q + kvh * ATT_GQ * HD + i) * scale;
