@@ -27,8 +27,8 @@ from workbench.build.assemble import BuildOptions  # noqa: E402
 from workbench.model.config import get_config  # noqa: E402
 from workbench.model.weights import prepare, random_weights  # noqa: E402
 from workbench.run.runtime import Monokernel  # noqa: E402
-from workbench.measure.timing import (barrier_cost, boundary_table, format_boundaries,  # noqa: E402
-                                      format_table, stage_table)
+from workbench.measure.timing import (barrier_cost, boundary_table, critical_table,  # noqa: E402
+                                      format_boundaries, format_critical, format_table, stage_table)
 from workbench.check.verify import verify  # noqa: E402
 
 KERNELS = paths.kernels_dir()                        # this checkout's kernels/
@@ -89,7 +89,8 @@ def main():
             for sp in a.stage_positions:
                 r = mkt.generate([1], 48, eos=[], timing_steps=48, pos0=sp)
                 row["stages"] += f"-- position {sp}\n" + format_table(stage_table(cfg, r.timing, sp)) + "\n" + \
-                    format_boundaries(boundary_table(cfg, r.timing)) + f"\nbarrier: {barrier_cost(r.timing)}\n"
+                    format_boundaries(boundary_table(cfg, r.timing)) + "\n" + \
+                    format_critical(critical_table(cfg, r.timing)) + f"\nbarrier: {barrier_cost(r.timing)}\n"
             del mkt
         results[name] = row
         print(f"{name:16s} {'PASS' if row['passed'] else 'FAIL'} " +

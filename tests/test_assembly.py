@@ -161,6 +161,46 @@ def test_boundary_table_separates_stragglers_from_slow_releases():
     assert "first in" in format_boundaries(list(rows.values())).splitlines()[0]
 
 
+def test_critical_table_names_the_blocks_that_hold_a_barrier_up():
+    from workbench.measure.timing import critical_table, format_critical, slot_names
+    cfg = get_config("tiny")
+    names = slot_names(cfg)
+    S, G, n = len(names), 4, 5
+    t = np.zeros((n, S, G, 2), np.uint64)
+    now = 1_000_000
+    for i in range(n):
+        for s in range(S):
+            # attention: block 1 works 3 µs and arrives last at every barrier; elsewhere the last block rotates
+            work = [3000 if (names[s][0] == "attention_decode" and b == 1) else 400 + 10 * ((b + i + s) % G)
+                    for b in range(G)]
+            arrivals = [now + w for w in work]
+            last = max(arrivals)
+            for b in range(G):
+                t[i, s, b] = (arrivals[b], last + 700)
+            now = last + 700
+    rows = {r.stage: r for r in critical_table(cfg, t)}
+    att, qkv = rows["attention_decode"], rows["qkv_rope_append"]
+    assert att.last_blocks == ((1, 1.0),) and att.last_work_us == pytest.approx(3.0)
+    assert att.median_work_us == pytest.approx(0.41, abs=0.011)
+    assert att.idle_pct == pytest.approx(100 * (3 * 2600 + 4 * 700) / (3 * 2600 + 4 * 700 + 3000 + 3 * 410), abs=2)
+    assert len(qkv.last_blocks) > 1 and sum(share for _, share in qkv.last_blocks) <= 1.0
+    assert "last to arrive" in format_critical(list(rows.values())).splitlines()[0]
+
+
+def test_the_recorded_trace_shows_attention_waiting_on_its_kv_head_blocks():
+    """The H200 trace at position 0: one block per kv head runs attention (plan: splits at one position = 1), so
+    the barrier after attention is held up by those blocks alone, and the rest of the grid idles through it."""
+    from workbench.measure.timing import critical_table
+    from workbench.measure.trace import load_recorded
+    tr = load_recorded(0)
+    rows = {r.stage: r for r in critical_table(tr.cfg, tr.stamps[:tr.complete_steps], names=tr.slot_names)}
+    att = rows["attention_decode"]
+    assert all(b < tr.cfg.n_kv_heads for b, _ in att.last_blocks)
+    assert att.last_work_us > 4 * att.median_work_us and att.idle_pct > 70
+    mlp = rows["gate_up_silu+down_residual"]
+    assert mlp.idle_pct < 20 and mlp.last_work_us < 1.1 * mlp.median_work_us
+
+
 def test_greedy_sampler_build_leaves_the_sampler_out():
     cfg = get_config("tiny")
     full, greedy = assemble(cfg), assemble(cfg, BuildOptions(sampler="greedy"))

@@ -187,3 +187,50 @@ def format_boundaries(rows: list[BoundaryRow]) -> str:
         out.append(f"{r.stage:{w}s} {r.first_arrival_us:9.2f} {r.last_arrival_us:9.2f} {r.first_leave_us:10.2f} "
                    f"{r.last_leave_us:9.2f}")
     return "\n".join(out)
+
+
+@dataclasses.dataclass
+class CriticalRow:
+    """Which blocks hold a slot's barrier up, and by how much (medians over its layers and the recorded steps):
+    the typical block's work, the last arrival's work, and the blocks that arrive last most often with the share of
+    barriers at which each did. A slot whose last blocks are always the same few (attention's kv-head blocks at
+    short positions) waits on their latency chain, not on bandwidth; one whose last block changes from barrier
+    to barrier waits on the memory system's tail."""
+    stage: str
+    median_work_us: float      # the median block's work
+    last_work_us: float        # the last block to arrive: its work
+    last_blocks: tuple         # ((block, share of barriers it arrived last at), ...), most often first
+    idle_pct: float            # share of the blocks' time in the slot spent waiting at the barrier
+
+
+def critical_table(cfg: ModelConfig, t: np.ndarray, skip_first: int = 1, names: list[tuple[str, int]] | None = None,
+                   top: int = 4) -> list[CriticalRow]:
+    """One row per slot label, in slot order, from the stamps [steps, slots, blocks, 2] (see `spans`)."""
+    names = names or slot_names(cfg)
+    if t.shape[1] != len(names):
+        raise ValueError(f"stamps have {t.shape[1]} slots per step, the layout {len(names)}")
+    _, work, wait = spans(t)
+    arrive = t[..., 0].astype(np.int64)
+    steps = slice(skip_first, t.shape[0])
+    rows = []
+    for label in slot_labels(cfg, names):
+        idx = [i for i, (s, _) in enumerate(names) if s == label]
+        w = work[steps][:, idx].reshape(-1, t.shape[2])                # [barriers, blocks]
+        last = arrive[steps][:, idx].reshape(-1, t.shape[2]).argmax(axis=1)
+        blocks, counts = np.unique(last, return_counts=True)
+        order = np.argsort(-counts, kind="stable")[:top]
+        busy, idle = w.sum(), wait[steps][:, idx].sum()
+        rows.append(CriticalRow(label, float(np.median(w) / 1e3), float(np.median(w[np.arange(len(last)), last]) / 1e3),
+                                tuple((int(blocks[i]), float(counts[i] / len(last))) for i in order),
+                                float(100 * idle / (busy + idle)) if busy + idle > 0 else 0.0))
+    return rows
+
+
+def format_critical(rows: list[CriticalRow]) -> str:
+    w = max([18] + [len(r.stage) for r in rows])
+    out = [f"{'stage':{w}s} {'median work':>12s} {'last work':>10s} {'idle %':>7s}   last to arrive, most often "
+           "(block: share of barriers)"]
+    for r in rows:
+        last = ", ".join(f"{b}: {100 * s:.0f}%" for b, s in r.last_blocks)
+        out.append(f"{r.stage:{w}s} {r.median_work_us:12.2f} {r.last_work_us:10.2f} {r.idle_pct:7.1f}   {last}")
+    return "\n".join(out)

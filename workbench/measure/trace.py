@@ -40,7 +40,7 @@ import numpy as np
 from ..errors import UsageError, UserError
 from ..model.config import PRESETS, ModelConfig, RopeScaling
 from ..paths import FIXTURES
-from .timing import StageRow, first_step_label, slot_names, stage_table
+from .timing import StageRow, critical_table, first_step_label, format_critical, slot_names, stage_table
 
 FORMAT = "workbench-timing-trace/2"
 FORMAT_V1 = "workbench-timing-trace/1"      # the older slot layout: see convert_v1
@@ -581,6 +581,10 @@ def _main(argv=None) -> int:
         print(f"stamps {tuple(tr.stamps.shape)}, {tr.complete_steps} complete steps — {tr.title}")
         print(f"{len(tr.slot_names)} slots per step: {', '.join(labels)}")
         print(format_table(tr.stage_table(), tr.roofline_tbps))
+        n = tr.complete_steps
+        if n:
+            print(format_critical(critical_table(tr.cfg, np.asarray(tr.stamps)[:n], 1 if n > 1 else 0,
+                                                 names=tr.slot_names)))
     else:
         tr = load_trace(a.trace)
         steps = _steps_arg(a.steps)
