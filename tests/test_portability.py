@@ -30,12 +30,12 @@ needs_clang = pytest.mark.skipif(_clang_missing() is not None,
 # ---- every preset, both targets ------------------------------------------------------------------------------------
 # qwen2.5-1.5b (head_dim 128, 6 query heads a kv head, biases) still spills in the stages' loops (104 B without
 # early loads; 304 with round 13's attention, which ran and verified on the H200, NOTES.md round 11). With early
-# loads (the default since round 16) it spills 128 B, and qwen3-4b (head_dim 128, q_dim 4,096) 112 B: the early
+# loads (the default since round 16) it spills 128 B, and qwen3-4b (head_dim 128, q_dim 4,096) 104 B: the early
 # path's second copy of a unit's first chunk at the 128-register cap (NOTES.md rounds 16 and 17). strict: the marker goes
 # when the spills do. (The Qwen3 presets' 8 B, the step's token held across the sampler call, went with the step's
 # values to shared memory, round 15.)
 SPILLS = {"qwen2.5-1.5b": "the stages' loops spill with 6 query heads of 128 per kv head and biases",
-          "qwen3-4b": "the early loads' path spills at the register cap (112 B)"}
+          "qwen3-4b": "the early loads' path spills at the register cap (104 B)"}
 
 
 @pytest.mark.parametrize("preset", [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=SPILLS[p]))

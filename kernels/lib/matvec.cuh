@@ -121,45 +121,42 @@ __device__ __forceinline__ void warp_units_from_registers(const bf16* __restrict
     float y[NR];
     int u, end, stride;
     warp_units<DEAL>(n_units, u, end, stride);
-    // only the stage after a split barrier loads early (plan.early_region)
-    const bool early = WB_EARLY_LOADS && WB_LOADS_EARLY();
-    static_assert(!WB_EARLY_LOADS || WB_SMEM_EARLY_FLOATS >= WB_THREADS * NR * L::UNROLL * 4,
-                  "the plan's early region holds a chunk of loads a thread");
-    extern __shared__ __attribute__((aligned(16))) float wb_smem_floats[];
-    const wb_u4* first = (const wb_u4*)(wb_smem_floats + WB_SMEM_EARLY) + wb_warp() * NR * L::UNROLL * WB_WARP + wb_lane();
-    if (early) {
+    if (WB_EARLY_LOADS && WB_LOADS_EARLY()) {         // only the stage after a split barrier (plan.early_region)
+        static_assert(!WB_EARLY_LOADS || WB_SMEM_EARLY_FLOATS >= WB_THREADS * NR * L::UNROLL * 4,
+                      "the plan's early region holds a chunk of loads a thread");
+        extern __shared__ __attribute__((aligned(16))) float wb_smem_floats[];
+        wb_u4* first = (wb_u4*)(wb_smem_floats + WB_SMEM_EARLY) + wb_warp() * NR * L::UNROLL * WB_WARP + wb_lane();
+        const bf16* row0 = W + (long long)u * NR * K;
         if (u < end) {
-            const bf16* row0 = W + (long long)u * NR * K;
 #pragma unroll
             for (int i = 0; i < L::UNROLL; ++i) {
                 const int k = i * L::STEP + wb_lane() * 8;
                 if (i < L::ITERS && (K % L::STEP == 0 || k < K)) {
 #pragma unroll
-                    for (int r = 0; r < NR; ++r)
-                        wb_cp_async16((wb_u4*)first + (r * L::UNROLL + i) * WB_WARP, row0 + r * K + k, true);
+                    for (int r = 0; r < NR; ++r) wb_cp_async16(first + (r * L::UNROLL + i) * WB_WARP, row0 + r * K + k, true);
                 }
             }
         }
         wb_cp_async_commit();
-    }
-    const bool stop = wb_grid_wait_owed(wb_P);
-    if (early && stop) {                               // the kernel stops (the decode step returns after the stage):
-        wb_cp_async_wait<0>();                         // its inputs may never come, and no copy may land after it
-        return;
-    }
-    prologue();                                        // block-wide: every thread takes part
-    // One call of the prologue (inlined once); the first unit runs its own row loop, its first chunk taken from
-    // shared memory outside the loop.
-    if (early && u < end) {
-        wb_cp_async_wait<0>();                         // this lane's pieces, which only it reads
-        wb_u4 w[NR][L::UNROLL];
+        if (wb_grid_wait_owed(wb_P)) {                 // the kernel stops (the decode step returns after the stage):
+            wb_cp_async_wait<0>();                     // its inputs may never come, and no copy may land after it
+            return;
+        }
+        prologue();                                    // block-wide: every thread takes part
+        if (u < end) {
+            wb_cp_async_wait<0>();                     // this lane's pieces, which only it reads
+            wb_u4 w[NR][L::UNROLL];
 #pragma unroll
-        for (int i = 0; i < L::UNROLL; ++i)
+            for (int i = 0; i < L::UNROLL; ++i)
 #pragma unroll
-            for (int r = 0; r < NR; ++r) w[r][i] = first[(r * L::UNROLL + i) * WB_WARP];
-        warp_rows_dot<K, NR, true>(W + (long long)u * NR * K, K, act, y, w);
-        done(u, y);
-        u += stride;
+                for (int r = 0; r < NR; ++r) w[r][i] = first[(r * L::UNROLL + i) * WB_WARP];
+            warp_rows_dot<K, NR, true>(row0, K, act, y, w);
+            done(u, y);
+            u += stride;
+        }
+    } else {
+        wb_grid_wait_owed(wb_P);
+        prologue();
     }
     for (; u < end; u += stride) {
         warp_rows_dot<K, NR>(W + (long long)u * NR * K, K, act, y);
