@@ -78,8 +78,11 @@ def test_named_alone_wants_every_other_block_waiting():
     assert inj.named(rec)
     rec.blocks[7] = BlockState(7, "o_proj_residual", 1, 0, False, False)     # shown inside its early stage
     assert not inj.named(rec)
-    rec.blocks[7] = BlockState(7, "o_proj_residual", 1, 0, False, True)      # moving on: not stuck
-    assert inj.named(rec)
+    rec.blocks[7] = BlockState(7, "o_proj_residual", 1, 0, False, True)      # its where-word changed after the stop
+    assert not inj.named(rec)
+    rec.blocks[7] = BlockState(7, "attention_decode", 1, 0, True, False)
+    rec.blocks[4] = BlockState(4, "attention_decode", 1, 0, False, True)     # the named block moving on: not stuck
+    assert not inj.named(rec)
 
 
 def test_a_runtime_compile_log_of_too_much_shared_data_lands_at_the_declaration():

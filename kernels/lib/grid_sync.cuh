@@ -211,8 +211,9 @@ __device__ __forceinline__ void wb_grid_arrive(const Params* __restrict__ P, u32
 __device__ __forceinline__ bool wb_grid_wait_owed(const Params* __restrict__ P) {
     if (wb_bar_pending) {
         wb_syncthreads();
-        // a long wait showed the block waiting at that barrier (wb_wait_t0): it is in its stage again
-        if (wb_tid() == 0 && wb_wait_t0(P)) ((volatile u32*)P->where)[wb_bid()] = wb_where_entered;
+        // a long wait showed the block waiting at that barrier (wb_wait_t0): it is in its stage again, unless the
+        // kernel stops, when the failure picture must keep showing where it waited
+        if (wb_tid() == 0 && wb_wait_t0(P) && !wb_bar_stop) ((volatile u32*)P->where)[wb_bid()] = wb_where_entered;
         wb_syncthreads();
     }
     return wb_bar_stop != 0;

@@ -31,8 +31,9 @@ class Injection:
         by the kernel's barrier report; a compile error at the section's file."""
         if self.block is None:
             return self.expect != "compile error" or f"{self.section}.cuh" in (rec.error or "")
-        if self.alone:
-            return [b.block for b in rec.blocks or () if not b.waiting and not b.moved] == [self.block]
+        if self.alone:     # a block shown moving on is not waiting either: the picture must be still
+            held = [b for b in rec.blocks or () if not b.waiting]
+            return [b.block for b in held] == [self.block] and not held[0].moved
         stuck = [b.block for b in rec.blocks or () if b.stage == self.section and not b.waiting and not b.moved]
         return self.block in stuck or re.search(rf"\bblock {self.block}\b", rec.error or "") is not None
 
