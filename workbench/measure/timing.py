@@ -199,7 +199,8 @@ class CriticalRow:
     stage: str
     median_work_us: float      # the median block's work
     last_work_us: float        # the last block to arrive: its work
-    last_blocks: tuple         # ((block, share of barriers it arrived last at), ...), most often first
+    last_blocks: tuple         # ((block, share of barriers it arrived last at), ...), most often first; blocks tied
+                               # for last (the stamps tick in 32 ns) share that barrier equally
     idle_pct: float            # share of the blocks' time in the slot spent waiting at the barrier
 
 
@@ -209,27 +210,31 @@ def critical_table(cfg: ModelConfig, t: np.ndarray, skip_first: int = 1, names: 
     names = names or slot_names(cfg)
     if t.shape[1] != len(names):
         raise ValueError(f"stamps have {t.shape[1]} slots per step, the layout {len(names)}")
+    if t.shape[0] == 0:
+        raise ValueError("no steps in the stamps")
     _, work, wait = spans(t)
     arrive = t[..., 0].astype(np.int64)
-    steps = slice(skip_first, t.shape[0])
+    steps = slice(skip_first if t.shape[0] > skip_first else 0, t.shape[0])     # as stage_rows skips the first
     rows = []
     for label in slot_labels(cfg, names):
         idx = [i for i, (s, _) in enumerate(names) if s == label]
         w = work[steps][:, idx].reshape(-1, t.shape[2])                # [barriers, blocks]
-        last = arrive[steps][:, idx].reshape(-1, t.shape[2]).argmax(axis=1)
-        blocks, counts = np.unique(last, return_counts=True)
-        order = np.argsort(-counts, kind="stable")[:top]
+        a = arrive[steps][:, idx].reshape(-1, t.shape[2])
+        last = a.argmax(axis=1)
+        tied = a == a.max(axis=1, keepdims=True)
+        share = (tied / tied.sum(axis=1, keepdims=True)).sum(axis=0) / len(a)       # [blocks]
+        order = [b for b in np.argsort(-share, kind="stable")[:top] if share[b] > 0]
         busy, idle = w.sum(), wait[steps][:, idx].sum()
         rows.append(CriticalRow(label, float(np.median(w) / 1e3), float(np.median(w[np.arange(len(last)), last]) / 1e3),
-                                tuple((int(blocks[i]), float(counts[i] / len(last))) for i in order),
+                                tuple((int(b), float(share[b])) for b in order),
                                 float(100 * idle / (busy + idle)) if busy + idle > 0 else 0.0))
     return rows
 
 
 def format_critical(rows: list[CriticalRow]) -> str:
-    w = max([18] + [len(r.stage) for r in rows])
-    out = [f"{'stage':{w}s} {'median work':>12s} {'last work':>10s} {'idle %':>7s}   last to arrive, most often "
-           "(block: share of barriers)"]
+    w = max([20] + [len(r.stage) for r in rows])
+    out = [f"{'stage (µs a barrier)':{w}s} {'median work':>12s} {'last work':>10s} {'idle %':>7s}   last to arrive, "
+           "most often (block: share of barriers, ties shared)"]
     for r in rows:
         last = ", ".join(f"{b}: {100 * s:.0f}%" for b, s in r.last_blocks)
         out.append(f"{r.stage:{w}s} {r.median_work_us:12.2f} {r.last_work_us:10.2f} {r.idle_pct:7.1f}   {last}")
