@@ -203,7 +203,7 @@ def test_critical_table_shares_a_tied_barrier_and_refuses_no_steps():
     for i in range(2):
         for s in range(len(names)):
             base = 10_000 * (i * len(names) + s + 1)
-            t[i, s] = [(base + 500, base + 900), (base + 800, base + 900), (base + 800, base + 900), (base + 100, base + 900)]
+            t[i, s] = [(base + a, base + 900) for a in (500, 800, 800, 100)]
     rows = critical_table(cfg, t)
     for r in rows:                               # blocks 1 and 2 tie for last at every barrier: half each
         assert r.last_blocks == ((1, 0.5), (2, 0.5))

@@ -583,8 +583,7 @@ def _main(argv=None) -> int:
         print(format_table(tr.stage_table(), tr.roofline_tbps))
         n = tr.complete_steps
         if n:
-            print(format_critical(critical_table(tr.cfg, np.asarray(tr.stamps)[:n], 1 if n > 1 else 0,
-                                                 names=tr.slot_names)))
+            print(format_critical(critical_table(tr.cfg, np.asarray(tr.stamps)[:n], names=tr.slot_names)))
     else:
         tr = load_trace(a.trace)
         steps = _steps_arg(a.steps)
