@@ -95,6 +95,17 @@ def tiny_hf_checkpoint_sharded(tmp_path_factory):
     return path
 
 
+@pytest.fixture
+def sharded_copy(tmp_path, tiny_hf_checkpoint_sharded):
+    """A private copy of the sharded checkpoint, to break: (folder, its index's path, the index as a dict)."""
+    import json
+    import shutil
+    folder = tmp_path / "sharded"
+    shutil.copytree(tiny_hf_checkpoint_sharded, folder)
+    index = folder / "model.safetensors.index.json"
+    return folder, index, json.loads(index.read_text())
+
+
 def fresh_seed() -> int:
     """A new seed for every check (printed, so a failure can be replayed)."""
     s = int.from_bytes(os.urandom(4), "little")

@@ -146,7 +146,10 @@ def test_sliding_window_caps_max_seq():
     assert ModelConfig.from_hf_dict(mistral, max_seq=2048).max_seq == 2048
     with pytest.raises(ConfigError, match="sliding_window 4096"):
         ModelConfig.from_hf_dict(mistral, max_seq=8192)
-    unused = {**mistral, "use_sliding_window": False}          # qwen-style configs carry a window they do not use
+    # transformers' MistralModel applies its window whatever use_sliding_window says (no MistralConfig field)...
+    assert ModelConfig.from_hf_dict({**mistral, "use_sliding_window": False}).max_seq == 4096
+    # ...where qwen-style configs carry a window they do not use
+    unused = {**mistral, "model_type": "qwen2", "use_sliding_window": False}
     assert ModelConfig.from_hf_dict(unused).max_seq == 8192
     assert ModelConfig.from_hf_dict({**mistral, "sliding_window": None}).max_seq == 8192
 

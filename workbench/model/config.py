@@ -8,6 +8,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import stat
+import struct
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -47,15 +50,98 @@ def shape_problems(v: dict, names: dict[str, str] | None = None) -> list[str]:
     eps = v["rms_eps"]
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
         problems.append(f"{n['rms_eps']} must be positive, got {eps!r}")
+    elif not f32_positive(eps):
+        problems.append(f"{n['rms_eps']} must be a positive number that float32 holds (the kernel adds it in fp32), "
+                        f"got {eps!r}")
+    theta = v.get("rope_theta")
+    if theta is not None and not (not isinstance(theta, bool) and isinstance(theta, (int, float)) and theta > 0
+                                  and f32_positive(theta)):
+        problems.append(f"{n.get('rope_theta', 'rope_theta')} must be a positive number that float32 holds (RoPE's "
+                        f"frequencies are computed in fp32), got {theta!r}")
+    return problems + index_problems(v, n)
+
+
+def f32_positive(x: float) -> bool:
+    """x rounds to a finite, non-zero float32: what a number the kernel computes with in fp32 must do."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", x))[0] > 0
+    except OverflowError:
+        return False
+
+
+# -- what the kernel's 32-bit indices reach ---------------------------------------------------------------------
+# Every offset into a weight matrix or the KV cache is computed in long long: a row index times its row length
+# (matvec.cuh `W + (long long)u * NR * K`, down_residual.cuh `(long long)j * WB_D`, embedding.cuh
+# `(long long)token * WB_D`, attention_decode.cuh `((long long)kvh * WB_MAX_SEQ + start) * HD`, qkv_rope_append.cuh
+# `(long long)pos * WB_HEAD_DIM`, the generated header's `constexpr long long WB_PER_LAYER_*`). The indices
+# themselves are int, and so is every flat index into a vector:
+#   vocab          lm_head.cuh's unit (row) index v and logits[v], with 0x7fffffff as "no token" in its argmax;
+#                  sampling.cuh's and publish.cuh's `for (int i ...; i < WB_VOCAB; i += wb_ntid())`; token ids
+#   hidden         o_proj's unit index, x[i] (the loops `i < WB_D`), matvec.cuh's column index k (up to K + 8·WB_WARP)
+#   intermediate   gate_up's unit index j and hmlp[j], down_residual.cuh's row j
+#   qkv rows       qkv_rope_append.cuh's `constexpr int Q_DIM = WB_HEADS * WB_HEAD_DIM`, KV_DIM, PAIRS and
+#                  `row = 2 * u`; also bounds attention's partial index `(kvh * ATT_GQ + g) * max_splits + split`,
+#                  which stays below max(heads, 8 · 1,024)
+#   max_seq        attention_decode.cuh's positions (`n = pos + 1`, a split's `start + chunk` ≤ n + splits),
+#                  publish.cuh's `P->pos0 + step + 1 >= WB_MAX_SEQ`
+# An index is compared with its bound after a strided step, so the bound plus the largest stride must fit too: the
+# grid's warp count (matvec.cuh warp_units: stride = grid_nwarps(), at most plan.MAX_BLOCKS = 1,024 blocks of 32
+# warps of 32 lanes); the other strides (threads of a block, 8·WB_WARP columns, a block's positions) are smaller.
+INT32_MAX = 2 ** 31 - 1
+MAX_GRID_WARPS = 1024 * (1024 // 32)
+INDEX_MAX = INT32_MAX - MAX_GRID_WARPS
+# plan.WHERE_FIELDS: the where-word that names a block's stage and layer (hang reports, the weight stream's page
+# tags) keeps layer + 1 in 7 bits, the token stages being layer -1
+MAX_LAYERS = 2 ** 7 - 2
+# the debug build's per-block values tapped after the LM head (plan.taps: blk_max and blk_arg, a float each for up
+# to plan.MAX_BLOCKS blocks) and the sampled token
+_TAP_PER_BLOCK = 2 * 1024 + 1
+
+
+def tap_record_floats(v: dict) -> int:
+    """Floats of one step's tap record (plan.tap_step_floats at the largest grid): what the debug build copies out
+    after every stage. Its offsets are `constexpr int` (header.py's WB_TAP_* and WB_TAP_STEP_FLOATS, instrument.cuh's
+    wb_tap_dst `int offset`): the embedding's x, per layer q, k, v (the rows appended), o, x and h, hmlp, x, then the
+    logits."""
+    q, kv = v["n_heads"] * v["head_dim"], v["n_kv_heads"] * v["head_dim"]
+    per_layer = 2 * q + 2 * kv + 3 * v["hidden"] + v["intermediate"]
+    return v["hidden"] + v["n_layers"] * per_layer + v["vocab"] + _TAP_PER_BLOCK
+
+
+def index_problems(v: dict, n: dict) -> list[str]:
+    """The sizes in `v` that overflow the kernel's int indices (see INDEX_MAX), each naming its field(s) and the
+    limit; `n` names the fields as the user wrote them."""
+    problems = []
+    why = {"vocab": "the LM head's row index and the sampler's token index are int",
+           "hidden": "the residual stream's index and the weight rows' column index are int",
+           "intermediate": "the MLP's row index is int",
+           "max_seq": "attention's position index is int"}
+    for f, reason in why.items():
+        if v[f] > INDEX_MAX:
+            problems.append(f"{n.get(f, f)} ({v[f]}) is past the kernel's 32-bit indices: at most {INDEX_MAX} "
+                            f"({reason})")
+    rows = (v["n_heads"] + 2 * v["n_kv_heads"]) * v["head_dim"]
+    if rows > INDEX_MAX:
+        problems.append(f"({n['n_heads']} + 2 × {n['n_kv_heads']}) × {n['head_dim']} = {rows} rows of Wqkv is past "
+                        f"the kernel's 32-bit indices: at most {INDEX_MAX} (the QKV stage's row index is int)")
+    if v["n_layers"] > MAX_LAYERS:
+        problems.append(f"{n['n_layers']} ({v['n_layers']}) is past the {MAX_LAYERS} layers the kernel's where-word "
+                        "holds (7 bits of layer + 1, which its hang reports and weight stream tags name)")
+    if not problems and tap_record_floats(v) > INT32_MAX:
+        problems.append(f"a step's tap record, {n['hidden']} + {n['n_layers']} × (3 × {n['hidden']} + 2 × "
+                        f"({n['n_heads']} + {n['n_kv_heads']}) × {n['head_dim']} + {n['intermediate']}) + "
+                        f"{n['vocab']} + {_TAP_PER_BLOCK} = {tap_record_floats(v)} floats, is past the kernel's "
+                        f"32-bit indices: at most {INT32_MAX} (the debug build's tap offsets are int)")
     return problems
 
 
 # config.json keys of the ModelConfig fields, for messages about a config read from one
 HF_KEYS = {"hidden": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
            "n_kv_heads": "num_key_value_heads", "head_dim": "head_dim", "intermediate": "intermediate_size",
-           "vocab": "vocab_size", "rms_eps": "rms_norm_eps"}
+           "vocab": "vocab_size", "rms_eps": "rms_norm_eps", "rope_theta": "rope_theta", "max_seq": "max_seq"}
 
 _ABSENT = object()
+
 _JSON_KIND = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
               float: "a number", type(None): "null"}
 
@@ -66,6 +152,33 @@ def _shown(v) -> str:
         return json.dumps(v)
     except (TypeError, ValueError):
         return repr(v)
+
+
+def file_kind(path: str | Path) -> str | None:
+    """What `path` is when it is not a regular file ("a folder", "a FIFO", ...), None when it is one; a path that
+    does not exist raises FileNotFoundError. stat opens nothing: opening a FIFO would wait for a writer forever."""
+    mode = os.stat(path).st_mode
+    if stat.S_ISREG(mode):
+        return None
+    for test, what in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+class DuplicateKey(Exception):
+    """A JSON object that names a key twice (json keeps the last silently): config.json, an index, a header."""
+
+
+def unique_keys(pairs):
+    """json's object_pairs_hook that refuses a key named twice."""
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise DuplicateKey(k)
+        d[k] = v
+    return d
 
 
 @dataclasses.dataclass
@@ -101,6 +214,8 @@ class _Keys:
             return v
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v > 0):
             raise self.bad(key, "a positive number", v)
+        if not f32_positive(v):             # RoPE's tables and the norms are computed in fp32
+            raise self.bad(key, "a positive number that float32 holds (the kernel computes in fp32)", v)
         return float(v)
 
     def flag(self, key, default=_ABSENT, null_ok=False):
@@ -122,6 +237,127 @@ class _Keys:
         if not isinstance(v, dict):
             raise self.bad(key, "an object", v)
         return _Keys(v, self.where, f"{self.prefix}{key}.")
+
+    def default(self, key, family: str | None, **derived):
+        """The value transformers gives `key` when config.json leaves it out: its family's config class default
+        (HF_DEFAULTS). `derived` resolves the defaults that are other fields (None in the table)."""
+        by_family = HF_DEFAULTS[key]
+        if family is not None:
+            return derived.get(key, None) if by_family[family] is None else by_family[family]
+        # no model_type: the config runs as a Llama, whose architecture Mistral's is too; a default those two
+        # classes disagree on cannot be guessed
+        values = {derived.get(key, None) if by_family[f] is None else by_family[f] for f in LLAMA_ARCHITECTURE}
+        if len(values) == 1:
+            return values.pop()
+        shown = ", ".join(f"{f} {_shown(by_family[f]) if by_family[f] is not None else derived.get(key)}"
+                          for f in FAMILIES)
+        raise ConfigError(f"{self.where} lacks {self.prefix + key!r}, and without model_type naming the family its "
+                          f"default cannot be told (transformers' defaults: {shown}); add {key} or model_type")
+
+
+# The families whose architecture the kernel runs (config.json's model_type), and the transformers class of each,
+# which tells a family when config.json names no model_type.
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3"}
+LLAMA_ARCHITECTURE = ("llama", "mistral")       # a config without model_type runs as these
+# What transformers (5.x) gives a key that config.json leaves out: the default of its family's config class
+# (transformers.LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config: their dataclass fields). None stands for a
+# default that is another field: num_key_value_heads = num_attention_heads, head_dim = hidden_size /
+# num_attention_heads, no sliding window, no bos/eos token. The keys every family defaults alike are read with
+# that value directly: rms_norm_eps 1e-6, rope_theta 10,000 (RotaryEmbeddingConfigMixin.default_theta),
+# tie_word_embeddings false, hidden_act silu.
+HF_DEFAULTS = {
+    "max_position_embeddings": {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768},
+    "num_key_value_heads": {"llama": None, "mistral": 8, "qwen2": 32, "qwen3": 32},
+    "head_dim": {"llama": None, "mistral": None, "qwen2": None, "qwen3": 128},
+    "bos_token_id": {"llama": 1, "mistral": 1, "qwen2": None, "qwen3": None},
+    "eos_token_id": {"llama": 2, "mistral": 2, "qwen2": None, "qwen3": None},
+    # MistralModel applies its window to every layer (use_sliding_window is no field of MistralConfig); Qwen2 and
+    # Qwen3 only with use_sliding_window (default false), to the layers from max_window_layers (default 28) on;
+    # LlamaModel has none
+    "sliding_window": {"llama": None, "mistral": 4096, "qwen2": 4096, "qwen3": 4096},
+}
+HF_RMS_EPS = 1e-6
+HF_ROPE_THETA = 10000.0
+QWEN_MAX_WINDOW_LAYERS = 28
+
+
+def _family(k: _Keys) -> str | None:
+    """config.json's family: its model_type, else the one its architectures name, else None (unknown)."""
+    if "model_type" in k.d:
+        family = k.string("model_type")
+        if family not in FAMILIES:
+            raise ConfigError(f"{k.where}: model_type {family!r} is not a Llama-family decoder this kernel implements")
+        return family
+    archs = k.d.get("architectures")
+    named = {ARCHITECTURES.get(a) for a in archs if isinstance(a, str)} if isinstance(archs, list) else set()
+    return named.pop() if len(named) == 1 and None not in named else None
+
+
+def _rope(k: _Keys, mpe: int) -> tuple[float, RopeScaling | None]:
+    """rope_theta and the llama3 scaling, read as transformers reads them: rope_scaling (4.x) or rope_parameters
+    (5.x), whose own rope_theta wins over the top-level one."""
+    theta = k.number("rope_theta", None, null_ok=True)
+    rs = k.sub("rope_scaling") if k.d.get("rope_scaling") else k.sub("rope_parameters")
+    factor_at = rs if rs is not None and rs.d.get("partial_rotary_factor") is not None else k
+    prf = factor_at.raw("partial_rotary_factor", None, null_ok=True)
+    if prf is not None and (isinstance(prf, bool) or not isinstance(prf, (int, float)) or prf != 1.0):
+        raise ConfigError(f"{k.where}: {factor_at.prefix}partial_rotary_factor {_shown(prf)} is not implemented: the "
+                          "kernel's RoPE rotates the whole head (only 1.0 is)")
+    if rs is None:
+        return (theta if theta is not None else HF_ROPE_THETA), None
+    nested = [key for key, v in rs.d.items() if isinstance(v, dict)]
+    if nested:
+        raise ConfigError(f"{k.where}: {rs.prefix[:-1]} holds RoPE parameters per layer type ({', '.join(nested)}): "
+                          "not implemented (one RoPE for every layer is)")
+    kind = rs.string("rope_type") if "rope_type" in rs.d else rs.string("type", "default")
+    inner = rs.number("rope_theta", None, null_ok=True)
+    theta = inner if inner is not None else theta if theta is not None else HF_ROPE_THETA
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ConfigError(f"{k.where}: {rs.prefix[:-1]} type {kind!r} is not implemented (llama3 and default are)")
+    low, high = rs.number("low_freq_factor", 1.0), rs.number("high_freq_factor", 4.0)
+    if not high > low:
+        # the smoothing between the two divides by their difference
+        raise ConfigError(f"{k.where}: {rs.prefix}high_freq_factor ({high}) must be larger than "
+                          f"{rs.prefix}low_freq_factor ({low})")
+    # transformers takes a top-level original_max_position_embeddings first (standardize_rope_params), else the
+    # rope dict's, else max_position_embeddings
+    if "original_max_position_embeddings" in k.d:
+        original = k.integer("original_max_position_embeddings")
+    else:
+        original = rs.integer("original_max_position_embeddings", mpe)
+    return theta, RopeScaling(rs.number("factor"), low, high, original)
+
+
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _sliding_window(k: _Keys, family: str | None, n_layers: int) -> int | None:
+    """The window of positions transformers' model of this family attends to in some layer, None for none."""
+    if family == "llama":
+        return None                        # LlamaModel has no sliding window: the keys are ignored
+    window = k.integer("sliding_window", None, null_ok=True) if "sliding_window" in k.d else \
+        HF_DEFAULTS["sliding_window"]["mistral" if family is None else family]
+    if family in ("mistral", None):
+        return window
+    used = k.flag("use_sliding_window", False, null_ok=True)
+    types = k.raw("layer_types", None, null_ok=True)
+    if types is not None and (not isinstance(types, list) or any(t not in _LAYER_TYPES for t in types)):
+        raise k.bad("layer_types", f"a list of {' and '.join(_LAYER_TYPES)} (the others are not implemented)", types)
+    if not used:
+        if types and "sliding_attention" in types:
+            raise ConfigError(f"{k.where}: layer_types names sliding_attention layers but use_sliding_window is false "
+                              "(transformers cannot run this config either): set use_sliding_window or make every "
+                              "layer full_attention")
+        return None
+    if types is not None:
+        sliding = "sliding_attention" in types
+    else:
+        sliding = k.integer("max_window_layers", QWEN_MAX_WINDOW_LAYERS, null_ok=True, minimum=0) < n_layers
+    return window if sliding else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,14 +453,17 @@ class ModelConfig:
                      source: str = "config.json") -> "ModelConfig":
         """The config of a HF config.json's contents `d`. Every key read is checked for type and range, and a refusal
         names `source` (the file) and the key: a config.json is often hand-edited, and a KeyError or a TypeError
-        from deep inside tells its author nothing."""
+        from deep inside tells its author nothing. A key left out means what it means to transformers: its family's
+        class default (HF_DEFAULTS)."""
         if not isinstance(d, dict):
             raise ConfigError(f"{source} must hold a JSON object (a Hugging Face model config), "
                               f"not {_JSON_KIND.get(type(d), type(d).__name__)}")
         k = _Keys(d, source)
-        arch = k.string("model_type", "llama")
-        if arch not in ("llama", "qwen2", "qwen3", "mistral"):
-            raise ConfigError(f"{source}: model_type {arch!r} is not a Llama-family decoder this kernel implements")
+        family = _family(k)
+        arch = family or "llama"
+        if k.raw("quantization_config", None, null_ok=True) is not None:
+            raise ConfigError(f"{source}: quantization_config: quantised checkpoints are not implemented (bf16, fp16 "
+                              "or fp32 weights only)")
         hidden, n_layers, n_heads = k.integer("hidden_size"), k.integer("num_hidden_layers"), \
             k.integer("num_attention_heads")
         intermediate, vocab = k.integer("intermediate_size"), k.integer("vocab_size")
@@ -236,57 +475,52 @@ class ModelConfig:
         if arch != "qwen2" and (k.flag("attention_bias", False, null_ok=True) or
                                 k.flag("mlp_bias", False, null_ok=True)):
             raise ConfigError(f"{source}: attention/MLP biases are not implemented (the q/k/v biases of qwen2 are)")
-        head_dim = k.integer("head_dim", None, null_ok=True)
+        if "head_dim" in d:
+            head_dim = k.integer("head_dim", None, null_ok=True)       # null: derived, as HF writes it for qwen2
+        else:
+            head_dim = k.default("head_dim", family)
         if head_dim is None:
             if hidden % n_heads:
                 raise ConfigError(f"{source}: hidden_size ({hidden}) is not a multiple of num_attention_heads "
                                   f"({n_heads}) and there is no head_dim to say what a head is")
             head_dim = hidden // n_heads
-        n_kv_heads = k.integer("num_key_value_heads", n_heads, null_ok=True)
-        theta = k.number("rope_theta", None, null_ok=True)
-        # transformers 5 writes rope_parameters (rope_theta inside) where 4.x wrote rope_scaling + rope_theta
-        rs = k.sub("rope_scaling") if d.get("rope_scaling") else k.sub("rope_parameters")
-        scaling = None
-        if rs is not None:
-            kind = rs.string("rope_type") if "rope_type" in rs.d else rs.string("type", "default")
-            if theta is None:
-                theta = rs.number("rope_theta", None, null_ok=True)
-            if kind == "llama3":
-                low, high = rs.number("low_freq_factor", 1.0), rs.number("high_freq_factor", 4.0)
-                if not high > low:
-                    # the smoothing between the two divides by their difference
-                    raise ConfigError(f"{source}: {rs.prefix}high_freq_factor ({high}) must be larger than "
-                                      f"{rs.prefix}low_freq_factor ({low})")
-                scaling = RopeScaling(rs.number("factor"), low, high,
-                                      rs.integer("original_max_position_embeddings", 8192))
-            elif kind != "default":
-                raise ConfigError(f"{source}: {rs.prefix[:-1]} type {kind!r} is not implemented (llama3 and default "
-                                  "are)")
-        eos = k.raw("eos_token_id", None, null_ok=True)
+        if "num_key_value_heads" in d:
+            n_kv_heads = k.integer("num_key_value_heads", n_heads, null_ok=True)
+        else:
+            n_kv_heads = k.default("num_key_value_heads", family, num_key_value_heads=n_heads)
+        mpe = k.integer("max_position_embeddings") if "max_position_embeddings" in d else \
+            k.default("max_position_embeddings", family)
+        theta, scaling = _rope(k, mpe)
+        eos = k.raw("eos_token_id", None, null_ok=True) if "eos_token_id" in d else k.default("eos_token_id", family)
         eos_list = eos if isinstance(eos, list) else ([] if eos is None else [eos])
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in eos_list):
             raise k.bad("eos_token_id", "a token id or a list of token ids", eos)
-        bos = k.integer("bos_token_id", None, null_ok=True, minimum=0)
+        bos = k.integer("bos_token_id", None, null_ok=True, minimum=0) if "bos_token_id" in d else \
+            k.default("bos_token_id", family)
         if bos is not None and bos >= vocab:
             # generate starts from it when no prompt is given
-            raise ConfigError(f"{source}: bos_token_id {bos} is outside the vocabulary (vocab_size {vocab})")
-        mpe = k.integer("max_position_embeddings", 8192)
-        # a sliding window (Mistral 7B v0.1) equals full attention only while every position is inside it
-        used = k.flag("use_sliding_window", True, null_ok=True)
-        window = k.integer("sliding_window", None, null_ok=True) if used else None
+            given = "" if "bos_token_id" in d else \
+                f" (transformers' default for {family or 'a Llama'}: config.json gives none)"
+            raise ConfigError(f"{source}: bos_token_id {bos}{given} is outside the vocabulary (vocab_size {vocab})")
+        window = _sliding_window(k, family, n_layers)
         if max_seq is None:
             max_seq = min(mpe, 8192, window or mpe)
         elif isinstance(max_seq, bool) or not isinstance(max_seq, int) or max_seq <= 0:
             raise ConfigError(f"max_seq must be a positive integer, got {max_seq!r}")
         elif max_seq > mpe:
             raise ConfigError(f"max_seq {max_seq} is larger than max_position_embeddings ({mpe}) of {source}")
+        # the kernel attends to every position, which equals a window only while no position is past it
         if window and max_seq > window:
+            if family is None:
+                raise ConfigError(f"{source}: without model_type, whether a sliding window of {window} positions "
+                                  f"applies cannot be told (Mistral applies sliding_window, 4096 when absent; Llama "
+                                  f"has none): add model_type, or max_seq {max_seq} must be <= {window}")
             raise ConfigError(f"{source}: sliding_window {window} is not implemented: max_seq {max_seq} must be "
                               f"<= {window}")
         fields = dict(
             name=name, hidden=hidden, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-            intermediate=intermediate, vocab=vocab, rms_eps=k.number("rms_norm_eps", 1e-5),
-            rope_theta=theta if theta is not None else 10000.0, rope_scaling=scaling,
+            intermediate=intermediate, vocab=vocab, rms_eps=k.number("rms_norm_eps", HF_RMS_EPS),
+            rope_theta=theta, rope_scaling=scaling,
             tie_embeddings=k.flag("tie_word_embeddings", False, null_ok=True),
             max_seq=max_seq, qk_norm=arch == "qwen3", qkv_bias=arch == "qwen2", bos_token_id=bos,
             eos_token_ids=tuple(eos_list),
@@ -302,13 +536,19 @@ class ModelConfig:
         if path.is_dir():
             path = path / "config.json"
         try:
-            d = json.loads(path.read_text())
+            kind = file_kind(path)
+            if kind is not None:
+                raise ConfigError(f"{path}: not a regular file ({kind}); config.json must be a file")
+            d = json.loads(path.read_text(), object_pairs_hook=unique_keys)
         except FileNotFoundError:
             raise ConfigError(f"no config.json at {path}") from None
         except (OSError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path} cannot be read: {e}") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        except DuplicateKey as e:
+            # json (and so transformers) keeps the last silently: which one the author meant cannot be told
+            raise ConfigError(f"{path}: key {e.args[0]!r} appears twice in one object; keep one") from None
         return cls.from_hf_dict(d, name=path.parent.name, max_seq=max_seq, source=str(path))
 
     def to_hf_dict(self) -> dict:
@@ -333,10 +573,9 @@ class ModelConfig:
             d["rope_scaling"] = dict(rope_type="llama3", factor=r.factor, low_freq_factor=r.low_freq_factor,
                                      high_freq_factor=r.high_freq_factor,
                                      original_max_position_embeddings=r.original_max_position_embeddings)
-        if self.bos_token_id is not None:
-            d["bos_token_id"] = self.bos_token_id
-        if self.eos_token_ids:
-            d["eos_token_id"] = list(self.eos_token_ids)
+        # written when unset too: left out, each would read back as its family's default (1 and 2 for a Llama)
+        d["bos_token_id"] = self.bos_token_id
+        d["eos_token_id"] = list(self.eos_token_ids) if self.eos_token_ids else None
         return d
 
 

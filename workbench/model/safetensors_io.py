@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import WeightsError
+from .config import DuplicateKey, file_kind, unique_keys
 
 # dtypes numpy can hold (bf16 as its uint16 bits)
 _DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
@@ -30,6 +31,9 @@ def read_header(path: Path) -> tuple[dict, int]:
     own, as weights. Returns the header and the offset of the data."""
     path = Path(path)
     try:
+        kind = file_kind(path)
+        if kind is not None:                  # never opened: a FIFO would block, a device read without end
+            raise WeightsError(f"{path}: not a regular file ({kind}); a safetensors file is expected")
         size = path.stat().st_size
         with open(path, "rb") as f:
             raw = f.read(8)
@@ -43,10 +47,10 @@ def read_header(path: Path) -> tuple[dict, int]:
     except OSError as e:
         raise WeightsError(f"{path}: cannot be read ({e.strerror or e})") from None
     try:
-        header = json.loads(text.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        header = json.loads(text.decode("utf-8"), object_pairs_hook=unique_keys)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise WeightsError(f"{path}: header is not valid JSON ({e})") from None
-    except _Duplicate as e:
+    except DuplicateKey as e:
         raise WeightsError(f"{path}: tensor {e.args[0]} appears twice in the header") from None
     if not isinstance(header, dict):
         raise WeightsError(f"{path}: header is not a JSON object")
@@ -57,19 +61,6 @@ def read_header(path: Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
-class _Duplicate(Exception):
-    pass
-
-
-def _no_duplicates(pairs):
-    d = {}
-    for k, v in pairs:
-        if k in d:
-            raise _Duplicate(k)
-        d[k] = v
-    return d
-
-
 def _check_entries(path: Path, header: dict, data_bytes: int):
     spans = []
     for name, h in header.items():
@@ -78,6 +69,8 @@ def _check_entries(path: Path, header: dict, data_bytes: int):
         if not isinstance(h, dict) or not {"dtype", "shape", "data_offsets"} <= h.keys():
             raise bad("lacks dtype, shape or data_offsets in the header")
         dt, shape, off = h["dtype"], h["shape"], h["data_offsets"]
+        if not isinstance(dt, str):
+            raise bad(f"has dtype {json.dumps(dt)}, not a string")
         if dt not in _ITEMSIZE:
             raise bad(f"has unknown dtype {dt!r}")
         if not isinstance(shape, list) or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):

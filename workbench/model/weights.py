@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from pathlib import Path
 
 import numpy as np
 
-from .config import ModelConfig, get_config, local_folder
+from .config import ConfigError, DuplicateKey, ModelConfig, file_kind, get_config, local_folder, unique_keys
 from .safetensors_io import SafetensorsFile, WeightsError, bf16_to_f32
 
 # -- bf16 bit helpers that work for numpy and cupy alike ---------------------------------------------------------
@@ -33,6 +34,9 @@ def to_bf16(a, xp=np):
     u = xp.ascontiguousarray(a.astype(xp.float32)).view(xp.uint32)
     out = ((u + xp.uint32(0x7FFF) + ((u >> 16) & xp.uint32(1))) >> 16).astype(xp.uint16)
     return xp.where(xp.isnan(a), xp.uint16(0x7FC0), out)
+
+
+BF16_MAX = float(np.uint32(0x7F7F0000).view(np.float32))       # bf16's largest finite value
 
 
 def round_bf16(a, xp=np):
@@ -82,6 +86,7 @@ class Weights:
     tensors: dict
     xp: object = np
     source: str = ""
+    files: dict = dataclasses.field(default_factory=dict)     # tensor → the file it was read from, for messages
 
     def f32(self, name: str):
         return to_f32(self.tensors[name], self.xp)
@@ -135,21 +140,67 @@ def _why_unused(name: str, cfg: ModelConfig) -> str:
     return "it is not part of a Llama model with this config"
 
 
-def _shard_files(folder: Path) -> tuple[list[str], dict[str, str]]:
-    """The safetensors files of a checkpoint folder, and the index's tensor → file map (empty for one file)."""
-    index = folder / "model.safetensors.index.json"
-    if not index.exists():
-        if (folder / "model.safetensors").exists():
-            return ["model.safetensors"], {}
-        raise WeightsError(f"{folder}: neither model.safetensors nor model.safetensors.index.json is there")
+def _kind(path: Path) -> str | None:
+    """What `path` is: None for a regular file (a link to one included), "missing", or what else it is."""
     try:
-        weight_map = json.loads(index.read_text()).get("weight_map")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        return file_kind(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return "a symbolic link to nothing" if os.path.islink(path) else "missing"
+    except OSError:
+        return None                     # stat refused (permissions): opening it says why, naming the file
+
+
+def _shard_files(folder: Path) -> tuple[list[str], dict[str, str], Path | None]:
+    """The safetensors files of a checkpoint folder, the index's tensor → file map (empty for one file) and the
+    index (None for one file). Nothing is opened that is not a regular file: a FIFO would block the read."""
+    index = folder / "model.safetensors.index.json"
+    kind = _kind(index)
+    if kind == "missing":
+        single = folder / "model.safetensors"
+        kind = _kind(single)
+        if kind == "missing":
+            raise WeightsError(f"{folder}: neither model.safetensors nor model.safetensors.index.json is there")
+        if kind is not None:
+            raise WeightsError(f"{single}: not a regular file ({kind}); the weights must be a safetensors file")
+        return ["model.safetensors"], {}, None
+    if kind is not None:
+        raise WeightsError(f"{index}: not a regular file ({kind}); a safetensors index is a JSON file")
+    try:
+        content = json.loads(index.read_text(), object_pairs_hook=unique_keys)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise WeightsError(f"{index}: not a readable safetensors index ({e})") from None
+    except DuplicateKey as e:
+        raise WeightsError(f"{index}: key {e.args[0]!r} appears twice in one object (a tensor named twice?)") from None
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
     if not isinstance(weight_map, dict) or not weight_map or \
             not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
         raise WeightsError(f"{index}: weight_map must be an object of tensor names to file names")
-    return sorted(set(weight_map.values())), weight_map
+    for tensor, fname in weight_map.items():
+        why = _outside(folder, fname)
+        if why:
+            raise WeightsError(f"{index}: weight_map entry {tensor} → {fname!r} is outside the checkpoint folder "
+                               f"{folder} ({why}); a shard must be a file in it")
+    return sorted(set(weight_map.values())), weight_map, index
+
+
+def _outside(folder: Path, fname: str) -> str | None:
+    """Why the shard `fname` an index names is not a file inside `folder`, None when it is. An index is a file's
+    content: followed blindly, `../`, an absolute path or a link would read any file the user can read."""
+    if "\0" in fname:
+        return "a name with a NUL character"
+    if os.path.isabs(fname):
+        return "an absolute path"
+    root = folder.resolve()
+    target = (folder / fname).resolve()
+    if target == root or root in target.parents:
+        return None
+    if ".." in Path(fname).parts:
+        return "it climbs out with .."
+    # the Hugging Face hub's cache keeps every file of a snapshot (snapshots/<revision>/) as a link into the
+    # repository's blobs/: those links are how the cache is made, not an escape
+    if root.parent.name == "snapshots" and root.parent.parent / "blobs" in target.parents:
+        return None
+    return f"a symbolic link to {target}"
 
 
 def load_hf(folder: str | Path, cfg: ModelConfig | None = None, progress: bool = True,
@@ -168,12 +219,16 @@ def load_hf(folder: str | Path, cfg: ModelConfig | None = None, progress: bool =
     if not folder.is_dir():
         raise WeightsError(f"{folder}: no such folder")
     cfg = cfg or get_config(str(folder))
-    files, weight_map = _shard_files(folder)
+    files, weight_map, index = _shard_files(folder)
     opened, file_of, where = {}, {}, {}           # file name → file; tensor → its file, and that file's path
     for fname in files:
         path = folder / fname
-        if not path.is_file():
+        kind = _kind(path) if index is not None else None
+        if kind == "missing":
             raise WeightsError(f"{folder}: shard {fname} named by the index is missing")
+        if kind is not None:
+            raise WeightsError(f"{path}: not a regular file ({kind}), named as a shard by {index}; a shard must be "
+                               "a safetensors file")
         opened[fname] = st = SafetensorsFile(path)
         for k in st.keys():
             if k in where:
@@ -201,21 +256,43 @@ def load_hf(folder: str | Path, cfg: ModelConfig | None = None, progress: bool =
                                f"{', '.join(WEIGHT_DTYPES[:-1])} or {WEIGHT_DTYPES[-1]}")
     tensors = {}
     for k in _progress(list(want), "reading tensors", progress and len(files) > 1):
-        t = file_of[k].get(k)
-        tensors[k] = t if file_of[k].dtype(k) == "BF16" else t.astype(np.float32)
+        tensors[k] = _read_f32_or_bf16(file_of[k], k, where[k])
     if tied_head:
         head, embed = file_of["lm_head.weight"].get("lm_head.weight"), tensors["model.embed_tokens.weight"]
         if file_of["lm_head.weight"].dtype("lm_head.weight") == "BF16" and embed.dtype == np.uint16:
             same = np.array_equal(head, embed)                  # the bits: a NaN equals itself here
         else:
-            same = head.shape == embed.shape and np.array_equal(to_f32(head), to_f32(embed))
+            with np.errstate(over="ignore", invalid="ignore"):  # an F64 past float32 compares as inf: unequal
+                same = head.shape == embed.shape and np.array_equal(to_f32(head), to_f32(embed), equal_nan=True)
         if not same:
             raise WeightsError(f"{where['lm_head.weight']}: tensor lm_head.weight is not used by the kernel: "
                                f"{_why_unused('lm_head.weight', cfg)}")
-    w = Weights(cfg, tensors, np, source=str(folder))
+    w = Weights(cfg, tensors, np, source=str(folder), files={k: where[k] for k in tensors})
     if check_values:
         check_finite(w, where)
     return w
+
+
+def _read_f32_or_bf16(st: SafetensorsFile, name: str, path: str):
+    """A tensor as the loader keeps it: bf16 bits as stored, any other float as float32. An F64 value past
+    float32's range would become an infinity (and a RuntimeWarning on stderr): refused, naming it."""
+    t = st.get(name)
+    if st.dtype(name) == "BF16":
+        return t
+    with np.errstate(over="ignore", invalid="ignore"):
+        f = t.astype(np.float32)
+    if st.dtype(name) == "F64":
+        lost = np.isfinite(t) & ~np.isfinite(f)
+        if lost.any():
+            at = np.unravel_index(int(np.argmax(lost)), t.shape)
+            raise WeightsError(f"{path}: tensor {name} (F64) holds {float(t[at])!r} at [{_index(at)}], past "
+                               f"float32's range (±{float(np.finfo(np.float32).max):.8g}); the kernel's weights are "
+                               f"bf16: store the checkpoint as bf16, fp16 or fp32")
+    return f
+
+
+def _index(at) -> str:
+    return ", ".join(str(int(i)) for i in at)
 
 
 def check_finite(w: Weights, where: dict[str, str] | None = None, chunk: int = 1 << 20):
@@ -224,18 +301,34 @@ def check_finite(w: Weights, where: dict[str, str] | None = None, chunk: int = 1
     full-size temporary per tensor made it several times slower on the host), and counting only happens where a
     chunk has a bad value. bf16 bits are judged by their exponent: all ones is Inf (mantissa 0) or NaN."""
     xp = w.xp
-    bits, flags = xp.empty(chunk, xp.uint16), xp.empty(chunk, xp.bool_)
+    scratch = xp.empty(chunk, xp.uint16), xp.empty(chunk, xp.bool_)
+    where = where or w.files
     for name, t in w.tensors.items():
-        flat = t.reshape(-1)
-        for start in range(0, flat.size, chunk):
-            c = flat[start:start + chunk]
-            if c.dtype == xp.uint16:
-                mag = xp.bitwise_and(c, xp.uint16(0x7FFF), out=bits[:c.size])
-                if int(mag.max()) < 0x7F80:
-                    continue
-            elif bool(xp.isfinite(c, out=flags[:c.size]).all()):
+        first = _first_nonfinite(t, xp, chunk, scratch)
+        if first is not None:
+            flat = t.reshape(-1)
+            _report_nonfinite(name, flat[first:], first, t.shape, where.get(name, w.source), xp)
+
+
+def _first_nonfinite(t, xp, chunk: int = 1 << 20, scratch=None) -> int | None:
+    """The flat index of t's first NaN or Inf (bf16 bits or floats), None when it has none; see check_finite."""
+    bits, flags = scratch or (xp.empty(min(chunk, max(t.size, 1)), xp.uint16),
+                              xp.empty(min(chunk, max(t.size, 1)), xp.bool_))
+    flat = t.reshape(-1)
+    for start in range(0, flat.size, chunk):
+        c = flat[start:start + chunk]
+        if c.dtype == xp.uint16:
+            mag = xp.bitwise_and(c, xp.uint16(0x7FFF), out=bits[:c.size])
+            if int(mag.max()) < 0x7F80:
                 continue
-            _report_nonfinite(name, flat[start:], start, t.shape, (where or {}).get(name, w.source), xp)
+            bad = mag >= 0x7F80
+        else:
+            ok = xp.isfinite(c, out=flags[:c.size])
+            if bool(ok.all()):
+                continue
+            bad = ~ok
+        return start + int(xp.argmax(bad))
+    return None
 
 
 def _report_nonfinite(name, rest, start, shape, src, xp):
@@ -302,8 +395,15 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 def rope_tables(cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin [max_seq, head_dim/2], fp32, angle = fp32(pos * inv_freq) as in HF."""
     pos = np.arange(cfg.max_seq, dtype=np.float32)[:, None]
-    ang = (pos * rope_inv_freq(cfg)[None, :]).astype(np.float32)
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    with np.errstate(all="ignore"):                # extreme RoPE settings: judged by the tables, below
+        ang = (pos * rope_inv_freq(cfg)[None, :]).astype(np.float32)
+        cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    if not (np.isfinite(cos).all() and np.isfinite(sin).all()):
+        at, pair = np.argwhere(~(np.isfinite(cos) & np.isfinite(sin)))[0]
+        raise ConfigError(f"model config {cfg.name!r}: rope_theta {cfg.rope_theta} and rope_scaling "
+                          f"{cfg.rope_scaling} give RoPE an angle that is not finite in fp32 (position {at}, pair "
+                          f"{pair}): the model's RoPE settings are out of range")
+    return cos, sin
 
 
 def rope_pair_order(cfg: ModelConfig, n_heads: int) -> np.ndarray:
@@ -363,6 +463,19 @@ def prepare(w: Weights, xp=None, progress: bool = True) -> Prepared:
     def dev(name):
         return xp.asarray(to_f32(w.tensors[name], src)) if xp is not src else w.f32(name)
 
+    def bf16(name, gain=None):
+        """Tensor `name` in bf16 for the kernel, its column j times `gain`[j] where a norm's gain is folded in.
+        A finite value can still end infinite, past bf16's range once rounded (from F32) or once multiplied by its
+        gain: refused here, naming both, since the kernel would otherwise only see infinite logits."""
+        a = dev(name)
+        g = dev(gain) if gain is not None else None
+        with np.errstate(over="ignore", invalid="ignore"):       # checked below, in the one message
+            bits = to_bf16(a * g[None, :] if g is not None else a, xp)
+        at = _first_nonfinite(bits, xp)
+        if at is not None:
+            raise _overflow(w, name, a, gain, g, np.unravel_index(at, a.shape))
+        return bits
+
     order = xp.asarray(qkv_row_order(cfg))
     wqkv = xp.empty((L, cfg.qkv_rows, D), dtype=xp.uint16)
     wo = xp.empty((L, D, cfg.q_dim), dtype=xp.uint16)
@@ -372,23 +485,39 @@ def prepare(w: Weights, xp=None, progress: bool = True) -> Prepared:
     qk_gain = xp.ones((L, 2, cfg.head_dim), dtype=xp.float32)
     for i in _progress(range(L), "preparing layers", progress and L > 4):
         n = layer_names(i, cfg)
-        g = dev(n["attn_norm"])
-        qkv = xp.concatenate([dev(n["wq"]), dev(n["wk"]), dev(n["wv"])])[order]
-        wqkv[i] = to_bf16(qkv * g[None, :], xp)
+        # each matrix rounded (and checked) in its own layout, then its rows reordered: rounding is elementwise
+        wqkv[i] = xp.concatenate([bf16(n[m], n["attn_norm"]) for m in ("wq", "wk", "wv")])[order]
         if cfg.qkv_bias:                   # added after the projection: nothing of the norm's gain is folded in
             bqkv[i] = xp.concatenate([dev(n["bq"]), dev(n["bk"]), dev(n["bv"])])[order]
         if cfg.qk_norm:                    # applied after a norm of the projection's output: nothing to fold into
             qk_gain[i] = xp.stack([dev(n["q_norm"]), dev(n["k_norm"])])
-        wo[i] = to_bf16(dev(n["wo"]), xp)
-        g = dev(n["mlp_norm"])
-        gu = xp.stack([dev(n["wg"]), dev(n["wu"])], axis=1).reshape(2 * F, D)
-        wgu[i] = to_bf16(gu * g[None, :], xp)
-        wd[i] = to_bf16(dev(n["wd"]).T, xp)
-    embed = to_bf16(dev("model.embed_tokens.weight"), xp)
-    lm_head = to_bf16(dev(w.lm_head_name()) * dev("model.norm.weight")[None, :], xp)
+        wo[i] = bf16(n["wo"])
+        wgu[i] = xp.stack([bf16(n["wg"], n["mlp_norm"]), bf16(n["wu"], n["mlp_norm"])], axis=1).reshape(2 * F, D)
+        wd[i] = bf16(n["wd"]).T
+    embed = bf16("model.embed_tokens.weight")
+    lm_head = bf16(w.lm_head_name(), "model.norm.weight")
     cos, sin = rope_tables(cfg)
     return Prepared(cfg, embed, wqkv, wo, wgu, wd, lm_head, xp.asarray(cos), xp.asarray(sin), bqkv, qk_gain, xp,
                     w.source)
+
+
+def _overflow(w: Weights, name, a, gain, g, at) -> WeightsError:
+    """The message for tensor `name` (values `a`), times the gain `g` (tensor `gain`) if any, whose bf16 at
+    index `at` is infinite. Values are shown as float32's shortest repr (3.3999e+38)."""
+    src = w.files.get(name, w.source)
+    v = np.float32(float(a[at]))
+    if gain is None:
+        what = (f"tensor {name} holds {v!s} at [{_index(at)}], which rounds past bf16's largest finite value "
+                f"(±{BF16_MAX:.8g}): the kernel's bf16 copy would be infinite")
+    else:
+        gv = np.float32(float(g[at[-1]]))
+        with np.errstate(over="ignore"):
+            product = v * gv
+        what = (f"tensor {name} holds {v!s} at [{_index(at)}], and its norm gain {gain} holds {gv!s} at "
+                f"[{int(at[-1])}]: folded into the weight for the kernel, their product ({product!s}) is past "
+                f"bf16's largest finite value (±{BF16_MAX:.8g})")
+    return WeightsError(f"{src + ': ' if src else ''}{what}; the checkpoint's values are out of range for bf16 "
+                        "weights: fix or rescale that tensor")
 
 
 def unprepare(p: Prepared, xp=np) -> Weights:
