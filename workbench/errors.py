@@ -33,3 +33,14 @@ class NoDeviceError(UserError):
 class GpuMemoryError(UserError):
     """The model at the asked context does not fit the GPU's memory; the message says what it needs, by part, and
     the longest context that fits."""
+
+
+class SourceError(UserError):
+    """A kernel source the workbench will not read or write as it stands, with the file and the fix named: a section
+    file or history entry that is not UTF-8 or holds a NUL byte, an edit's text that holds one, an edit refused
+    because the file changed since the text it was based on was read, or a workspace or history folder that cannot
+    be one. `path` is the file or folder at fault; `kept`, where the refused text of an edit was saved."""
+
+    def __init__(self, message: str, *, path=None, kept=None):
+        super().__init__(message)
+        self.path, self.kept = path, kept

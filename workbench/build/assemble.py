@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 
 from .. import paths, plan
+from ..errors import SourceError
 from ..model.config import ModelConfig
 from .header import Params, decode_step, plan_header, stream_step  # noqa: F401  (Params: the host's mirror, used from here)
 from .ptx import PtxBody, constants as ptx_constants, cpp_params, header_constants, is_ptx_variant, ptx_stub
@@ -206,6 +207,32 @@ def _display(path: Path) -> str:
         return path.as_posix()
 
 
+def decode_source(data: bytes, shown: str, consequence: str = "") -> str:
+    """`data`, the bytes of the kernel source `shown`, as text, exactly (no newline translation). Bytes that are not
+    UTF-8, or a NUL (where NVRTC would stop reading), are a SourceError naming the file, the byte offset and the
+    line, `consequence` (e.g. "nothing was written") said after them."""
+    then = f"; {consequence}" if consequence else ""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise SourceError(f"{shown} is not UTF-8: byte 0x{data[e.start]:02x} at offset {e.start} (line {line}: "
+                          f"{e.reason}){then}: kernel sources are read as UTF-8 only, convert it (from Latin-1: "
+                          f"iconv -f latin1 -t utf-8)", path=shown) from None
+    if (at := data.find(b"\0")) >= 0:
+        line = data.count(b"\n", 0, at) + 1
+        raise SourceError(f"{shown} holds a NUL byte at offset {at} (line {line}){then}: kernel sources are text, "
+                          f"remove it", path=shown)
+    return text
+
+
+def read_source(path: Path) -> str:
+    """A kernel source file's text as the compiler is given it: checked by decode_source, with universal newlines
+    (as read_text gave it: a CRLF file assembles as an LF one, `#pragma once` lines and the PTX parser included)."""
+    text = decode_source(path.read_bytes(), _display(path))
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
 def _clean(text: str, path: Path) -> str:
     if re.search(r"^\s*#\s*include\b", text, re.M):
         raise ValueError(f"{_display(path)}: sections are pasted, not included: remove the #include "
@@ -229,10 +256,10 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
         out.append(f'#line 1 "{display}"')
         out.extend(_clean(text, where or Path(display)).splitlines())
 
-    kernels = paths.kernels_dir()
+    kernels = paths.require_sources()
     build_defines = defines(cfg, opt)
     bodies = []
-    paste(_display(kernels / "portability.cuh"), (kernels / "portability.cuh").read_text())
+    paste(_display(kernels / "portability.cuh"), read_source(kernels / "portability.cuh"))
     launch = opt.launch
     if (why := plan.register_stages_problem(cfg, launch.register_stages)) is not None:
         raise ValueError(f"stream_register: {why}")
@@ -257,8 +284,8 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
                                  f"(kernels/lib/stream.cuh), which a PTX body would have to take them from; build "
                                  f"{_display(path)} without stream")
             cpp = section_path(name)
-            cpp_text = cpp.read_text()
-            bodies.append(PtxBody(name, _display(path), overrides[name] if name in overrides else path.read_text(),
+            cpp_text = read_source(cpp)
+            bodies.append(PtxBody(name, _display(path), overrides[name] if name in overrides else read_source(path),
                                   cpp_params(cpp_text, f"stage_{name}"),
                                   ptx_constants(body_constants, opt.launch.stage_threads)))
             # the C++ section compiles (its helpers stay; its errors still show) with its stage renamed away, and
@@ -272,7 +299,7 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
             continue
         if not path.exists():
             raise FileNotFoundError(f"section {name!r}: {_display(path)} does not exist")
-        paste(_display(path), path.read_text(), path)
+        paste(_display(path), read_source(path), path)
     source = "\n".join(out) + "\n"
     flags = (() if opt.ptxas_opt == 3 else (f"--ptxas-options=-O{opt.ptxas_opt}",)) + \
         (() if opt.fast_compile == "0" else (f"-Ofc={opt.fast_compile}",))

@@ -131,7 +131,8 @@ class Workbench:
         self.overrides: dict[str, str] = dict(overrides or {})
         self.verify_seed = verify_seed
         self.time_steps, self.timeout_s = time_steps, timeout_s
-        self.history_dir = Path(history_dir) if history_dir is not None else None
+        from .sections import checked_history_dir
+        self.history_dir = checked_history_dir(history_dir)     # a file there is refused now, not at the first edit
         self.progress = progress
         self.history: list[ReloadRecord] = []
         self.on_record: list[Callable[[ReloadRecord], None]] = []
@@ -382,16 +383,22 @@ class Workbench:
         rec.time_s = time.perf_counter() - t0
 
     # -- editing ---------------------------------------------------------------------------------------------------
-    def edit(self, section: str, text: str, variant: str | None = None) -> Path | None:
-        """Write a section (atomically; the previous version saved for undo). Does not reload: call reload(), or
-        let the watcher do it. Returns the history entry (None: the text was already there)."""
+    def edit(self, section: str, text: str, variant: str | None = None, *, base: str | None = None) -> Path | None:
+        """Write a section (atomically, byte for byte; the previous version saved for undo). Does not reload: call
+        reload(), or let the watcher do it. Returns the history entry (None: the text was already there).
+
+        Edits of one kernels folder are serialised across Workbench objects and processes (sections.edit_lock), so
+        none is lost. base: the text the edit was made from; if the file has changed since (another Workbench,
+        process or editor), the edit is refused, not merged: a SourceError names the file and where the refused
+        text was kept (sections.write_section). A NUL or a file on disk that is not UTF-8 is refused too."""
         with self._lock, self._watch_paused():
-            entry = write_section(section, text, variant, history_dir=self.history_dir)
+            entry = write_section(section, text, variant, history_dir=self.history_dir, base=base)
             self._watch_sync()
             return entry
 
     def undo(self, section: str, variant: str | None = None, *, reload: bool = True) -> ReloadRecord | None:
-        """Restore the section's previous version; then reload (unless reload=False)."""
+        """Restore the section's previous version, byte for byte (the replaced text kept as *.undone.cuh); then
+        reload (unless reload=False). LookupError when there is none; SourceError for a file that is not UTF-8."""
         with self._lock:
             with self._watch_paused():
                 undo_section(section, variant, history_dir=self.history_dir)
@@ -399,6 +406,7 @@ class Workbench:
             return self.reload(trigger="undo", section=section, variant=variant) if reload else None
 
     def section_history(self, section: str, variant: str | None = None) -> list[Path]:
+        """The section's undo stack in this workbench's history folder, oldest first."""
         return section_history(section, variant, history_dir=self.history_dir)
 
     def use_variant(self, section: str, variant: str | None, *, reload: bool = True) -> ReloadRecord | None:
