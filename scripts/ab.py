@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import numpy as np  # noqa: E402
 import workbench.build.assemble as A  # noqa: E402
 from workbench import paths  # noqa: E402
 from workbench.build.assemble import BuildOptions  # noqa: E402
+from workbench.cli import env_output_folder  # noqa: E402
 from workbench.model.config import get_config  # noqa: E402
 from workbench.model.weights import prepare, random_weights  # noqa: E402
 from workbench.run.runtime import Monokernel  # noqa: E402
@@ -65,6 +65,7 @@ def main():
                     help="positions of the per-stage tables (default 0)")
     ap.add_argument("--max-seq", type=int, default=None, help="KV-cache length (for positions past the default)")
     a = ap.parse_args()
+    out = env_output_folder(ap, "OUT", "out")           # before the runs, not after them
     cfg = get_config(a.model, max_seq=a.max_seq)
     p = prepare(random_weights(cfg, 7, xp=cp, progress=False), xp=cp, progress=False)
     results = {}
@@ -99,8 +100,6 @@ def main():
         if a.stages:
             print(row["stages"], flush=True)
         del mk
-    out = Path(os.environ.get("OUT", "out"))
-    out.mkdir(exist_ok=True)
     (out / "ab.json").write_text(json.dumps(results, indent=1))
 
 

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cupy as cp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from workbench.cli import output_file  # noqa: E402
 from workbench.model.config import get_config  # noqa: E402
 from workbench.model.weights import to_bf16  # noqa: E402
 from workbench.run import prefill_gpu as G  # noqa: E402
@@ -66,7 +67,7 @@ def main():
     ap.add_argument("--prompt", type=int, nargs="*", default=[4096, 32768])
     ap.add_argument("--chunk", type=int, default=PREFILL_CHUNK)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--json")
+    ap.add_argument("--json", type=output_file)
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     report = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "chunk": a.chunk, "rows": []}

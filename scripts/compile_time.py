@@ -22,6 +22,7 @@ import numpy as np  # noqa: E402
 
 from workbench.build.assemble import Assembled, BuildOptions, assemble, option_from_text  # noqa: E402
 from workbench.build.compile import compile_cubin  # noqa: E402
+from workbench.cli import env_output_folder  # noqa: E402
 from workbench.model.config import get_config  # noqa: E402
 
 
@@ -44,6 +45,7 @@ def main():
     ap.add_argument("--debug-set", action="append", default=[], metavar="FIELD=VALUE",
                     help="a BuildOptions field for the debug build only (repeatable)")
     a = ap.parse_args()
+    out = env_output_folder(ap, "OUT", "out")           # before the compiles, not after them
     cfg = get_config(a.model)
     def fields(items):
         return {k: option_from_text(k, v) for k, _, v in (item.partition("=") for item in items)}
@@ -65,8 +67,6 @@ def main():
     print(f"{'build':16s} {'median s':>9s} {'spread':>7s}")
     for r in rows:
         print(f"{r['build']:16s} {r['s']:9.2f} {r['spread']:7.2f}")
-    out = Path(os.environ.get("OUT", "out"))
-    out.mkdir(exist_ok=True)
     tag = "_".join(s.replace("=", "-").lstrip("-") for s in a.set + a.flag + a.debug_set)
     (out / f"compile_time{'_' + tag if tag else ''}.json").write_text(json.dumps(rows, indent=1))
 

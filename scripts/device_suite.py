@@ -26,6 +26,7 @@ PY = sys.executable
 sys.path.insert(0, str(ROOT))
 
 from workbench.build.assemble import option_from_text  # noqa: E402
+from workbench.cli import output_folder  # noqa: E402
 from workbench.model.config import PRESETS  # noqa: E402
 
 
@@ -120,7 +121,7 @@ for pos in (0, 3700):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "out"))
+    ap.add_argument("--out", type=output_folder, default=os.environ.get("OUT", "out"))
     ap.add_argument("--only", nargs="*", default=["smoke", "pytest", "mutants", "failures", "sanitize", "verify",
                                                  "loop", "assembly", "prefill", "bench", "record"])
     ap.add_argument("--verify-models", nargs="*", default=list(PRESETS), help="default: every preset")
@@ -142,7 +143,7 @@ def main():
     a = ap.parse_args()
     BUDGET[0] = a.budget
     sets = [x for item in a.set for x in ("--set", item)]
-    out = Path(a.out)
+    out = Path(a.out).resolve()          # the A/B bench runs in the other checkout: a relative path would land there
     out.mkdir(parents=True, exist_ok=True)
     R = {}
     if a.wheels:

@@ -22,13 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from workbench import paths  # noqa: E402
 from workbench.check.failures import INJECTIONS  # noqa: E402
+from workbench.cli import output_file  # noqa: E402
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-3.2-1b")
     ap.add_argument("--only", nargs="*")
-    ap.add_argument("--json")
+    ap.add_argument("--json", type=output_file)
     ap.add_argument("--compile-limit", type=float, default=4.5,
                     help="seconds after which a compile is a hang (fresh compiles of 1b take 1.4-2.5 s)")
     ap.add_argument("--no-overhead", action="store_true")

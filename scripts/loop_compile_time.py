@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from workbench import paths  # noqa: E402
+from workbench.cli import env_output_folder  # noqa: E402
 from workbench.loop.benchmark import EDIT_SECTIONS, medians, timed_edit  # noqa: E402
 from workbench.loop.sections import section_file  # noqa: E402
 
@@ -36,6 +37,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-serial", action="store_true", help="leave out the both-builds-first mode")
     ap.add_argument("--units", action="store_true", help="also the verification build in units, one per stage")
     a = ap.parse_args(argv)
+    out = env_output_folder(ap, "OUT", "out")           # before the edits, not after them
     from workbench.loop.session import Workbench
     work = Path(tempfile.mkdtemp(prefix="wb-loop-compile-"))
     shutil.copytree(paths.kernels_dir(), work / "kernels", ignore=shutil.ignore_patterns(".history"))
@@ -69,8 +71,6 @@ def main(argv=None) -> int:
         timed = "beside" if r["pipeline"] else "first"
         print(f"{timed:24s} {r['verify_fast_compile']:>11s} {r['compile_s']:8.2f} {r['timed_compile_s']:7.2f} "
               f"{r['edit_to_verdict_s']:13.2f} {r['edit_to_record_s']:12.2f}")
-    out = Path(os.environ.get("OUT", "out"))
-    out.mkdir(exist_ok=True)
     (out / "loop_compile_time.json").write_text(json.dumps(rows, indent=1, default=str))
     return 0
 

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from workbench import paths  # noqa: E402
 from workbench.check.mutants import FAMILY_MODELS, MUTANTS, by_name, for_model, run_suite, table  # noqa: E402
+from workbench.cli import output_file  # noqa: E402
 from workbench.model.config import get_config  # noqa: E402
 
 
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama-3.2-1b")
     ap.add_argument("--only", nargs="*", help="mutant names (default: all)")
-    ap.add_argument("--json", help="write every outcome here")
+    ap.add_argument("--json", type=output_file, help="write every outcome here")
     ap.add_argument("--verify-fast-compile", choices=("0", "min", "mid", "max"),
                     help="NVRTC's -Ofc level for the verification build (default: the workbench's)")
     ap.add_argument("--verify-whole", action="store_true",

@@ -64,10 +64,12 @@ def gpu_present(monkeypatch):
     (["generate", "--threads", "96"], "argument --threads: must be a multiple of 64 from 64 to 1024, got 96"),
     (["generate", "--max-seq", "0"], "argument --max-seq: must be a positive integer, got 0"),
     (["build", "--max-seq", "0"], "argument --max-seq: must be a positive integer, got 0"),
-    (["generate", "--weights-seed", "-1"], "argument --weights-seed: must be a non-negative integer, got -1"),
+    (["generate", "--weights-seed", "-1"],
+     "argument --weights-seed: must be an integer from 0 to 2**64 - 1 (a 64-bit seed), got -1"),
     (["verify", "--prompt-len", "0"], "argument --prompt-len: must be a positive integer, got 0"),
     (["verify", "--rtol", "-1"], "argument --rtol: must be a positive number, got -1"),
-    (["verify", "--seeds", "1", "-2"], "argument --seeds: must be a non-negative integer, got -2"),
+    (["verify", "--seeds", "1", "-2"],
+     "argument --seeds: must be an integer from 0 to 2**64 - 1 (a 64-bit seed), got -2"),
     (["verify", "--draws", "0"], "argument --draws: must be a positive integer, got 0"),
     (["bench", "--repeats", "0"], "argument --repeats: must be a positive integer, got 0"),
     (["bench", "--tokens", "-1"], "argument --tokens: must be a positive integer, got -1"),
@@ -359,14 +361,6 @@ def test_weights_of_another_model(capsys, tiny_hf_checkpoint, gpu_present):
 
 
 # -- sharded checkpoints -------------------------------------------------------------------------------------------
-
-@pytest.fixture
-def sharded_copy(tmp_path, tiny_hf_checkpoint_sharded):
-    folder = tmp_path / "sharded"
-    shutil.copytree(tiny_hf_checkpoint_sharded, folder)
-    index = folder / "model.safetensors.index.json"
-    return folder, index, json.loads(index.read_text())
-
 
 def test_missing_shard(capsys, sharded_copy, gpu_present):
     folder, _, idx = sharded_copy

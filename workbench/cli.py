@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import sys
 import time
 import traceback
@@ -62,10 +63,17 @@ def non_negative_int(text: str) -> int:
     return n
 
 
+MIN_TEMPERATURE = 1e-4
+
+
 def temperature(text: str) -> float:
     t = _number(text, float)
     if not (math.isfinite(t) and t >= 0):
         raise argparse.ArgumentTypeError(f"must be a number >= 0 (0 = greedy), got {text}")
+    if 0 < t < MIN_TEMPERATURE:
+        # the kernel divides fp32 logits by it: they overflow to inf (NaN probabilities), or, below fp32's range,
+        # it reads 0 and decodes greedily while the host thinks it samples
+        raise argparse.ArgumentTypeError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {text}")
     return t
 
 
@@ -81,6 +89,140 @@ def positive_float(text: str) -> float:
     if not (math.isfinite(x) and x > 0):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return x
+
+
+MAX_TIMEOUT_S = 1e6
+
+
+def timeout_arg(text: str) -> float:
+    """--timeout: the kernel holds it in nanoseconds (64 bits) and the worker in milliseconds (32 bits)."""
+    x = _number(text, float)
+    if not (math.isfinite(x) and 0 < x <= MAX_TIMEOUT_S):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, at most {MAX_TIMEOUT_S:.0f}, "
+                                         f"got {text}")
+    return x
+
+
+MAX_DRAWS = 1_000_000
+
+
+def draws_arg(text: str) -> int:
+    """--draws: the kernel counts them in an int and waits 5 ms a draw for the step that makes them all."""
+    n = positive_int(text)
+    if n > MAX_DRAWS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_DRAWS}, got {n}")
+    return n
+
+
+def seed_arg(text: str) -> int:
+    """Any seed: the rule of the kernel's 64-bit seed (Sampling.seed_problem), which the API holds to as well."""
+    from .run.runtime import Sampling
+    n = _number(text, int)
+    if (why := Sampling.seed_problem(n)) is not None:
+        raise argparse.ArgumentTypeError(why)
+    return n
+
+
+def non_empty(text: str) -> str:
+    """A model, a folder, an executable: an empty one would stand for the current folder, silently."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must not be empty, got {text!r}")
+    return text
+
+
+def arch_arg(text: str) -> str:
+    """--arch: one the build is made for (compile.CUDA_ARCHS, HIP_ARCHS), never handed to a compiler to refuse."""
+    from .build.compile import CUDA_ARCHS, HIP_ARCHS
+    if text not in CUDA_ARCHS + HIP_ARCHS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an arch the build supports (cuda: {', '.join(CUDA_ARCHS)}; "
+                                         f"hip: {', '.join(HIP_ARCHS)})")
+    return text
+
+
+# -- output paths: checked before the run, since a run takes minutes and writes only at its end --------------------
+
+
+def _probe(folder: Path) -> str | None:
+    """Why no file can be made in `folder`, by making one: permission bits say nothing to root, nor of a read-only
+    mount."""
+    import tempfile
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".workbench-probe-"):
+            pass
+    except OSError as e:
+        return f"no file can be made in {folder} ({e.strerror or e})"
+    return None
+
+
+def output_path_problem(text: str) -> str | None:
+    """Why a file cannot be written at `text`, or None. Nothing is left behind by the check."""
+    if not text.strip():
+        return "an empty path"
+    if text.endswith(("/", "\\")):
+        return f"{text} names a folder (it ends with a separator); give a file in it"
+    path = Path(text)
+    try:
+        if path.is_dir():
+            return f"{text} is a folder; give a file in it"
+        parent = path.parent
+        if not parent.exists():
+            return f"folder {parent} does not exist"
+        if not parent.is_dir():
+            return f"{parent} is not a folder"
+        if path.exists():
+            with open(path, "ab"):                  # appending nothing: it stays as it is until the run writes it
+                pass
+            return None
+    except OSError as e:
+        return f"{e.strerror or e} ({text})"
+    return _probe(parent)
+
+
+def output_folder_problem(text: str, parents: bool = True) -> str | None:
+    """Why `text` cannot be made (with its `parents`) or used as a folder to write files in, or None. Makes
+    nothing: the first folder of it that exists is probed."""
+    if not text.strip():
+        return "an empty path"
+    folder = Path(text)
+    try:
+        if folder.exists():
+            return _probe(folder) if folder.is_dir() else f"{folder} is not a folder"
+        up = folder.parent
+        while parents and not up.exists() and up != up.parent:
+            up = up.parent
+        if not up.exists():
+            return f"folder {up} does not exist"
+        if not up.is_dir():
+            return f"{up} is not a folder"
+    except OSError as e:
+        return f"{e.strerror or e} ({text})"
+    return _probe(up)
+
+
+def output_file(text: str) -> str:
+    """argparse type of an output file (--json): refused at once, not after the run that was to fill it."""
+    if (why := output_path_problem(text)) is not None:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {why}")
+    return text
+
+
+def output_folder(text: str) -> str:
+    """argparse type of an output folder, made later with its parents: refused now if it could not be."""
+    if (why := output_folder_problem(text)) is not None:
+        raise argparse.ArgumentTypeError(f"cannot write in {text!r}: {why}")
+    return text
+
+
+def env_output_folder(ap: argparse.ArgumentParser, variable: str, default: str) -> Path:
+    """The folder an environment variable names for a script's results, made now (as the scripts made it at their
+    end, without parents), or the script's usage error, before any work."""
+    text = os.environ.get(variable, default)
+    why = output_folder_problem(text, parents=False)
+    if why is not None:
+        ap.error(f"${variable}={text}: cannot write there: {why}")
+    folder = Path(text)
+    folder.mkdir(exist_ok=True)
+    return folder
 
 
 def threads(text: str) -> int:
@@ -123,10 +265,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _model_args(p: argparse.ArgumentParser):
-    p.add_argument("--model", default=DEFAULT_MODEL,
+    p.add_argument("--model", default=DEFAULT_MODEL, type=non_empty,
                    help=f"preset ({', '.join(PRESETS)}) or a local HF folder (default {DEFAULT_MODEL})")
-    p.add_argument("--weights", help="HF folder with safetensors (default: the --model folder, else random)")
-    p.add_argument("--weights-seed", type=non_negative_int, default=0, help="seed of random weights")
+    p.add_argument("--weights", type=non_empty,
+                   help="HF folder with safetensors (default: the --model folder, else random)")
+    p.add_argument("--weights-seed", type=seed_arg, help="seed of random weights (default 0)")
     p.add_argument("--max-seq", type=max_seq_arg,
                    help="KV-cache length (default: the config's, at most 8192; at most max_position_embeddings, "
                         "which `max` asks for)")
@@ -164,16 +307,24 @@ def _weights_folder(args) -> Path | None:
     return local_folder(args.model)
 
 
-def _fits(cfg: ModelConfig, prompt_len: int, tokens: int, what: str):
+def _fits(cfg: ModelConfig, prompt_len: int, tokens: int, what: str, hint: str = " (--max-seq)"):
     steps = prompt_len + tokens - 1             # positions the KV cache must hold: the last token is not fed back
     if steps > cfg.max_seq:
-        raise UsageError(f"{what} need {steps} positions, but the KV cache of {cfg.name} holds {cfg.max_seq} "
-                         f"(--max-seq)")
+        raise UsageError(f"{what} need {steps} positions, but the KV cache of {cfg.name} holds {cfg.max_seq}{hint}")
+
+
+def _check_weights_seed(args):
+    """--weights-seed seeds random weights only: with a weights folder it would be ignored."""
+    folder = _weights_folder(args)
+    if args.weights_seed is not None and folder is not None:
+        raise UsageError(f"--weights-seed {args.weights_seed} seeds random weights, but the weights come from "
+                         f"{folder}; leave it out")
+    args.weights_seed = args.weights_seed or 0
 
 
 def _check_generate(args):
     cfg = _config(args.model, args.max_seq)
-    _weights_folder(args)
+    _check_weights_seed(args)
     tok = _tokenizer(args)
     if args.prompt is not None:
         if tok is None:
@@ -188,7 +339,7 @@ def _check_generate(args):
         ids, given = args.prompt_ids, "--prompt-ids"
     elif args.prompt_random is not None:
         import numpy as np
-        ids = np.random.default_rng(args.seed).integers(0, cfg.vocab, args.prompt_random).tolist()
+        ids = np.random.default_rng(args.seed or 0).integers(0, cfg.vocab, args.prompt_random).tolist()
         given = "--prompt-random"
     else:
         ids, given = [cfg.bos_token_id if cfg.bos_token_id is not None else 0], "the default prompt"
@@ -202,12 +353,28 @@ def _check_generate(args):
     _fits(cfg, len(ids), args.tokens, f"a {len(ids)}-token prompt and --tokens {args.tokens}")
     if args.check_prefill and not args.prefill:
         raise UsageError("--check-prefill checks a prefill: give --prefill too")
+    if args.prefill and len(ids) < 2:                      # else it did nothing, and --check-prefill checked nothing
+        raise UsageError(f"--prefill needs a prompt of at least 2 tokens (the last one is the kernel's); "
+                         f"{given} has {len(ids)}")
+    if args.temperature == 0:
+        # greedy decoding takes the argmax: these would change nothing, and the run would not say so
+        for given_, off in ((f"--top-k {args.top_k}", args.top_k == 0), (f"--top-p {args.top_p}", args.top_p == 1),
+                            (f"--seed {args.seed}", args.seed is None or args.prompt_random is not None)):
+            if not off:
+                raise UsageError(f"{given_} has no effect at --temperature 0 (greedy decoding): give a "
+                                 "--temperature above 0 to sample")
+    if args.stop_on_eos and not cfg.eos_token_ids:        # it would generate on, as if not given
+        raise UsageError(f"--stop-on-eos: {cfg.name} names no end-of-sequence token (eos_token_id in its config)")
+    args.seed = args.seed or 0
     args.prompt_tokens, args.tokenizer = ids, tok           # for cmd_generate: read and checked once, here
 
 
 def _check_verify(args):
     cfg = _config(args.model, args.max_seq)
-    _weights_folder(args)
+    _check_weights_seed(args)
+    if args.draws is not None and not args.sampling:
+        raise UsageError(f"--draws {args.draws} counts the draws of --sampling: give --sampling too")
+    args.draws = args.draws or 20000
     _fits(cfg, args.prompt_len, args.tokens, f"--prompt-len {args.prompt_len} and --tokens {args.tokens}")
     if args.prefill_len is not None:
         if args.prefill_len < 2:
@@ -216,22 +383,44 @@ def _check_verify(args):
 
 
 def _check_build(args):
-    target = args.target or ("hip" if args.dump == "amdgcn" else "cuda")
+    from .build.compile import HIP_ARCHS
+    of_arch = None if args.arch is None else "hip" if args.arch in HIP_ARCHS else "cuda"
+    target = args.target or of_arch or ("hip" if args.dump == "amdgcn" else "cuda")
+    if of_arch is not None and of_arch != target:
+        raise UsageError(f"--arch {args.arch} is an arch of --target {of_arch}, not of --target {target}")
     if args.dump and (args.dump == "amdgcn") != (target == "hip"):
         raise UsageError(f"--dump {args.dump} needs --target {'hip' if args.dump == 'amdgcn' else 'cuda'}")
-    if args.section and not args.dump:
+    args.target = target
+    if args.section is not None and not args.dump:
         raise UsageError("--section goes with --dump ptx|sass|amdgcn")
+    if args.no_spills and args.dump:
+        raise UsageError(f"--no-spills judges a build's registers, and --dump {args.dump} prints code instead; "
+                         "leave out one of them")
     from .build.assemble import _display, section_path
+    chosen: dict[str, str] = {}
+    for name, variant in args.variant:              # two variants of one section: one would be dropped, silently
+        if chosen.setdefault(name, variant) != variant:
+            raise UsageError(f"--variant {name}={chosen[name]} and --variant {name}={variant}: one variant per "
+                             "section")
     for name, variant in args.variant:
         path = section_path(name, variant)
         if not path.is_file():
             raise UsageError(f"--variant {name}={variant}: {_display(path)} does not exist")
     for name in (list(PRESETS) if args.all_presets else [args.model]):
-        _config(name, args.max_seq)
+        _config(name, _max_seq_of(args, name))
+
+
+def _max_seq_of(args, model: str) -> int | None:
+    """--max-seq for this model: `max` with --all-presets is each preset's own (main resolves it for one model)."""
+    return _longest(model) if args.max_seq == "max" else args.max_seq
 
 
 def _check_bench(args):
     from .measure.bench import bench_positions, cache_positions
+    fields = [f for f, _ in args.set]
+    twice = sorted({f for f in fields if fields.count(f) > 1})
+    if twice:                                   # the last would win, silently
+        raise UsageError(f"--set {twice[0]} is given more than once; give each BuildOptions field once")
     cfg = _config(args.model, None)
     positions = args.positions or bench_positions(args.model)
     need = cache_positions(positions, args.tokens)
@@ -293,7 +482,7 @@ def _load(args):
     if problem:                                  # before minutes of loading, not at the cache's allocation
         raise GpuMemoryError(problem)
     t0 = time.perf_counter()
-    p = load_prepared(args.model, args.weights, seed=args.weights_seed, xp=cupy, max_seq=args.max_seq)
+    p = load_prepared(args.model, args.weights, seed=args.weights_seed or 0, xp=cupy, max_seq=args.max_seq)
     print(f"[{p.cfg.name}] weights {p.source}: {p.nbytes() / 1e9:.2f} GB prepared in {time.perf_counter() - t0:.1f} s",
           file=sys.stderr)
     return p
@@ -357,12 +546,14 @@ def cmd_generate(args) -> int:
     cfg = p.cfg
     prefilled = args.prefill and len(ids) > 1
     fed = ids[-1:] if prefilled else ids                    # what the kernel itself feeds, from pos0
-    mk = _kernel(args, p, max_steps=len(fed) + args.tokens)
-    s = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    # the steps whose logits choose a generated token: from the prompt's last on
+    record = list(range(len(fed) - 1, len(fed) - 1 + args.tokens)) if args.logits_out else []
+    mk = _kernel(args, p, max_steps=len(fed) + args.tokens, max_record=max(64, len(record)))
+    s = Sampling(args.temperature, args.top_k, args.top_p, args.seed or 0)
     timeout = getattr(args, "timeout", 5.0)
     pre = mk.prefill(ids[:-1]) if prefilled else None
     tokens = mk.stream_tokens(fed, args.tokens, s, pos0=len(ids) - len(fed), eos=None if args.stop_on_eos else [],
-                              timeout_s=timeout, host_timeout_s=max(20.0, 4 * timeout))
+                              timeout_s=timeout, host_timeout_s=max(20.0, 4 * timeout), record=record)
     first = []
 
     def timed(stream):
@@ -391,6 +582,9 @@ def cmd_generate(args) -> int:
         print(c.summary())
         if not c.passed:
             return 1
+    if args.logits_out:
+        import numpy as np
+        np.savez(args.logits_out, tokens=np.asarray(res.tokens, np.int64), logits=res.logits[:len(res.tokens)])
     print(f"{len(res.tokens)} tokens, {res.steps} decode steps in {res.kernel_ms:.1f} ms: "
           f"{res.tok_per_s:.0f} tok/s ({cfg.weight_bytes_per_token() * res.tok_per_s / 1e12:.2f} TB/s of weights)")
     return 0
@@ -401,6 +595,7 @@ def cmd_verify(args) -> int:
     inputs, at both sides of every attention split threshold, a long position, every sampler mode with
     --sampling), then end to end on the kernel itself (teacher-forced logits and greedy tokens)."""
     from .build.assemble import BuildOptions
+    from .check.stops import verify_stops
     from .check.verify import SAMPLER_MODES, verify, verify_sampling, verify_stages
     from .run.runtime import Monokernel
     p = _load(args)
@@ -411,6 +606,14 @@ def cmd_verify(args) -> int:
     ok &= table.passed
     del taps
     mk = _kernel(args, p, max_steps=max(args.prompt_len + args.tokens, 64))
+    # every branch of the step's stop decision, on the kernel that runs (a rule at a time: check/stops.py)
+    stops = verify_stops(mk, seed=args.seeds[0])
+    bad = [c for c in stops if not c.passed]
+    print(f"{'PASS' if not bad else 'FAIL'} {p.cfg.name} stop decision: {len(stops) - len(bad)}/{len(stops)} branches "
+          f"({', '.join(c.buffer.removeprefix('stop: ') for c in stops)})")
+    for c in bad:
+        print(f"  {c.stage}: {c.buffer}: {c.note}")
+    ok &= not bad
     for seed in args.seeds:
         rep = verify(mk, prompt_len=args.prompt_len, max_new=args.tokens, seed=seed, rtol=args.rtol)
         print(rep.summary())
@@ -426,7 +629,7 @@ def cmd_verify(args) -> int:
         # the stage-local check's modes, with seeds of their own (draws independent of the ones it checked)
         for i, mode in enumerate(SAMPLER_MODES):
             s = dataclasses.replace(mode, seed=i + 1)
-            rep = verify_sampling(mk, s, draws=args.draws)
+            rep = verify_sampling(mk, s, draws=args.draws or 20000)
             print(rep.summary())
             ok &= rep.passed
     print("verify:", "PASS" if ok else "FAIL")
@@ -442,7 +645,7 @@ def cmd_build(args) -> int:
     opt = BuildOptions(threads=args.threads, timing=args.timing, variants=tuple(args.variant)).for_target(target)
     failed = False
     for name in names:
-        cfg = get_config(name, max_seq=args.max_seq)
+        cfg = get_config(name, max_seq=_max_seq_of(args, name))
         asm = assemble(cfg, opt)
         t0 = time.perf_counter()
         try:
@@ -522,63 +725,72 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off")
     g.add_argument("--top-p", type=top_p, default=1.0, help="in (0, 1]; 1 = off")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed")
+    g.add_argument("--seed", type=seed_arg, help="sampling seed (default 0), from 0 to 2**64 - 1; also seeds "
+                                               "--prompt-random")
     g.add_argument("--stop-on-eos", action="store_true", help="stop at the config's EOS ids")
-    g.add_argument("--timeout", type=positive_float, default=5.0,
+    g.add_argument("--logits-out", type=output_file, metavar="FILE.npz",
+                   help="save the generated tokens and the logits each was drawn from (fp32, bit for bit: two runs "
+                        "of one command can be compared)")
+    g.add_argument("--timeout", type=timeout_arg, default=5.0,
                    help="seconds a grid barrier waits before the kernel reports a hang (raise it under a sanitizer)")
     _in_process_arg(g)
     v = sub.add_parser("verify", help="kernel vs reference, teacher-forced (GPU); exits 1 on failure")
     _in_process_arg(v)
     _model_args(v)
-    v.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0])
+    v.add_argument("--seeds", type=seed_arg, nargs="+", default=[0], help="from 0 to 2**64 - 1")
     v.add_argument("--prompt-len", type=positive_int, default=8)
     v.add_argument("--tokens", type=positive_int, default=24)
     v.add_argument("--rtol", type=positive_float, default=None)
     v.add_argument("--sampling", action="store_true",
                    help="also every sampler mode, draw by draw, and the chi-square checks of its distribution")
     v.add_argument("--table", action="store_true", help="print the stage × layer table even when it passes")
-    v.add_argument("--draws", type=positive_int, default=20000)
+    v.add_argument("--draws", type=draws_arg, help=f"with --sampling: draws per sampler mode (default 20000, at most "
+                                                f"{MAX_DRAWS})")
     v.add_argument("--prefill-len", type=positive_int, metavar="N",
                    help="also: a random N-token prompt prefilled (batched) and checked, then the kernel from its "
                         "last token, end to end against the reference over the whole sequence")
     b = sub.add_parser("build", help="compile only (no GPU): registers, spills, shared memory")
-    b.add_argument("--model", default=DEFAULT_MODEL)
-    b.add_argument("--all-presets", action="store_true",
-                   help=f"build every preset the kernel runs ({', '.join(PRESETS)})")
+    which = b.add_mutually_exclusive_group()
+    which.add_argument("--model", default=DEFAULT_MODEL, type=non_empty)
+    which.add_argument("--all-presets", action="store_true",
+                       help=f"build every preset the kernel runs ({', '.join(PRESETS)})")
     b.add_argument("--max-seq", type=max_seq_arg)
     b.add_argument("--threads", type=threads, default=512)
     b.add_argument("--target", choices=["cuda", "hip"],
                    help="cuda: NVRTC for NVIDIA; hip: clang-19 for AMD (default cuda, hip with --dump amdgcn)")
-    b.add_argument("--arch", help="sm_90 for cuda, gfx942 for hip (the defaults)")
+    b.add_argument("--arch", type=arch_arg, help="sm_90 for cuda, gfx942 for hip (the defaults); an AMD arch "
+                                              "alone means --target hip")
     b.add_argument("--timing", action="store_true", help="with per-stage timing instrumentation")
     b.add_argument("--no-spills", action="store_true",
                    help="exit 1 when registers spill (NVIDIA local memory, AMD scratch)")
     b.add_argument("--dump", choices=["ptx", "sass", "amdgcn"],
                    help="print the machine code instead (PTX, SASS: cuda; AMDGCN: hip), headed by source lines")
-    b.add_argument("--section", help="with --dump: only the code of this section (e.g. qkv_rope_append, "
-                                     "matvec, monokernel, portability), what is inlined into it included")
+    b.add_argument("--section", type=non_empty,
+                   help="with --dump: only the code of this section (e.g. qkv_rope_append, matvec, monokernel, "
+                        "portability), what is inlined into it included")
     b.add_argument("--variant", action="append", default=[], type=section_variant, metavar="SECTION=VARIANT",
                    help="build SECTION from kernels/sections/SECTION@VARIANT.cuh (.ptx for a variant named ptx...); "
                         "repeatable")
     sa = sub.add_parser("sanitize", help="generate under compute-sanitizer: memcheck, racecheck, synccheck, initcheck")
-    sa.add_argument("--model", default="tiny")
+    sa.add_argument("--model", default="tiny", type=non_empty)
     sa.add_argument("--tool", choices=[*SANITIZER_TOOLS, "all"], default="all")
     sa.add_argument("--tokens", type=positive_int, default=3, help="tokens to generate (racecheck is ~1000x slower)")
     sa.add_argument("--prompt-ids", type=token_ids, default=[1, 2, 3],
                     help="the prompt (each of its tokens is one more decode step under the tool)")
     sa.add_argument("--threads", type=threads, default=512)
-    sa.add_argument("--sanitizer", default="compute-sanitizer", help="the compute-sanitizer executable")
+    sa.add_argument("--sanitizer", default="compute-sanitizer", type=non_empty,
+                    help="the compute-sanitizer executable")
     pl = sub.add_parser("plan", help="the decode step as the plan declares it (no GPU)")
-    pl.add_argument("--model", default=DEFAULT_MODEL)
+    pl.add_argument("--model", default=DEFAULT_MODEL, type=non_empty)
     pl.add_argument("--max-seq", type=max_seq_arg)
     pl.add_argument("--decode-step", action="store_true", help="also the C++ decode loop generated from it")
     pl.add_argument("--gpus", type=positive_int, default=1,
                     help="also how N GPUs split each layer (tensor parallel) and what a token exchanges")
     be = sub.add_parser("bench", help="monokernel vs torch.compile, HF generate() and the bandwidth roofline (GPU)")
-    be.add_argument("--model", default=DEFAULT_MODEL)
+    be.add_argument("--model", default=DEFAULT_MODEL, type=non_empty)
     be.add_argument("--tokens", type=positive_int, default=128, help="decode steps per timed run")
     be.add_argument("--repeats", type=positive_int, default=5)
-    be.add_argument("--json", help="write the table as JSON here")
+    be.add_argument("--json", type=output_file, help="write the table as JSON here (its folder must exist)")
     be.add_argument("--no-torch", action="store_true", help="skip the PyTorch paths")
     be.add_argument("--no-hf", action="store_true", help="skip HF generate()")
     be.add_argument("--no-compile", action="store_true", help="skip torch.compile (minutes of compiling)")
@@ -616,7 +828,14 @@ SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 
 
 def _check_sanitize(args):
-    _config(args.model, None)
+    cfg = _config(args.model, None)
+    # what the generate run under each tool would refuse, minutes in (it reports no summary, only its exit code)
+    bad = [t for t in args.prompt_ids if t >= cfg.vocab]
+    if bad:
+        raise UsageError(f"--prompt-ids: token id {bad[0]} is outside the vocabulary of {cfg.name} "
+                         f"(vocab_size {cfg.vocab}: ids 0 to {cfg.vocab - 1})")
+    _fits(cfg, len(args.prompt_ids), args.tokens, f"--prompt-ids ({len(args.prompt_ids)} tokens) and --tokens "
+          f"{args.tokens}", hint="")
     import shutil
     if shutil.which(args.sanitizer) is None and not Path(args.sanitizer).is_file():
         raise UsageError(f"{args.sanitizer} is not on the PATH (compute-sanitizer comes with the CUDA toolkit; "
@@ -746,7 +965,7 @@ def main(argv=None) -> int:
             from .check.verify import DEFAULT_RTOL
             args.rtol = DEFAULT_RTOL
         run, check, needs_gpu = COMMANDS[args.cmd]
-        if getattr(args, "max_seq", None) == "max":
+        if getattr(args, "max_seq", None) == "max" and not getattr(args, "all_presets", False):
             args.max_seq = _longest(args.model)
         check(args)
         if needs_gpu:

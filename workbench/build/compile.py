@@ -24,6 +24,11 @@ from pathlib import Path
 from .assemble import Assembled
 
 NVRTC_OPTIONS = ("-std=c++17", "-default-device", "--extra-device-vectorization", "-lineinfo")
+# The archs a build is made for and read back (registers, spills, shared memory), each tried. Before sm_80 ptxas
+# refuses the kernel's cp.async; sm_80 to sm_89 compile, but cuobjdump lists their resources in a form that
+# resource_usage does not read. clang-19 knows no gfx950, and gfx1100 lacks s_memrealtime (the timing clock).
+CUDA_ARCHS = ("sm_90", "sm_90a", "sm_100", "sm_100a", "sm_103", "sm_103a", "sm_110", "sm_120", "sm_120a", "sm_121")
+HIP_ARCHS = ("gfx908", "gfx90a", "gfx940", "gfx941", "gfx942")
 
 
 class CompileError(RuntimeError):

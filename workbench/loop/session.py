@@ -119,6 +119,9 @@ class Workbench:
         global _ACTIVE
         if device not in ("auto", "gpu", "cpu"):
             raise ValueError(f"device must be auto, gpu or cpu, got {device!r}")
+        from ..run.runtime import Sampling
+        Sampling.check_seed(seed, "seed")                   # refused here, not masked or failed on in a worker
+        Sampling.check_seed(verify_seed, "verify_seed")
         if device == "auto":
             device = "gpu" if gpu_available() else "cpu"
         self.model, self.weights_path, self.seed = model, weights, seed

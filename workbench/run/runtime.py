@@ -83,7 +83,26 @@ class Sampling:
         """Argmax decoding (the kernel's own test: no temperature, or top-k of 1)."""
         return not self.temperature > 0 or self.top_k == 1
 
+    @staticmethod
+    def seed_problem(seed) -> str | None:
+        """Why `seed` cannot be a seed, or None. The kernel's sampler takes a 64-bit word: a seed outside [0, 2**64)
+        would be masked into another one, so every seed the workbench takes (the sampler's, the random weights',
+        the verification's) is held to this, on the command line and in the API."""
+        import numbers
+        if isinstance(seed, numbers.Integral) and not isinstance(seed, bool) and 0 <= int(seed) < 2 ** 64:
+            return None
+        got = int(seed) if isinstance(seed, numbers.Integral) and not isinstance(seed, bool) else repr(seed)
+        return f"must be an integer from 0 to 2**64 - 1 (a 64-bit seed), got {got}"
+
+    @staticmethod
+    def check_seed(seed, name: str = "seed"):
+        """Raise UsageError, naming `name`, for a seed that seed_problem refuses."""
+        from ..errors import UsageError
+        if (why := Sampling.seed_problem(seed)) is not None:
+            raise UsageError(f"{name} {why}")
+
     def check(self, vocab: int):
+        Sampling.check_seed(self.seed)
         if not (self.temperature >= 0 and np.isfinite(self.temperature)):
             raise ValueError(f"temperature must be ≥ 0 (0 = greedy), got {self.temperature}")
         if not (0 < self.top_p <= 1):

@@ -183,8 +183,37 @@ def _sticky(e: BaseException) -> int | None:
 
 # ---- the worker's side ------------------------------------------------------------------------------------------
 
+def _thread_locked_progress_bars():
+    """tqdm guards its bars with a multiprocessing RLock: in a spawned process that is a named POSIX semaphore,
+    registered with the resource tracker the caller shares, and removed only by an exit handler. A worker killed
+    for a hang runs none, and the tracker then warns of a leaked semaphore when the caller exits. The worker starts
+    no processes, so a thread lock is all its bars need, and then no named semaphore exists to leak."""
+    try:
+        import threading
+
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
+
+
+def _exit(code: int):
+    """os._exit, after what a multiprocessing child runs on its way out (its finalizers: they unlink any named
+    semaphore made here), which os._exit would skip; the rest of the interpreter's unwinding is skipped on
+    purpose (see the end of _child)."""
+    try:
+        from multiprocessing import util
+        util._exit_function()
+    except Exception:                                     # noqa: BLE001 - exiting regardless
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _child(conn, shm_name: str, n_words: int, factory, args: tuple, kwargs: dict):
     signal.signal(signal.SIGINT, signal.SIG_IGN)          # the caller decides what an interrupt means
+    _thread_locked_progress_bars()
     shm = shared_memory.SharedMemory(name=shm_name)
     words = np.frombuffer(shm.buf, dtype=np.int32, count=n_words)
     words[W_PHASE] = PHASES.index("starting")
@@ -194,7 +223,7 @@ def _child(conn, shm_name: str, n_words: int, factory, args: tuple, kwargs: dict
         conn.send(("ready", None))
     except BaseException as e:                            # noqa: BLE001 - reported to the caller
         conn.send(("error", _describe(e)))
-        os._exit(2)
+        _exit(2)
     while True:
         words[W_PHASE] = PHASES.index("idle")
         try:
@@ -212,15 +241,13 @@ def _child(conn, shm_name: str, n_words: int, factory, args: tuple, kwargs: dict
             code = _sticky(e)
             conn.send(("fault" if code else "error", _describe(e) + ((code,) if code else ())))
             if code:
-                os._exit(3)                               # the context is gone: a new worker takes over
+                _exit(3)                                  # the context is gone: a new worker takes over
     close = getattr(service, "close", None)
     if close:
         close()
     # Exit without unwinding: the caller owns the block (and unlinks it), and views of it may live on in this
     # process's caches, which would make closing it here fail noisily at exit.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    _exit(0)
 
 
 def phase_setter(words: np.ndarray):
