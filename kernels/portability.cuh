@@ -16,6 +16,7 @@ typedef unsigned short     u16;
 typedef unsigned int       u32;
 typedef unsigned long long u64;
 typedef u16 bf16;   // bf16 kept as bits: no vendor header needed, identical on both vendors
+typedef long long fx64;   // a fixed-point number (plan.X_FRAC_BITS): the residual stream's parts
 
 #if WB_AMD
 // With -nogpulib -nogpuinc nothing of HIP is predefined: supply the few keywords we use.
@@ -118,6 +119,14 @@ __device__ __forceinline__ wb_u4 wb_ld_cg_u4(const void* p) {
     return wb_u4{v.x, v.y, v.z, v.w};
 }
 #define WB_INF __builtin_inff()
+// Fixed point (kernels/lib/residual.cuh): integer adds at L2, in any order the same sum
+__device__ __forceinline__ fx64 wb_ld_cg_fx(const fx64* p) { return *WB_GLOBAL(fx64, p); }
+__device__ __forceinline__ void wb_red_add_fx(fx64* p, fx64 v) {
+    __hip_atomic_fetch_add((u64*)p, (u64)v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT); }
+__device__ __forceinline__ void wb_atomic_exch_fx(fx64* p, fx64 v) {
+    __hip_atomic_exchange((u64*)p, (u64)v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_AGENT); }
+__device__ __forceinline__ fx64 wb_f32_to_fx_rn(float v) { return (fx64)__builtin_rintf(v); }   // |v| < 2^62
+__device__ __forceinline__ float wb_fx_to_f32(fx64 v) { return (float)v; }
 // No asynchronous copy to LDS that takes 16 bytes a lane here: the copy passes through registers and is complete
 // when it returns, so a commit and a wait have nothing to do (the caller's block barrier still orders it).
 __device__ __forceinline__ void wb_cp_async16(void* dst, const void* src, bool valid) {
@@ -259,6 +268,15 @@ __device__ __forceinline__ void wb_bulk_g2s(void* dst, const void* src, u32 byte
                  :: "r"(wb_smem_addr(dst)), "l"(src), "r"(bytes), "r"(wb_smem_addr(bar)), "l"(policy) : "memory");
 }
 #define WB_INF __int_as_float(0x7f800000)
+// Fixed point (kernels/lib/residual.cuh): integer adds at L2, in any order the same sum. There is no vector
+// form of an integer red, so a warp's adds go to 32 adjacent words (coalesced), one instruction each.
+__device__ __forceinline__ fx64 wb_ld_cg_fx(const fx64* p) { return __ldcg(p); }
+__device__ __forceinline__ void wb_red_add_fx(fx64* p, fx64 v) {
+    asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory"); }
+__device__ __forceinline__ void wb_atomic_exch_fx(fx64* p, fx64 v) {
+    atomicExch((unsigned long long*)p, (unsigned long long)v); }
+__device__ __forceinline__ fx64 wb_f32_to_fx_rn(float v) { return __float2ll_rn(v); }    // cvt.rni: to nearest even
+__device__ __forceinline__ float wb_fx_to_f32(fx64 v) { return __ll2float_rn(v); }
 // D += A·B on the tensor cores: one m16n8k16 product of bf16 with fp32 accumulation, operands in the PTX ISA's
 // register fragments (a: 4 registers of bf16 pairs, rows g and g+8 of the 16; b: 2; d: rows g and g+8, two columns
 // each, g = lane / 4). The prefill's attention (kernels/prefill/attention.cuh) is built on it; the decode

@@ -5,7 +5,8 @@ KV cache, and its stage outputs are packed into the plan's tap layout exactly wh
 them. The LM head's per-block partials are dealt the kernel's way, the sampler draws the kernel's way (fixed-point
 masses, inverse CDF in index order, radix-style thresholds), publish feeds and streams tokens. A `hook(stage, layer,
 step, outputs)` makes one stage deliberately wrong, as a mutant of the kernel would be, and `sampler_bug` /
-`publish_bug` break the two stages that have no fp reference.
+`publish_bug` break the two stages that have no fp reference; `stop_bug` breaks one rule of the stop decision as
+the publish mutant of that name does (workbench/check/mutants.py).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from workbench.build.assemble import BuildOptions
 from workbench.check import stages as S
 from workbench.check.reference import KVCache, PreparedView, forward
 from workbench.model.weights import to_bf16, to_f32
-from workbench.run.runtime import NonFiniteLogits, Result, Sampling
+from workbench.run.runtime import KernelAborted, NonFiniteLogits, Result, Sampling
 
 
 def kernel_draw(logits: np.ndarray, s: Sampling, step: int, d: int, *, top_k_extra: int = 0) -> int:
@@ -53,6 +54,7 @@ class SimKernel:
     sampler_bug: bool = False                  # top-k keeps one token too many
     publish_bug: bool = False                  # feeds the sampled token even while the prompt lasts
     stops_early: bool = False                  # ends every run one step before it should (a wrong stop decision)
+    stop_bug: str | None = None                # one rule of publish.cuh's stop decision broken, as its mutant does
 
     def __post_init__(self):
         self.cfg = self.p.cfg
@@ -93,19 +95,29 @@ class SimKernel:
                 barg[b] = r[np.flatnonzero(v == bmax[b])[0]]
         return bmax, barg
 
+    def request_stop(self):
+        self._abort = True
+
     def generate(self, prompt, max_new, sampling=Sampling(), *, pos0=0, eos=None, record=(), tap_steps=(),
-                 n_draws=0, poison_kv=False, **_):
+                 n_draws=0, poison_kv=False, kernel_limits=None, stop_requested=False, on_token=None, **_):
         cfg, launch = self.cfg, self.launch
         eos = list(eos or [])
         n_steps = len(prompt) + max_new - 1
-        if self.stops_early and n_steps > 1:
-            n_steps -= 1
+        k_steps, k_new = (n_steps, max_new) if kernel_limits is None else kernel_limits
+        if self.stops_early and k_steps > 1:
+            k_steps -= 1
+        bug = self.stop_bug
+        self._abort = stop_requested
+        self.view._model.pop("embed", None)             # the weights as they are now (a check may have edited them)
         record, tap_steps = sorted(record), sorted(tap_steps)
         floats = plan.tap_step_floats(cfg, launch)
         taps = np.full((len(tap_steps), floats), np.nan, np.float32)
         logits_hist, draws = [], []
         fed, out = [int(prompt[0])], []
-        for step in range(n_steps):
+        aborted, bad = False, None
+        step = -1
+        # the stop decision below ends the run; the cache's size bounds a kernel whose decision is broken
+        for step in range(cfg.max_seq - pos0):
             pos = pos0 + step
             t: dict = {}
             hook = None if self.hook is None else (lambda st, l, res, step=step: self.hook(st, l, step, res))
@@ -116,10 +128,10 @@ class SimKernel:
             if sampling.greedy:
                 sampled = greedy
             else:
-                bug = 1 if self.sampler_bug else 0
-                sampled = kernel_draw(lg, sampling, step, 0, top_k_extra=bug)
+                extra = 1 if self.sampler_bug else 0
+                sampled = kernel_draw(lg, sampling, step, 0, top_k_extra=extra)
                 if step in record and n_draws:
-                    row_draws = [kernel_draw(lg, sampling, step, d, top_k_extra=bug) for d in range(n_draws)]
+                    row_draws = [kernel_draw(lg, sampling, step, d, top_k_extra=extra) for d in range(n_draws)]
             if step in record:
                 logits_hist.append(lg.copy())
                 if n_draws:
@@ -127,8 +139,20 @@ class SimKernel:
             forced = step + 1 < len(prompt)
             nxt = int(prompt[step + 1]) if forced and not self.publish_bug else sampled
             stop = nxt < 0                              # publish refuses it and stops the kernel
-            if not forced and not stop:                 # an invalid choice is never published
-                out.append(sampled)
+            done = stop and bug != "nan-runs-on"
+            if stop:
+                nxt = 0
+            elif not forced:                            # an invalid choice is never published
+                g = step + 1 - len(prompt)
+                out.append(nxt)
+                if on_token:
+                    on_token(nxt)
+                done |= nxt in (eos[:1] if bug == "eos-only-first-id" else eos)
+                done |= g + 1 >= k_new and bug != "max-new-ignored"
+            done |= step + 1 >= k_steps and bug != "n-steps-ignored"
+            done |= pos0 + step + (2 if bug == "cache-end-one-early" else 1) >= cfg.max_seq
+            if (step & 15) == 15 and self._abort and bug != "abort-ignored":
+                aborted = done = True
             fed.append(nxt)
             if step in tap_steps:
                 row = taps[tap_steps.index(step)]
@@ -143,22 +167,32 @@ class SimKernel:
                             v = np.float32([sampled])
                         else:
                             v = t[tp.stage, tp.buffer, layer][0]
+                            if plan.BUFFERS[tp.buffer].dtype == "fixed":     # as the kernel's x holds it
+                                v = S.residual_fixed(v, plan.X_FRAC_BITS)
                         off = tp.at(max(layer, 0))
                         row[off:off + tp.size] = v.reshape(-1)
-            if stop:
-                # as the runtime returns it: every recorded row, those of the steps never run unwritten (NaN)
-                hist = np.full((len(record), cfg.vocab), np.nan, np.float32)
-                if logits_hist:
-                    hist[:len(logits_hist)] = np.stack(logits_hist)
-                res = Result(out, step + 1, 1.0, hist if record else None, record, None, None,
-                             taps if tap_steps else None, tap_steps, pos0, (list(prompt) + out)[:step + 1],
-                             list(prompt), max_new, eos)
-                e = NonFiniteLogits(f"no valid token at step {step}: the logits are NaN or infinite")
-                e.result = res
-                raise e
-        steps = n_steps
+            if stop and bad is None:
+                bad = step
+            if done:
+                break
+        steps = step + 1
         # what the host knows it fed: the prompt, then what was streamed (the runtime's Result.fed)
         host_fed = (list(prompt) + out)[:steps]
-        return Result(out, steps, 1.0, np.stack(logits_hist) if logits_hist else None, record,
-                      np.asarray(draws) if n_draws and record else None, None, taps if tap_steps else None,
-                      tap_steps, pos0, host_fed, list(prompt), max_new, eos)
+        if bad is not None:
+            # as the runtime returns it: every recorded row, those of the steps never run unwritten (NaN)
+            hist = np.full((len(record), cfg.vocab), np.nan, np.float32)
+            if logits_hist:
+                hist[:len(logits_hist)] = np.stack(logits_hist)
+            self.last = Result(out, steps, 1.0, hist if record else None, record, None, None,
+                               taps if tap_steps else None, tap_steps, pos0, host_fed, list(prompt), max_new, eos)
+            e = NonFiniteLogits(f"no valid token at step {bad}: the logits are NaN or infinite")
+            e.result = self.last
+            raise e
+        self.last = Result(out, steps, 1.0, np.stack(logits_hist) if logits_hist else None, record,
+                           np.asarray(draws) if n_draws and record else None, None, taps if tap_steps else None,
+                           tap_steps, pos0, host_fed, list(prompt), max_new, eos)
+        if aborted:
+            e = KernelAborted(f"kernel aborted: abort requested; it stopped at step {steps}")
+            e.result = self.last
+            raise e
+        return self.last

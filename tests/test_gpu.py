@@ -75,8 +75,7 @@ def test_a_deliberate_error_is_named_by_its_stage(tiny_taps):
     from workbench.build.assemble import section_path
     from workbench.check.verify import verify_stages
     text = section_path("down_residual").read_text()
-    bad = text.replace("wb_red_add_f4(x + i, t);",
-                       "wb_red_add_f4(x + i, float4{t.x * 1.0001f, t.y * 1.0001f, t.z * 1.0001f, t.w * 1.0001f});")
+    bad = text.replace("x_add(x, i, t);", "x_add(x, i, t * 1.0001f);")
     assert bad != text
     tiny_taps.reload(overrides={"down_residual": bad})
     try:
@@ -134,8 +133,7 @@ def test_hang_is_reported_and_next_run_works():
 def test_compile_error_names_section_line(tiny):
     from workbench.build.assemble import section_path
     from workbench.run.runtime import Monokernel
-    text = section_path("down_residual").read_text().replace("wb_red_add_f4(x + i, t);",
-                                                               "wb_red_add_f4(x + i, t + nonsense);")
+    text = section_path("down_residual").read_text().replace("x_add(x, i, t);", "x_add(x, i, t + nonsense);")
     line = text.splitlines().index(next(l for l in text.splitlines() if "nonsense" in l)) + 1
     with pytest.raises(CompileError) as e:
         Monokernel(tiny.p, BuildOptions(), overrides={"down_residual": text})
@@ -329,9 +327,9 @@ def test_an_early_stage_that_never_waits_is_named():
     from workbench.run.runtime import KernelError, Monokernel
     p = prepare(random_weights(get_config("tiny"), fresh_seed(), xp=cp, progress=False), xp=cp, progress=False)
     own_loop = """
-WB_SECTION void stage_o_proj_residual(const float* o, const bf16* __restrict__ wo, int layer, float* smem, float* x,
+WB_SECTION void stage_o_proj_residual(const float* o, const bf16* __restrict__ wo, int layer, float* smem, fx64* x,
                                       float* h) {
-    for (int r = wb_bid() * wb_ntid() + wb_tid(); r < WB_D; r += wb_nbid() * wb_ntid()) h[r] = wb_ld_cg(x + r);
+    for (int r = wb_bid() * wb_ntid() + wb_tid(); r < WB_D; r += wb_nbid() * wb_ntid()) h[r] = x_value(x, r);
 }
 """
     mk = Monokernel(p, BuildOptions(early="o_proj_residual"), max_steps=64, overrides={"o_proj_residual": own_loop})

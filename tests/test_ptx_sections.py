@@ -79,7 +79,7 @@ def test_the_ptx_embedding_assembles_and_its_sass_is_listed_by_its_lines():
     # the body is in place, its parameters and constants resolved, its comments gone, each instruction at its line
     body = ptx[ptx.index(".func _Z19stage_embedding_ptx"):]
     body = body[:body.index("\n}\n")]
-    assert "[_Z19stage_embedding_ptxiPKtPf_param_1]" in body and "[embed]" not in body
+    assert "[_Z19stage_embedding_ptxiPKtPx_param_1]" in body and "[embed]" not in body
     assert not re.search(r"(?<![$\w])WB_D\b", body) and ", 264;" in body and "//" not in body
     line = next(n for n, l in enumerate(section_path("embedding", "ptx").read_text().splitlines(), 1)
                 if "ld.global.nc.u16" in l)

@@ -221,7 +221,7 @@ def random_io(rng, dtype, n=5):
             weights[hf[name]] = (1 + 0.2 * randn(rng, *shape) if len(shape) == 1
                                  else randn(rng, *shape, scale=shape[1] ** -0.5)).astype(dtype)
     weights["lm_head"] = weights["embed"]                       # tied in the tiny preset
-    acts = {b: randn(rng, n, *plan.BUFFERS[b].layer_shape(cfg)).astype(dtype)
+    acts = {b: randn(rng, n, *plan.BUFFERS[b].value_shape(cfg)).astype(dtype)
             for b in ("x", "h", "q", "o", "hmlp", "logits")}
     n_ctx = 50
     k, v = (randn(rng, cfg.n_kv_heads, n_ctx, cfg.head_dim).astype(dtype) for _ in range(2))

@@ -45,6 +45,11 @@ class Launch:
     # stages whose first weight loads go out before the grid barrier they follow (H200, 1b: +3.7% at position 128,
     # NOTES.md round 16)
     early: tuple = ("qkv_rope_append", "o_proj_residual", "gate_up_silu", "lm_head")
+    # the residual stream's fixed-point parts (X_FRAC_BITS): block b of the MLP's down projection adds into part
+    # b % x_parts, so no address takes more than grid / x_parts atomic adds. On the H200, 132 blocks adding D
+    # columns then a grid barrier and a read of all of x: 4 parts cost 1.65 us a round at D = 2048 where one part
+    # cost 3.65 and today's float adds 2.09; 2.53 against 3.57 and 1.89 at D = 4096 (NOTES.md, determinism)
+    x_parts: int = 4
 
     def max_splits(self, cfg: ModelConfig) -> int:
         """Attention splits each kv head's positions over at most this many blocks (≈ one block per SM)."""
@@ -105,7 +110,22 @@ NV_WARP = 32                        # lanes of an NVIDIA warp (WB_WARP there, an
 MAX_WARPS = 32                      # warps in a 1024-thread block at the narrowest warp (32 lanes, NVIDIA)
 
 # ---- buffers --------------------------------------------------------------------------------------------------
-DTYPES = {"f32": ("float", 4), "bf16": ("bf16", 2), "i32": ("int", 4), "u32": ("u32", 4), "u64": ("u64", 8)}
+DTYPES = {"f32": ("float", 4), "bf16": ("bf16", 2), "i32": ("int", 4), "u32": ("u32", 4), "u64": ("u64", 8),
+          "fixed": ("fx64", 8)}
+
+# The residual stream x is held in fixed point, value = Σ_parts x[part] · 2^-X_FRAC_BITS in int64, because its sum
+# over the blocks of the MLP's down projection is made of atomic adds whose order varies from run to run: integer
+# addition gives the same bits in any order, float addition does not (runs that did not repeat, seeded or A/B).
+# 2^-32 is finer than fp32 for every |x| ≥ 2^-9, and its rounding (≤ 2^-33 a term, ≤ grid + 1 terms) is ~1e-8 of
+# an x whose rms is ~1: far inside the stages' fp32 tolerances, which are relative to the rms. Range: a value
+# written whole (embedding, o_proj) must be below 2^X_VALUE_BITS in magnitude, a block's partial sum below
+# 2^X_VALUE_BITS / grid, so a total stays below 2^(X_VALUE_BITS + 1), i.e. 2^61 in the integer, and cannot wrap.
+# A value past its bound (NaN and inf included) poisons the element instead: INT64_MIN in part 0, after which the
+# rest of the adds (< 2^61 together) leave the total at least 2^63 − 2^61 in magnitude; a reader takes any total
+# of magnitude 2^62 or more as NaN. No trained model's residual comes near 2^28 (they stay below ~1e4).
+X_FRAC_BITS = 32
+X_VALUE_BITS = 28
+X_NAN_BITS = 62
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +148,15 @@ class Buffer:
         for d in self.shape(cfg, launch):
             n *= d
         return n
+
+    def value_shape(self, cfg: ModelConfig, launch: Launch = Launch()) -> tuple:
+        """The shape of the value a layer's slice holds: a fixed-point buffer's parts [parts, n] hold one [n]."""
+        s = self.layer_shape(cfg, launch)
+        return s[1:] if self.dtype == "fixed" else s
+
+    def value_elements(self, cfg: ModelConfig, launch: Launch = Launch()) -> int:
+        n = self.elements(cfg, launch)
+        return n // self.shape(cfg, launch)[0] if self.dtype == "fixed" else n
 
     def nbytes(self, cfg: ModelConfig, launch: Launch = Launch()) -> int:
         return self.elements(cfg, launch) * DTYPES[self.dtype][1]
@@ -160,7 +189,8 @@ BUFFERS: dict[str, Buffer] = {b.name: b for b in [
     _b("rope_cos", "f32", lambda c, l: (c.max_seq, c.head_dim // 2), "table", "cos(pos·θ_i) [max_seq, hd/2]"),
     _b("rope_sin", "f32", lambda c, l: (c.max_seq, c.head_dim // 2), "table", "sin(pos·θ_i) [max_seq, hd/2]"),
     # the activations of one step
-    _b("x", "f32", lambda c, l: (c.hidden,), "activation", "the residual stream [D]"),
+    _b("x", "fixed", lambda c, l: (l.x_parts, c.hidden), "activation",
+       "the residual stream [parts, D] in fixed point (X_FRAC_BITS): x = Σ_parts x[part], the same in any order"),
     _b("h", "f32", lambda c, l: (c.hidden,), "activation",
        "the residual after attention [D], read by the MLP's norm: x's value after o_proj, in a buffer of its own "
        "so that down's adds into x cannot reach a block still reading it"),
@@ -357,7 +387,8 @@ STAGES: tuple[Stage, ...] = (
           doc="m = RMSNorm without its gain (folded into Wgu)", reference=ref.gate_up_silu_io,
           tolerances={"hmlp": ref.FP32}),
     # The MLP runs between two grid barriers: block b's down part reads only the hmlp rows its own gate_up part
-    # wrote (both deal units by blocks), so a block barrier orders them; its partial sums go into x by atomic adds.
+    # wrote (both deal units by blocks), so a block barrier orders them; its partial sums go into x by atomic adds,
+    # in fixed point so that their order does not change the sum.
     Stage("down_residual", "layer", "x += Wd·hmlp",
           reads=(Use("hmlp", rows=lambda c, j: ((j, j + 1),), local=True),
                  Use("wd", rows=lambda c, j: ((j * c.hidden, (j + 1) * c.hidden),)), Use("x")),
@@ -366,7 +397,8 @@ STAGES: tuple[Stage, ...] = (
           taps=("x",), deal="blocks", streamed=False,
           smem=lambda c, l: {"hmlp": _pad4(-(-c.intermediate // l.grid)), "sum": down_phases(c, l) * c.hidden},
           extra_args=("layer", "smem"),
-          doc="each block's partial sums added into x atomically: the order of the additions across blocks varies",
+          doc="each block's partial sums added into x's part block % x_parts atomically, in fixed point: the same "
+              "sum whatever order the blocks' additions arrive in",
           reference=ref.down_residual_io, tolerances={"x": ref.FP32}),
     Stage("lm_head", "token", "logits = W_lm·n(x); each block's best (value, index)",
           reads=(Use("x"), Use("lm_head", rows=lambda c, v: ((v * c.hidden, (v + 1) * c.hidden),))),
@@ -403,7 +435,7 @@ TOKEN_STAGES = tuple(s.name for s in STAGES if s.scope == "token")
 
 # The kernel's library headers (not stages: the building blocks the sections share), pasted before the sections in
 # this order; the sections follow in decode order, then the generated decode step, then kernels/monokernel.cuh.
-LIBRARY = ("grid_sync", "stream", "matvec", "instrument")
+LIBRARY = ("grid_sync", "stream", "residual", "matvec", "instrument")
 FILES = LIBRARY + STAGE_NAMES + ("monokernel",)
 
 
@@ -580,7 +612,7 @@ def tap_size(cfg: ModelConfig, buffer: str, launch: Launch = Launch()) -> int:
         return cfg.kv_dim                   # the row appended at pos: [Hkv, hd]
     if b.kind == "value":
         return 1
-    return b.elements(cfg, launch)
+    return b.value_elements(cfg, launch)            # a fixed-point buffer is tapped as the value it holds
 
 
 def taps(cfg: ModelConfig, launch: Launch = Launch()) -> tuple:

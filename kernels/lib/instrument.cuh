@@ -82,6 +82,12 @@ __device__ __noinline__ void wb_tap_int(const Params* __restrict__ P, int step, 
     float* dst = wb_tap_dst(P, step, offset, layer, n);
     for (int i = wb_tid(); i < n; i += wb_ntid()) dst[i] = (float)((volatile const int*)src)[i];   // exact below 2^24
 }
+// a fixed-point buffer (the residual stream) as the value its readers see: the parts' sum rounded to fp32
+__device__ __noinline__ void wb_tap_fixed(const Params* __restrict__ P, int step, int offset, int layer,
+                                          const fx64* src, int n) {
+    float* dst = wb_tap_dst(P, step, offset, layer, n);
+    for (int i = wb_tid(); i < n; i += wb_ntid()) dst[i] = x_value(src, i);
+}
 // the row a stage appended to a layer's cache [Hkv, max_seq, hd] at pos, as [Hkv·hd] floats
 __device__ __noinline__ void wb_tap_kv(const Params* __restrict__ P, int step, int pos, int offset, int layer,
                                        const bf16* cache) {

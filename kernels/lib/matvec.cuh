@@ -295,4 +295,21 @@ __device__ __forceinline__ void load_rms_normalized(float* __restrict__ dst, con
     wb_syncthreads();
 }
 
+// The same for the residual stream in fixed point (residual.cuh): its value rounded to fp32, then normalised. A
+// thread takes 4 elements a round, as the float version does, each part's two 16-byte loads issued before any sum:
+// after the grid barrier this read is on the critical path, and a second round trip to L2 costs a layer ~0.5 us.
+__device__ __forceinline__ void load_rms_normalized(float* __restrict__ dst, const fx64* __restrict__ x, int n,
+                                                    float* red) {
+    float ss = 0.f;
+    for (int i = wb_tid() * 4; i < n; i += wb_ntid() * 4) {
+        float v[4];
+        x_value4(x, i, v);
+        *(float4*)(dst + i) = float4{v[0], v[1], v[2], v[3]};
+        ss += v[0] * v[0] + v[1] * v[1] + v[2] * v[2] + v[3] * v[3];
+    }
+    const float scale = wb_rsqrt(block_sum(ss, red) / (float)n + WB_RMS_EPS);
+    for (int i = wb_tid(); i < n; i += wb_ntid()) dst[i] *= scale;
+    wb_syncthreads();
+}
+
 

@@ -3,14 +3,15 @@
 // Block b owns the hmlp rows j of its units (wb_block_units, as gate_up_silu deals them), so it needs no other
 // block's hmlp: only a block barrier, not a grid barrier, stands between the two stages. It reads the rows j of
 // Wdᵀ (wd is stored transposed, row j = Wd's column j, contiguous) and forms the partial sum Σ_j hmlp[j]·Wd[:, j]
-// over all D outputs, which it adds into x atomically. x holds h (o_proj wrote both), and no block reads x in this
-// slot: gate_up_silu's norm reads h. The build is specialised to its grid (WB_BLOCKS, the runtime compiles for the
-// grid it launches), which sizes the hmlp region.
+// over all D outputs, which it adds into x atomically, in the residual stream's fixed point (kernels/lib/residual.cuh:
+// integer adds, so the order in which the blocks' additions arrive does not change the sum). x holds h (o_proj
+// wrote both), and no block reads x in this slot: gate_up_silu's norm reads h. The build is specialised to its
+// grid (WB_BLOCKS, the runtime compiles for the grid it launches), which sizes the hmlp region.
 //
 // A thread owns 4 adjacent columns (one 8-byte load of a Wdᵀ row: four accumulators and two registers a row in
 // flight, where 16-byte loads spilled the kernel at its 128-register cap) and every PHASES-th of the block's rows,
-// LOADS rows in flight; the phases' sums meet in shared memory in a fixed order, so only the order in which the
-// blocks' additions reach x varies from run to run.
+// LOADS rows in flight; the phases' sums meet in shared memory in a fixed order, then go to x a column a thread, so
+// that a warp's 32 integer adds (no vector form) touch 256 adjacent bytes.
 #pragma once
 
 constexpr int DOWN_GROUPS = WB_D / 4;                                          // 8-byte column groups of a row
@@ -30,7 +31,7 @@ static_assert(DOWN_PHASES >= 1 && WB_SMEM_DOWN_RESIDUAL_SUM_FLOATS == DOWN_PHASE
               WB_SMEM_DOWN_RESIDUAL_HMLP_FLOATS >= (WB_FF + WB_BLOCKS - 1) / WB_BLOCKS,
               "the plan's regions hold whole phases of sums and the block's hmlp rows");
 
-WB_SECTION void stage_down_residual(const float* hmlp, const bf16* __restrict__ wd, int layer, float* smem, float* x) {
+WB_SECTION void stage_down_residual(const float* hmlp, const bf16* __restrict__ wd, int layer, float* smem, fx64* x) {
     float* hs = smem + WB_SMEM_DOWN_RESIDUAL_HMLP;     // this block's hmlp rows
     // [PHASES][D]: each phase's partial sums
     float* sum = smem + WB_SMEM_DOWN_RESIDUAL_SUM;
@@ -63,12 +64,9 @@ WB_SECTION void stage_down_residual(const float* hmlp, const bf16* __restrict__ 
         }
     }
     wb_syncthreads();
-    for (int i = wb_tid() * 4; i < WB_D; i += wb_ntid() * 4) {
-        float4 t = *(const float4*)(sum + i);
-        for (int p = 1; p < DOWN_PHASES; ++p) {
-            const float4 v = *(const float4*)(sum + p * WB_D + i);
-            t.x += v.x; t.y += v.y; t.z += v.z; t.w += v.w;
-        }
-        wb_red_add_f4(x + i, t);
+    for (int i = wb_tid(); i < WB_D; i += wb_ntid()) {
+        float t = sum[i];
+        for (int p = 1; p < DOWN_PHASES; ++p) t += sum[p * WB_D + i];
+        x_add(x, i, t);
     }
 }

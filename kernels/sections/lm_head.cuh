@@ -3,7 +3,7 @@
 // rereading the vocabulary.
 #pragma once
 
-WB_SECTION void stage_lm_head(const float* x, const bf16* __restrict__ lm_head, float* smem, float* logits,
+WB_SECTION void stage_lm_head(const fx64* x, const bf16* __restrict__ lm_head, float* smem, float* logits,
                               float* blk_max, int* blk_arg) {
     static_assert(WB_SMEM_LM_HEAD_ACT_FLOATS >= WB_D && WB_SMEM_LM_HEAD_RED_FLOATS >= 2 * WB_MAX_WARPS,
                   "the plan's regions hold x and a (value, index) per warp");

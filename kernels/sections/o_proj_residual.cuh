@@ -1,14 +1,19 @@
 // x += Wo · o, and h = the same value (the MLP's norm reads h while down_residual adds into x). One warp owns each
-// output row, so the residual add needs no atomics.
+// output row, so the residual add needs no atomics: it reads x's value (residual.cuh: the parts' sum, rounded to
+// fp32 once) and stores the new one whole, in part 0, the other parts cleared for down_residual's adds.
 #pragma once
 
-WB_SECTION void stage_o_proj_residual(const float* o, const bf16* __restrict__ wo, int layer, float* smem, float* x,
+WB_SECTION void stage_o_proj_residual(const float* o, const bf16* __restrict__ wo, int layer, float* smem, fx64* x,
                                       float* h) {
     constexpr int Q_DIM = WB_HEADS * WB_HEAD_DIM;
     static_assert(WB_SMEM_O_PROJ_RESIDUAL_ACT_FLOATS >= Q_DIM, "the plan's act region holds o");
     float* act = smem + WB_SMEM_O_PROJ_RESIDUAL_ACT;
     auto prologue = [&] { load_activation(act, o, Q_DIM); };
     for_warp_units<Q_DIM, 1>(wo, WB_D, act, prologue, [&](int r, const float* y) {
-        if (wb_lane() == 0) x[r] = h[r] = wb_ld_cg(x + r) + y[0];
+        if (wb_lane() == 0) {
+            const float v = x_value(x, r) + y[0];
+            h[r] = v;
+            x_store(x, r, v);
+        }
     });
 }

@@ -1,4 +1,4 @@
-// h = x += Wo · o with the dot product's FMAs written in AMDGCN: an inline-asm variant of o_proj_residual.cuh.
+// h = x += Wo · o with the dot product's FMAs written in AMDGCN (x as o_proj_residual.cuh reads and stores it): an inline-asm variant of o_proj_residual.cuh.
 // On gfx942 one v_pk_fma_f32 does two fp32 FMAs (a VGPR pair each operand): the even elements of a row accumulate
 // in one half, the odd in the other, and the halves are added before the wavefront's sum. Each lane reads the
 // row's 16-byte pieces at 8·lane, 8·lane + 512, ... (a wavefront is 64 lanes), as the portable GEMV does. On
@@ -19,7 +19,7 @@ __device__ __forceinline__ wb_f2 gcn_pk_fma(wb_f2 w, wb_f2 a, wb_f2 acc) {
 __device__ __forceinline__ wb_f2 gcn_bf16_pair(u32 w) { return wb_f2{bf16_lo(w), bf16_hi(w)}; }
 #endif
 
-WB_SECTION void stage_o_proj_residual(const float* o, const bf16* __restrict__ wo, int layer, float* smem, float* x,
+WB_SECTION void stage_o_proj_residual(const float* o, const bf16* __restrict__ wo, int layer, float* smem, fx64* x,
                                       float* h) {
     constexpr int Q_DIM = WB_HEADS * WB_HEAD_DIM;
     static_assert(WB_SMEM_O_PROJ_RESIDUAL_ACT_FLOATS >= Q_DIM, "the plan's act region holds o");
@@ -41,11 +41,19 @@ WB_SECTION void stage_o_proj_residual(const float* o, const bf16* __restrict__ w
             acc = gcn_pk_fma(gcn_bf16_pair(w.w), wb_f2{a[6], a[7]}, acc);
         }
         const float y = wb_warp_sum(acc.x + acc.y);
-        if (wb_lane() == 0) x[r] = h[r] = wb_ld_cg(x + r) + y;
+        if (wb_lane() == 0) {
+            const float v = x_value(x, r) + y;
+            h[r] = v;
+            x_store(x, r, v);
+        }
     }
 #else
     for_warp_units<Q_DIM, 1>(wo, WB_D, act, prologue, [&](int r, const float* y) {
-        if (wb_lane() == 0) x[r] = h[r] = wb_ld_cg(x + r) + y[0];
+        if (wb_lane() == 0) {
+            const float v = x_value(x, r) + y[0];
+            h[r] = v;
+            x_store(x, r, v);
+        }
     });
 #endif
 }

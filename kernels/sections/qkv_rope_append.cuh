@@ -40,7 +40,7 @@ __device__ __forceinline__ void qk_norm_rope_head(const float* raw, const float*
     }
 }
 
-WB_SECTION void stage_qkv_rope_append(const float* x, const bf16* __restrict__ wqkv, const float* __restrict__ bqkv,
+WB_SECTION void stage_qkv_rope_append(const fx64* x, const bf16* __restrict__ wqkv, const float* __restrict__ bqkv,
                                       const float* __restrict__ qk_gain, const float* __restrict__ rope_cos,
                                       const float* __restrict__ rope_sin, int layer, int pos, float* smem, float* q,
                                       bf16* k_cache, bf16* v_cache, float* qk_raw, u32* qk_count) {

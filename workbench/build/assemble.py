@@ -44,6 +44,7 @@ class BuildOptions:
     attn_single: int = 2         # a block takes a kv head's whole context alone up to this many chunks
     attn_kv_bytes: int = 131072  # shared memory for attention's per-warp rings of K/V steps
     attn_bufs: int = 3           # steps in a warp's ring
+    x_parts: int = 4             # the residual stream's fixed-point parts (plan.Launch.x_parts)
     taps: bool = False           # WB_TAPS: copy every stage's output of chosen steps into tap buffers
     hang: tuple | None = None    # (stage, layer, block): fault injection for hang-safety tests
     variants: tuple = ()         # ((section, variant), ...): alternative section files, see section_path
@@ -89,6 +90,9 @@ class BuildOptions:
             raise ValueError(f"attn_bufs must be at least 2 (one step read while the next lands), got {self.attn_bufs!r}")
         if not (isinstance(self.grid, int) and self.grid >= 1):
             raise ValueError(f"grid must be a positive number of blocks, got {self.grid!r}")
+        if not (isinstance(self.x_parts, int) and 1 <= self.x_parts <= self.grid):
+            raise ValueError(f"x_parts must be a number of parts from 1 to the grid's {self.grid} blocks, got "
+                             f"{self.x_parts!r}")
 
     def for_target(self, target: str) -> "BuildOptions":
         """These options as the AMD build takes them: a gfx942 workgroup has 64 KiB of LDS and no matrix product
@@ -110,7 +114,7 @@ class BuildOptions:
     def launch(self) -> plan.Launch:
         return plan.Launch(grid=self.grid, threads=self.threads, attn_min_chunk=self.attn_min_chunk,
                            attn_single=self.attn_single,
-                           attn_kv_bytes=self.attn_kv_bytes, attn_bufs=self.attn_bufs, stream=self.stream,
+                           attn_kv_bytes=self.attn_kv_bytes, attn_bufs=self.attn_bufs, x_parts=self.x_parts, stream=self.stream,
                            register_stages=stage_names(self.stream_register), early=self.early_stages)
 
 

@@ -12,6 +12,7 @@ barrier where the plan's reads and writes need one, and in a taps build the copi
 from __future__ import annotations
 
 import ctypes
+import struct
 
 from .. import plan
 from ..model.config import ModelConfig
@@ -60,6 +61,7 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
         out.append(f"__device__ __forceinline__ int wb_where_{n}(u32 w) {{ return {val}; }}")
     out.append(f"constexpr int WB_SLOTS = {plan.n_slots(cfg)};           // grid barriers per step")
     out.append(f"constexpr int WB_BLOCKS = {launch.grid};         // the grid the build is specialised to (one block an SM)")
+    out += residual_constants(launch)
     out.append("// how each stage deals its units (plan.Stage.deal): a section passes its WB_DEAL_<STAGE> to for_warp_units")
     out.append("enum WbDeal { " + ", ".join(f"WB_DEAL_{d.upper()} = {i}" for i, d in enumerate(plan.DEALS)) + " };")
     for st in plan.STAGES:
@@ -102,6 +104,23 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
     out.append("struct WbStep { int step; int pos; " + " ".join(f"int& {v};" for v in values) + " };")
     out.append(f"constexpr int WB_STEP_VALUES = {len(values)};")
     return "\n".join(out) + "\n"
+
+
+def _f32_bits(v: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", v))[0]
+
+
+def residual_constants(launch: plan.Launch) -> list[str]:
+    """The residual stream's fixed point (plan.X_FRAC_BITS, kernels/lib/residual.cuh): its parts and bit counts,
+    and its float constants as fp32 bit patterns (integers: what a stage written in PTX can name)."""
+    one, value = 2.0 ** plan.X_FRAC_BITS, 2.0 ** plan.X_VALUE_BITS
+    return [
+        f"constexpr int WB_X_PARTS = {launch.x_parts}, WB_X_FRAC_BITS = {plan.X_FRAC_BITS}, "
+        f"WB_X_VALUE_BITS = {plan.X_VALUE_BITS}, WB_X_NAN_BITS = {plan.X_NAN_BITS};   // x = Σ parts · 2^-FRAC",
+        f"constexpr u32 WB_X_ONE_BITS = {_f32_bits(one)}u, WB_X_ULP_BITS = {_f32_bits(1 / one)}u, "
+        f"WB_X_VALUE_LIMIT_BITS = {_f32_bits(value)}u, WB_X_PARTIAL_LIMIT_BITS = {_f32_bits(value / launch.grid)}u;"
+        "   // fp32 bits of 2^FRAC, 2^-FRAC, a whole value's bound, a block's partial's (2^VALUE / grid)",
+    ]
 
 
 def stream_constants(cfg: ModelConfig, launch: plan.Launch) -> list[str]:
@@ -223,6 +242,8 @@ def _tap_lines(cfg: ModelConfig, launch: plan.Launch, st: plan.Stage, layer: str
             out.append(f"wb_tap_value(P, s.step, {name}, s.{buf});")
         elif b.dtype == "i32":
             out.append(f"wb_tap_int(P, s.step, {name}, {lay}, {_arg(plan.Use(buf), layer)}, {name}_N);")
+        elif b.dtype == "fixed":
+            out.append(f"wb_tap_fixed(P, s.step, {name}, {lay}, {_arg(plan.Use(buf), layer)}, {name}_N);")
         else:
             out.append(f"wb_tap_f32(P, s.step, {name}, {lay}, {_arg(plan.Use(buf), layer)}, {name}_N);")
     return out

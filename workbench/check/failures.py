@@ -67,8 +67,8 @@ INJECTIONS = (
               *_after_act("gate_up_silu", "    if (wb_bid() == 7 && wb_tid() == 0) __trap();"), "fault", 7),
     # through a null pointer, not far past a buffer: a far address can land in another allocation and not fault
     Injection("illegal-address", "down_residual", "block 9 writes through a null pointer",
-              *_after_act("down_residual", "    if (wb_bid() == 9 && wb_tid() == 0) { volatile float* null = x + "
-                                           "(0 - (long long)(size_t)x / 4); *null = 1.f; }", "sum"), "fault", 9),
+              *_after_act("down_residual", "    if (wb_bid() == 9 && wb_tid() == 0) { volatile fx64* null = x + "
+                                           "(0 - (long long)(size_t)x / 8); *null = 1; }", "sum"), "fault", 9),
     Injection("shared-out-of-bounds", "lm_head", "block 11 writes 16 MB past its shared memory",
               *_after_act("lm_head",
                           "    if (wb_bid() == 11 && wb_tid() == 0) ((volatile float*)smem)[1 << 22] = 1.f;"),
@@ -85,11 +85,11 @@ INJECTIONS = (
     # 2^24 copies of a statement, by the preprocessor: the compiler front end alone takes minutes (a large
     # `#pragma unroll` is not enough: NVVM declines to unroll past its own limit and compiles in seconds)
     Injection("compiler-hangs", "embedding", "16 million copies of a statement (the compiler runs for minutes)",
-              "    for (int i = wb_tid(); i < WB_D; i += wb_ntid()) x[i] = bf16_to_f32(row[i]);",
+              "    for (int i = wb_tid(); i < WB_D; i += wb_ntid()) x_store(x, i, bf16_to_f32(row[i]));",
               "#define WB_X0(s) s\n"
               + "".join(f"#define WB_X{i}(s) WB_X{i - 1}(s) WB_X{i - 1}(s)\n" for i in range(1, 25)) +
               "    float acc = 0.f;\n    WB_X24(acc = acc * 0.999f + (float)token;)\n"
-              "    for (int i = wb_tid(); i < WB_D; i += wb_ntid()) x[i] = bf16_to_f32(row[i]) + acc * 0.f;",
+              "    for (int i = wb_tid(); i < WB_D; i += wb_ntid()) x_store(x, i, bf16_to_f32(row[i]) + acc * 0.f);",
               "compiler hang or crash"),
 )
 

@@ -43,8 +43,8 @@ MUTANTS: tuple[Mutant, ...] = (
     # embedding
     M("embed-wrong-row", "embedding", "reads the next token's row", "(long long)token * WB_D",
       "(long long)(token + 1) * WB_D", "embedding"),
-    M("embed-last-dim", "embedding", "leaves the last dimension unwritten", "i < WB_D; i += wb_ntid()) x[i]",
-      "i < WB_D - 1; i += wb_ntid()) x[i]", "embedding"),
+    M("embed-last-dim", "embedding", "leaves the last dimension unwritten", "i < WB_D; i += wb_ntid()) x_store(",
+      "i < WB_D - 1; i += wb_ntid()) x_store(", "embedding"),
     # qkv_rope_append
     M("rope-sign", "qkv_rope_append", "rotates by −angle (sin term's sign)",
       "const float lo = r[0] * c - r[1] * s, hi = r[1] * c + r[0] * s;",
@@ -83,7 +83,14 @@ MUTANTS: tuple[Mutant, ...] = (
       "v[rr % WB_HEAD_DIM] = f32_to_bf16(r[1]);\n            v[rr % WB_HEAD_DIM + 1] = f32_to_bf16(r[0]);",
       "qkv_rope_append"),
     M("eps-x10", "matvec", "RMSNorm's eps ten times too large (library: every normalising stage)",
-      "/ (float)n + WB_RMS_EPS);", "/ (float)n + 10.f * WB_RMS_EPS);", "qkv_rope_append"),
+      "/ (float)n + WB_RMS_EPS);", "/ (float)n + 10.f * WB_RMS_EPS);", "qkv_rope_append", count=2),
+    # the residual stream's fixed point (library): its first reader of what down adds is the next layer's norm
+    M("x-sum-drops-last-part", "residual", "x's value, as the norms read it, leaves out its last part",
+      "for (int k = 0; k < WB_X_PARTS; ++k) {\n        const wb_u4 a",
+      "for (int k = 0; k < WB_X_PARTS - 1; ++k) {\n        const wb_u4 a", "qkv_rope_append"),
+    # a whole value stored over down's sums of the layer before: o_proj's x at layer 1 is the first wrong output
+    M("x-parts-not-cleared", "residual", "a stored value leaves x's other parts as they were",
+      "for (int k = 1; k < WB_X_PARTS; ++k) x[(long long)k * WB_D + i] = 0;", "", "o_proj_residual"),
     # attention_decode
     M("merge-drops-last-split", "attention_decode", "the split merge leaves out the last split (only S ≥ 2)",
       "const bool in = s0 + j < S;", "const bool in = s0 + j < S - 1;", "attention_decode"),
@@ -109,13 +116,12 @@ MUTANTS: tuple[Mutant, ...] = (
       "    for (int w = 1; w < wb_nwarps(); ++w) {\n        const float* st", "attention_decode"),
     # o_proj_residual
     M("o-residual-one-layer", "o_proj_residual", "layer 1 loses its attention residual",
-      "if (wb_lane() == 0) x[r] = h[r] = wb_ld_cg(x + r) + y[0];",
-      "if (wb_lane() == 0) x[r] = h[r] = (layer == 1 ? 0.f : wb_ld_cg(x + r)) + y[0];", "o_proj_residual"),
+      "const float v = x_value(x, r) + y[0];", "const float v = (layer == 1 ? 0.f : x_value(x, r)) + y[0];",
+      "o_proj_residual"),
     M("o-last-row", "o_proj_residual", "the last output row is never written", "(wo, WB_D, act,",
       "(wo, WB_D - 1, act,", "o_proj_residual"),
-    M("o-h-1e-4", "o_proj_residual", "h, the MLP norm's copy of x, 1e-4 off",
-      "if (wb_lane() == 0) x[r] = h[r] = wb_ld_cg(x + r) + y[0];",
-      "if (wb_lane() == 0) h[r] = (x[r] = wb_ld_cg(x + r) + y[0]) * 1.0001f;", "o_proj_residual"),
+    M("o-h-1e-4", "o_proj_residual", "h, the MLP norm's copy of x, 1e-4 off", "h[r] = v;", "h[r] = v * 1.0001f;",
+      "o_proj_residual"),
     # gate_up_silu
     M("silu-1e-4", "gate_up_silu", "the gate's sigmoid argument 1e-4 off",
       "gu[0] / (1.f + wb_exp(-gu[0])) * gu[1]", "gu[0] / (1.f + wb_exp(-gu[0] * 1.0001f)) * gu[1]", "gate_up_silu"),
@@ -124,14 +130,13 @@ MUTANTS: tuple[Mutant, ...] = (
     M("hmlp-last-row", "gate_up_silu", "the last MLP row is never written", "(wgu, WB_FF, act,",
       "(wgu, WB_FF - 1, act,", "gate_up_silu"),
     # down_residual
-    M("down-scale-1e-4", "down_residual", "x + 1.0001·y instead of x + y", "wb_red_add_f4(x + i, t);",
-      "wb_red_add_f4(x + i, float4{t.x * 1.0001f, t.y * 1.0001f, t.z * 1.0001f, t.w * 1.0001f});",
-      "down_residual"),
+    M("down-scale-1e-4", "down_residual", "x + 1.0001·y instead of x + y", "x_add(x, i, t);",
+      "x_add(x, i, t * 1.0001f);", "down_residual"),
     M("down-residual-one-layer", "down_residual", "the last layer loses its MLP output",
-      "wb_red_add_f4(x + i, t);", "if (layer != WB_LAYERS - 1) wb_red_add_f4(x + i, t);", "down_residual"),
+      "x_add(x, i, t);", "if (layer != WB_LAYERS - 1) x_add(x, i, t);", "down_residual"),
     M("down-last-row", "down_residual", "the last output rows are never added to",
-      "for (int i = wb_tid() * 4; i < WB_D; i += wb_ntid() * 4) {",
-      "for (int i = wb_tid() * 4; i < WB_D - 4; i += wb_ntid() * 4) {", "down_residual"),
+      "for (int i = wb_tid(); i < WB_D; i += wb_ntid()) {",
+      "for (int i = wb_tid(); i < WB_D - 4; i += wb_ntid()) {", "down_residual"),
     M("down-unit-skipped", "down_residual", "each block leaves out its last column of Wd",
       "wb_block_units(WB_FF, u0, u1);", "wb_block_units(WB_FF, u0, u1);\n    --u1;", "down_residual"),
     M("down-column-swapped", "down_residual", "every fourth column takes its left neighbour's weight",
@@ -161,6 +166,19 @@ MUTANTS: tuple[Mutant, ...] = (
       "done |= g + 1 >= P->max_new;", "done |= g + 2 >= P->max_new;", "publish"),
     M("streams-wrong-token", "publish", "streams token + 1 (feeds the right one)",
       "P->tokens_out[g] = next;", "P->tokens_out[g] = next + 1;", "publish"),
+    # the stop decision, a rule at a time (workbench.check.stops gives each run limits past every other rule)
+    M("eos-only-first-id", "publish", "only the first of several EOS ids ends the run",
+      "for (int e = 0; e < P->n_eos; ++e)", "for (int e = 0; e < P->n_eos && e < 1; ++e)", "publish"),
+    M("max-new-ignored", "publish", "max_new never ends the run (n_steps still does)",
+      "done |= g + 1 >= P->max_new;", "(void)0;", "publish"),
+    M("n-steps-ignored", "publish", "n_steps never ends the run", "done |= step + 1 >= P->n_steps || ",
+      "done |= ", "publish"),
+    M("cache-end-one-early", "publish", "the run ends a position before the cache's last",
+      "P->pos0 + step + 1 >= WB_MAX_SEQ", "P->pos0 + step + 2 >= WB_MAX_SEQ", "publish"),
+    M("abort-ignored", "publish", "the host's abort word is never acted on",
+      "wb_load_volatile(P->host_abort)", "(0 && wb_load_volatile(P->host_abort))", "publish"),
+    M("nan-runs-on", "publish", "a step with no valid token (NaN logits) does not end the run",
+      "next = 0;\n            done = 1;", "next = 0;\n            done = 0;", "publish"),
 )
 
 

@@ -194,6 +194,7 @@ class _KernelIO(S.StageIO):
         self.ctx, self.stage_name, self.layer = ctx, stage, layer
         self.cfg, self.eps = ctx.cfg, ctx.cfg.rms_eps
         self.positions, self.token = ctx.positions, ctx.tokens
+        self.x_frac_bits = plan.X_FRAC_BITS if plan.BUFFERS["x"].dtype == "fixed" else None
 
     def act(self, buffer):
         prod = plan.producer(self.cfg, buffer, self.stage_name, self.layer)

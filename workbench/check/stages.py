@@ -444,11 +444,13 @@ class StageIO:
     """Where a stage's inputs come from, for a batch of n steps at `positions` of one layer (-1: token stage).
     act(buffer) → [n, size]; weight(name) → an HF-layout tensor of this layer (names of model.weights.layer_names:
     wq, wk, wv, wo, wg, wu, wd, attn_norm, mlp_norm) or of the model (embed, lm_head, final_norm); cache("k"|"v") →
-    [Hkv, n_ctx, hd] of this layer; rope() → (cos, sin) [n, hd/2]; token → [n] ints; eps."""
+    [Hkv, n_ctx, hd] of this layer; rope() → (cos, sin) [n, hd/2]; token → [n] ints; eps; x_frac_bits: the fixed
+    point the kernel holds the residual stream in (plan.X_FRAC_BITS; None: plain floats, as the interpreter has it)."""
     cfg = None
     positions = None
     token = None
     eps = 0.0
+    x_frac_bits = None
 
     def act(self, buffer: str):
         raise NotImplementedError
@@ -463,8 +465,19 @@ class StageIO:
         raise NotImplementedError
 
 
+def residual_fixed(a, frac_bits: int):
+    """A value as the residual stream holds it: the nearest multiple of 2^-frac_bits, ties to even, as the kernel's
+    cvt.rni. Exact in fp32 and fp64 arithmetic alike: scaling by a power of two and rounding to an integer of at
+    most the format's significant bits lose nothing. At 2^-32 it differs from `a` only where |a| < 2^-25."""
+    xp = xp_of(a)
+    one = a.dtype.type(2.0 ** frac_bits)
+    return xp.round(a * one) / one
+
+
 def embedding_io(io: StageIO) -> dict:
-    return {"x": embedding(io.weight("embed"), io.token)}
+    """The row, as the kernel's x holds it where it has a fixed point: bit-equal is still the tolerance."""
+    x = embedding(io.weight("embed"), io.token)
+    return {"x": x if io.x_frac_bits is None else residual_fixed(x, io.x_frac_bits)}
 
 
 def qkv_rope_append_io(io: StageIO) -> dict:

@@ -91,8 +91,9 @@ def coverage(cfg: ModelConfig, launch: plan.Launch, *, thorough: bool = False, s
 
 
 def verify_stages(mk: Monokernel, *, thorough: bool = False, sampling: bool = False, seed: int = 0,
-                  runs: list[Run] | None = None, timeout_s: float = 5.0):
-    """Run the coverage on a taps build and check every stage → (StageTable, [Result])."""
+                  runs: list[Run] | None = None, timeout_s: float = 5.0, repeat: bool = True):
+    """Run the coverage on a taps build and check every stage → (StageTable, [Result]). With `repeat`, the first run
+    is run again and must give the same bits (tokens, logits, every tap): a check of the table's."""
     from .stage_check import check_stages
     if not mk.opt.taps:
         raise ValueError("stage-local verification needs a taps build: BuildOptions(taps=True)")
@@ -104,14 +105,18 @@ def verify_stages(mk: Monokernel, *, thorough: bool = False, sampling: bool = Fa
     top = max(p for r in runs for p in r.positions) + 1
     mk.fill_cache(top, seed=seed)                       # the context of the runs that start past position 0
     t1 = time.perf_counter()
-    results, draws, stopped = [], {}, {}
+    results, draws, stopped, commands = [], {}, {}, []
     for i, r in enumerate(runs):
         prompt = rng.integers(0, cfg.vocab, r.n_prompt).tolist()
         steps = list(range(r.steps))
+
+        def command(prompt=prompt, r=r, steps=steps):
+            return mk.generate(prompt, r.new, r.sampling or Sampling(), pos0=r.pos0, eos=[], record=steps,
+                               tap_steps=steps, n_draws=DRAWS_PER_STEP if r.sampling else 0, poison_kv=True,
+                               timeout_s=timeout_s)
+        commands.append(command)
         try:
-            res = mk.generate(prompt, r.new, r.sampling or Sampling(), pos0=r.pos0, eos=[], record=steps,
-                              tap_steps=steps, n_draws=DRAWS_PER_STEP if r.sampling else 0, poison_kv=True,
-                              timeout_s=timeout_s)
+            res = command()
         except KernelError as e:
             # the kernel stopped itself (NaN logits, a hang it watched for): check what it ran before the stop,
             # and stop here (later runs would start from its state)
@@ -134,8 +139,13 @@ def verify_stages(mk: Monokernel, *, thorough: bool = False, sampling: bool = Fa
             draws[i] = r.sampling
     t2 = time.perf_counter()
     table = check_stages(mk, results, draws=draws, stopped=stopped)
-    table.seconds = {"fill cache": t1 - t0, "runs": t2 - t1, "check stages": time.perf_counter() - t2,
-                     **table.seconds}
+    t3 = time.perf_counter()
+    if repeat and results and not stopped:
+        # the first run again, after the others: it reads only the cache rows it writes itself
+        from .stops import verify_repeat
+        table.extra += verify_repeat(mk, results[0], commands[0])
+    table.seconds = {"fill cache": t1 - t0, "runs": t2 - t1, "check stages": t3 - t2,
+                     "repeat": time.perf_counter() - t3, **table.seconds}
     return table, results
 
 
@@ -174,11 +184,13 @@ class VerifyReport:
     rtol: float
     steps: list[StepCheck]
     tok_per_s: float
+    repeats: list[str] = dataclasses.field(default_factory=list)   # runs repeated that gave other bits (none: all same)
+    repeated: int = 0                                              # runs repeated
 
     @property
     def passed(self) -> bool:
         return all(s.finite and s.rel_err <= self.rtol and s.token_ok is not False for s in self.steps) and \
-            len(self.steps) > 0
+            len(self.steps) > 0 and not self.repeats
 
     @property
     def worst(self) -> StepCheck:
@@ -191,7 +203,9 @@ class VerifyReport:
         return (f"{'PASS' if self.passed else 'FAIL'} {self.model} end to end, seed={self.seed}: "
                 f"{len(self.steps)} recorded steps (positions {self.steps[0].position}..{self.steps[-1].position}), "
                 f"worst rel err {w.rel_err:.2e} at position {w.position} (tol {self.rtol:.0e}), max |Δ| "
-                f"{max(s.max_abs for s in self.steps):.2e}, greedy tokens {ok}/{judged} judged steps identical")
+                f"{max(s.max_abs for s in self.steps):.2e}, greedy tokens {ok}/{judged} judged steps identical"
+                + (f"; {self.repeated} runs repeated bit for bit" if self.repeated and not self.repeats else "")
+                + (f"; NOT REPEATED: {', '.join(self.repeats)}" if self.repeats else ""))
 
 
 def reference_logits(p: Prepared, tokens: list[int], rows: list[int] | None = None, dtype=np.float32) -> np.ndarray:
@@ -252,7 +266,17 @@ def verify(mk: Monokernel, *, prompt_len: int = 8, max_new: int = 24, seed: int 
     if len(res.fed) != n_steps:
         raise RuntimeError(f"the kernel ran {res.steps} steps, {n_steps} expected")
     checks = end_to_end(mk.p, res, prompt_len, rtol)
-    return VerifyReport(cfg.name, seed, prompt_len, len(res.tokens), rtol, checks, res.tok_per_s)
+    # the same command twice must give the same bits: greedy, and a draw whose token a last-bit change of one
+    # logit can move (the seeded runs that did not repeat drew at T = 0.9, top-p 0.9)
+    repeats = []
+    for name, sampling in (("greedy", Sampling()), ("T=0.9 top-p 0.9", Sampling(0.9, 0, 0.9, seed))):
+        if sampling.greedy or mk.opt.sampler == "full":
+            a = res if sampling.greedy else mk.generate(prompt, max_new, sampling, eos=[], record=record)
+            b = mk.generate(prompt, max_new, sampling, eos=[], record=record)
+            if a.tokens != b.tokens or a.logits.tobytes() != b.logits.tobytes():
+                repeats.append(name)
+    return VerifyReport(cfg.name, seed, prompt_len, len(res.tokens), rtol, checks, res.tok_per_s, repeats,
+                        2 if mk.opt.sampler == "full" else 1)
 
 
 def verify_after_prefill(mk: Monokernel, *, prompt_len: int, max_new: int = 16, seed: int = 0,

@@ -192,7 +192,7 @@ class CpuBackend:
     def resources(self, name):
         return self.cubins[name][2]
 
-    def verify(self, sampling: bool = False) -> Verdict:
+    def verify(self, sampling: bool = False, stops: bool = False) -> Verdict:
         """The reference alone, on random tokens (what the GPU run would be compared with), when the model is small."""
         t0 = time.perf_counter()
         if self.cpu_reference:
@@ -363,15 +363,21 @@ class GpuBackend:
     def resources(self, name):
         return self.kernels[name].resources()
 
-    def verify(self, sampling: bool = False, mk=None) -> Verdict:
+    def verify(self, sampling: bool = False, mk=None, stops: bool = False) -> Verdict:
         """Stage-local verification of the debug build on every declared code path (and every sampler mode when
-        `sampling`), then the end-to-end check of its first run."""
+        `sampling`; every branch of the stop decision when `stops`), a second run of the first that must repeat
+        it bit for bit, then the end-to-end check of that run."""
         from ..check.verify import DEFAULT_RTOL, coverage, end_to_end, verify_stages
         mk = mk or self.kernels["debug"]
         t0 = time.perf_counter()
         with self._ctx():
             runs = coverage(self.cfg, mk.launch, sampling=sampling and mk.opt.sampler == "full", first=self.first_run)
             table, results = verify_stages(mk, runs=runs, seed=self.verify_seed, timeout_s=self.timeout_s)
+            if stops and table.passed:
+                from ..check.stops import verify_stops
+                t_stops = time.perf_counter()
+                table.extra += verify_stops(mk, seed=self.verify_seed, timeout_s=self.timeout_s)
+                table.seconds["stop decision"] = time.perf_counter() - t_stops
             first = results[0]
             t1 = time.perf_counter()
             e2e = end_to_end(self.p, first, runs[0].n_prompt, DEFAULT_RTOL)
@@ -675,8 +681,8 @@ class WorkerBackend:
     def resources(self, name):
         return self.info[name][1]
 
-    def verify(self, sampling: bool = False) -> Verdict:
-        return self._call("verify", sampling=sampling)
+    def verify(self, sampling: bool = False, stops: bool = False) -> Verdict:
+        return self._call("verify", sampling=sampling, stops=stops)
 
     def time(self, steps: int, prompt=None) -> Timing:
         return self._call("time", steps, prompt)

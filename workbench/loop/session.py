@@ -48,6 +48,11 @@ from .sections import (display_path, section_file, section_history, undo_section
 _ACTIVE: "Workbench | None" = None
 
 
+# an edit of these runs every branch of the step's stop decision too (workbench.check.stops): a dozen short runs,
+# which the other sections' edits cannot change
+STOP_SECTIONS = ("publish", "monokernel")
+
+
 def active() -> "Workbench | None":
     """The Workbench created last (with activate=True), or None."""
     return _ACTIVE
@@ -261,7 +266,7 @@ class Workbench:
                 if self.device == "cpu":
                     rec.status = NO_GPU
                 try:
-                    v = self._verify_into(rec, section == "sampling") if verify else None
+                    v = self._verify_into(rec, section == "sampling", section in STOP_SECTIONS) if verify else None
                     if verify:
                         rec.verdict_s = time.perf_counter() - t0
                         self._tell(self.on_verdict, rec)
@@ -322,16 +327,17 @@ class Workbench:
                 print(f"workbench: callback {getattr(cb, '__name__', cb)!r} failed: "
                       f"{type(e).__name__}: {e}", file=sys.stderr)
 
-    def verify(self, sampling: bool = False):
-        """Verify the debug build now (stage by stage, then end to end) → backends.Verdict."""
+    def verify(self, sampling: bool = False, stops: bool = False):
+        """Verify the debug build now (stage by stage, a repeat of the first run, every branch of the stop decision
+        with `stops`, then end to end) → backends.Verdict."""
         with self._lock:
-            return self.backend.verify(sampling=sampling)
+            return self.backend.verify(sampling=sampling, stops=stops)
 
-    def _verify_into(self, rec: ReloadRecord, sampling: bool):
+    def _verify_into(self, rec: ReloadRecord, sampling: bool, stops: bool = False):
         from ..run.runtime import KernelError
         t0 = time.perf_counter()
         try:
-            v = self.backend.verify(sampling=sampling)
+            v = self.backend.verify(sampling=sampling, stops=stops)
         except KernelError as e:
             rec.status, rec.passed, rec.error = RUN_ERROR, False, f"{type(e).__name__}: {e}"
             rec.first_failure = f"the debug run stopped: {e}"

@@ -31,11 +31,22 @@ _ALLOC_LOCK = threading.Lock()
 def free_device_bytes(cp) -> int:
     """What the current GPU can still give this process: the driver's free memory and CuPy's cached free blocks."""
     return cp.cuda.runtime.memGetInfo()[0] + cp.get_default_memory_pool().free_bytes()
-_NP_DTYPES = {"f32": np.float32, "bf16": np.uint16, "i32": np.int32, "u32": np.uint32, "u64": np.uint64}
+_NP_DTYPES = {"f32": np.float32, "bf16": np.uint16, "i32": np.int32, "u32": np.uint32, "u64": np.uint64,
+              "fixed": np.int64}
 BF16_NAN = 0x7FC0
 # Inside a worker process (workbench.run.worker): the shared block every kernel writes and the phase word it sets,
 # so that the parent watches whatever kernel runs here (set once by the worker's service)
 WORKER_CONTEXT: dict = {}
+
+
+def poison_activation(a, dtype: str):
+    """Fill an activation with what reads as NaN: a fixed-point buffer (plan.X_FRAC_BITS) with INT64_MIN in part 0
+    and 0 in the others, a total that every reader takes as NaN (a poison in every part could cancel: 2·2^63 ≡ 0)."""
+    if dtype == "fixed":
+        a.fill(0)
+        a[0].fill(np.iinfo(np.int64).min)
+    else:
+        a.fill(np.nan)
 
 
 def _worker_mapped():
@@ -348,7 +359,14 @@ class Monokernel:
             if b.kind in ("activation", "cache", "scratch"):
                 shape = b.shape(cfg, self.launch)
                 make = cp.zeros if b.kind in ("cache", "scratch") else cp.empty
-                self.buffers[b.name] = make(shape, _NP_DTYPES[b.dtype])
+                if b.kind == "cache":
+                    # one spare row past the end: the check of the kernel's own end-of-cache stop runs it with
+                    # limits past the cache (workbench.check.stops), and a kernel that missed that stop would
+                    # append one row beyond the last layer's last head
+                    n = int(np.prod(shape))
+                    self.buffers[b.name] = cp.zeros(n + shape[-1], _NP_DTYPES[b.dtype])[:n].reshape(shape)
+                else:
+                    self.buffers[b.name] = make(shape, _NP_DTYPES[b.dtype])
         for name, arr in self.buffers.items():
             setattr(self, name, arr)
         i32, u32 = cp.int32, cp.uint32
@@ -417,12 +435,17 @@ class Monokernel:
                       host_timeout_s: float = 20.0, poison_kv: bool = False,
                       on_token: Callable[[int], None] | None = None,
                       on_poll: Callable[["Monokernel", int], None] | None = None,
-                      poll_interval_s: float = 0.05) -> Iterator[int]:
+                      poll_interval_s: float = 0.05, kernel_limits: tuple[int, int] | None = None,
+                      stop_requested: bool = False) -> Iterator[int]:
         """Launch once; yield each generated token as the kernel publishes it; the generator's return value (also
         in `self.last`) is the Result. `record`: decode steps whose logits are kept (step i feeds prompt[i], or
         the (i − len(prompt) + 1)-th generated token, at position pos0 + i), and at which `n_draws` draws of the
         sampler are kept. `poison_kv`: the cache rows this run appends are set to NaN first, so a row a stage fails
-        to write cannot pass for one it wrote."""
+        to write cannot pass for one it wrote. `kernel_limits` = (n_steps, max_new): what the kernel is told in
+        place of this call's own limits, which may pass them and the end of the cache (up to a step past it), so
+        that each of the kernel's stop rules can be the one that ends a run (workbench.check.stops).
+        `stop_requested`: the host's abort word is set before the launch (as `request_stop` sets it during a run),
+        so the kernel ends at the first step that reads it, with KernelAborted."""
         cp, cfg = self.cp, self.cfg
         prompt = [int(t) for t in prompt]
         if not prompt:
@@ -441,6 +464,10 @@ class Monokernel:
             raise ValueError(f"positions {pos0}..{pos0 + n_steps - 1} do not fit the KV cache of {cfg.max_seq}")
         if n_steps > self.max_steps:
             raise ValueError(f"{n_steps} steps exceed this kernel's max_steps={self.max_steps}")
+        k_steps, k_new = (n_steps, max_new) if kernel_limits is None else kernel_limits
+        if not (1 <= k_steps <= min(self.max_steps, cfg.max_seq - pos0 + 1) and k_new >= 1):
+            raise ValueError(f"kernel_limits {kernel_limits}: steps from 1 to one past the cache's end "
+                             f"({min(self.max_steps, cfg.max_seq - pos0 + 1)}), max_new from 1")
         record = sorted(set(record or []))
         if len(record) > self.max_record:
             raise ValueError(f"at most {self.max_record} recorded steps (asked {len(record)}); raise max_record")
@@ -495,17 +522,19 @@ class Monokernel:
                 buf.fill(0)
             for name, b in plan.BUFFERS.items():                      # poison: what a step must write, as NaN
                 if b.kind == "activation":
-                    self.buffers[name].fill(cp.nan)
+                    poison_activation(self.buffers[name], b.dtype)
             if poison_kv:
                 for cache in (self.k_cache, self.v_cache):
                     cache[:, :, pos0:pos0 + n_steps].fill(BF16_NAN)
             if timing_steps:
                 self.timing[:timing_steps * n_slots * self.grid * 2].fill(0)
-            P = self._params(len(prompt), n_steps, max_new, pos0, sampling, eos, n_draws, timing_steps, timeout_s)
+            P = self._params(len(prompt), k_steps, k_new, pos0, sampling, eos, n_draws, timing_steps, timeout_s)
             self.params_dev.set(np.frombuffer(bytes(P), np.uint8), stream=self.stream)
             self.stream.synchronize()
         w = self.mapped.words
         w[:] = 0
+        if stop_requested:
+            w[M_ABORT] = 1
         start, end = cp.cuda.Event(), cp.cuda.Event()
         self.on_phase("running", max(timeout_s, 0.0), self.grid)
         start.record(self.stream)
@@ -576,6 +605,10 @@ class Monokernel:
         self.timing[:n].get(stream=side, out=out)
         side.synchronize()
         return out.reshape(self.timing_steps, -1, self.grid, 2)
+
+    def request_stop(self):
+        """Ask the running kernel to stop: it reads this word every 16 steps and ends with KernelAborted."""
+        self.mapped.words[M_ABORT] = 1
 
     def generate(self, prompt, max_new, sampling: Sampling = Sampling(), **kw) -> Result:
         it = self.stream_tokens(prompt, max_new, sampling, **kw)
