@@ -143,15 +143,10 @@ def arch_arg(text: str) -> str:
 
 
 def _probe(folder: Path) -> str | None:
-    """Why no file can be made in `folder`, by making one: permission bits say nothing to root, nor of a read-only
-    mount."""
-    import tempfile
-    try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".workbench-probe-"):
-            pass
-    except OSError as e:
-        return f"no file can be made in {folder} ({e.strerror or e})"
-    return None
+    """Why no file can be made in `folder` (paths.write_problem: by making one), as an output check says it."""
+    from .paths import write_problem
+    why = write_problem(folder)
+    return None if why is None else f"no file can be made in {folder} ({why})"
 
 
 def output_path_problem(text: str) -> str | None:

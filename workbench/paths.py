@@ -124,7 +124,7 @@ def _why(e: OSError) -> str:
     return f"{e.strerror}: {e.filename}" if e.strerror and e.filename else (e.strerror or str(e))
 
 
-def _write_problem(folder: Path) -> str | None:
+def write_problem(folder: Path) -> str | None:
     """Why no file can be created in `folder`, None if one can: a real attempt, since the mode bits say nothing for
     root, a read-only mount or an ACL."""
     try:
@@ -187,7 +187,7 @@ def _fill(workspace: Path) -> Path:
         why = f"{blocker} is a file, not a folder" if blocker is not None else _why(e)
         raise SourceError(f"{named}: the kernel sources cannot be copied there ({why}): {other}",
                           path=blocker or workspace) from None
-    if (why := _write_problem(workspace)) is not None:
+    if (why := write_problem(workspace)) is not None:
         raise SourceError(f"{named} is not writable ({why}): edits and their history are written there; make it "
                           f"writable, or {other}", path=workspace)
     _filled.add(workspace)

@@ -423,7 +423,7 @@ class Monokernel:
         P.status, P.host_abort, P.n_out, P.progress, P.tokens_out = (m.ptr(M_STATUS), m.ptr(M_ABORT), m.ptr(M_N_OUT),
                                                                      m.ptr(M_PROGRESS), m.ptr(M_TOKENS))
         P.where = self.where_dev.data.ptr if self.where_in_device else m.ptr(M_WHERE)
-        P.seed, P.timeout_ns = sampling.seed & (2**64 - 1), int(timeout_s * 1e9)
+        P.seed, P.timeout_ns = sampling.seed, int(timeout_s * 1e9)     # in [0, 2**64): Sampling.check
         P.n_in, P.n_steps, P.max_new, P.pos0, P.n_eos = n_in, n_steps, max_new, pos0, len(eos)
         P.top_k, P.n_draws, P.attn_max_splits, P.timing_steps = sampling.top_k, n_draws, self.attn_max_splits, timing_steps
         P.temperature, P.top_p = sampling.temperature, sampling.top_p
