@@ -161,7 +161,7 @@ __device__ __forceinline__ float wb_shfl_xor(float v, int m) { return __shfl_xor
 __device__ __forceinline__ int   wb_shfl_xor(int v, int m)   { return __shfl_xor_sync(0xffffffffu, v, m); }
 __device__ __forceinline__ float wb_shfl(float v, int src)   { return __shfl_sync(0xffffffffu, v, src); }
 __device__ __forceinline__ int   wb_shfl(int v, int src)     { return __shfl_sync(0xffffffffu, v, src); }
-// For a stage written in PTX (workbench.build.ptx): wb_keep uses a value at no cost, so that the compiler keeps
+// For a stage written in PTX (workbench.compiler.ptx): wb_keep uses a value at no cost, so that the compiler keeps
 // every parameter for the .ptx body; wb_opaque hands a value on through a move the compiler cannot see through, so
 // that it cannot fold a parameter every call passes the same value for
 template <typename T> __device__ __forceinline__ void wb_keep(T* p) { asm volatile("" ::"l"(p)); }

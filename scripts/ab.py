@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import cupy as cp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import workbench.build.assemble as A  # noqa: E402
+import workbench.compiler.assemble as A  # noqa: E402
 from workbench import paths  # noqa: E402
-from workbench.build.assemble import BuildOptions  # noqa: E402
+from workbench.compiler.assemble import BuildOptions  # noqa: E402
 from workbench.cli import env_output_folder  # noqa: E402
 from workbench.model.config import get_config  # noqa: E402
 from workbench.model.weights import prepare, random_weights  # noqa: E402

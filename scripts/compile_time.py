@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from workbench.build.assemble import Assembled, BuildOptions, assemble, option_from_text  # noqa: E402
-from workbench.build.compile import compile_cubin  # noqa: E402
+from workbench.compiler.assemble import Assembled, BuildOptions, assemble, option_from_text  # noqa: E402
+from workbench.compiler.compile import compile_cubin  # noqa: E402
 from workbench.cli import env_output_folder  # noqa: E402
 from workbench.model.config import get_config  # noqa: E402
 

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 sys.path.insert(0, str(ROOT))
 
-from workbench.build.assemble import option_from_text  # noqa: E402
+from workbench.compiler.assemble import option_from_text  # noqa: E402
 from workbench.cli import output_folder  # noqa: E402
 from workbench.model.config import PRESETS  # noqa: E402
 
@@ -57,7 +57,7 @@ def run(name: str, cmd: list[str], out: Path, timeout: int, cwd: Path = ROOT, en
 
 SMOKE = r"""
 import cupy as cp, time
-from workbench.build.assemble import BuildOptions
+from workbench.compiler.assemble import BuildOptions
 from workbench.check.verify import verify_stages, verify
 from workbench.model.config import get_config
 from workbench.model.weights import prepare, random_weights
@@ -97,7 +97,7 @@ print("overhead", {k: v for k, v in out["overhead"].items() if k.endswith("pct")
 RECORD = r"""
 import json, sys, numpy as np, cupy as cp
 from pathlib import Path
-from workbench.build.assemble import BuildOptions
+from workbench.compiler.assemble import BuildOptions
 from workbench.measure import trace as T
 from workbench.measure.baselines import stream_read_tbps
 from workbench.model.config import get_config

@@ -111,7 +111,7 @@ def overhead(wb, model: str, work: Path) -> dict:
     import cupy as cp
     import numpy as np
 
-    from workbench.build.assemble import BuildOptions
+    from workbench.compiler.assemble import BuildOptions
     from workbench.loop.session import Workbench
     from workbench.model.config import get_config
     from workbench.model.weights import prepare, random_weights

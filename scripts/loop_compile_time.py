@@ -6,7 +6,7 @@ not here: on a CPU the verdict comes once the verification build has compiled.
     python scripts/loop_compile_time.py [--model llama-3.2-1b] [--edits 5] [--levels min mid max] [--no-serial]
                                         [--units]
 
-`--units` adds a mode with the verification build in units (workbench.build.units, at -Ofc=min).
+`--units` adds a mode with the verification build in units (workbench.compiler.units, at -Ofc=min).
 
 Prints a table of medians and writes loop_compile_time.json under $OUT.
 """

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from workbench import plan
+from workbench import abi
 from workbench.run.worker import phase_setter
 
 
@@ -19,7 +19,7 @@ class FakeService:
         self.label = label
 
     def _where(self):
-        o = plan.mapped_offset("where")
+        o = abi.mapped_offset("where")
         return self.mapped[o:o + 4].view(np.uint32)                # the kernel writes u32 words
 
     def echo(self, x):
@@ -28,8 +28,8 @@ class FakeService:
     def run(self, steps: int, *, stall_block: int | None = None, obey_abort: bool = True, timeout_s: float = 0.5):
         """A kernel of `steps` steps, 5 ms each; `stall_block` stops moving from step 2 (the others wait for it)."""
         self.set_phase("running", timeout_s, 4)
-        abort = plan.mapped_offset("host_abort")
-        prog = plan.mapped_offset("progress")
+        abort = abi.mapped_offset("host_abort")
+        prog = abi.mapped_offset("progress")
         self.mapped[abort] = 0
         w = self._where()
         for step in range(steps):
@@ -40,9 +40,9 @@ class FakeService:
                 if stall_block == b and step >= 2:
                     continue
                 if stall_block is not None and step >= 3:
-                    w[b] = plan.where(3, 1, 2, waiting=True)          # everyone else waits after o_proj of layer 1
+                    w[b] = abi.where(3, 1, 2, waiting=True)          # everyone else waits after o_proj of layer 1
                 else:
-                    w[b] = plan.where(step % 5, step % 3, step)
+                    w[b] = abi.where(step % 5, step % 3, step)
             if stall_block is None or step < 3:
                 self.mapped[prog] = step + 1
             elif (step - 3) * 0.005 > timeout_s:
@@ -53,13 +53,13 @@ class FakeService:
 
     def _barrier_timed_out(self):
         """What a kernel's barrier writes when it times out: the hang code first among the status words."""
-        self.mapped[plan.mapped_offset("status") + plan.STATUS_WORDS.index("code")] = 1
+        self.mapped[abi.mapped_offset("status") + abi.STATUS_WORDS.index("code")] = 1
 
     def spin(self):
         """A block that spins on a flag nobody sets, ignoring the abort flag; the others time out at the barrier."""
         self.set_phase("running", 0.2, 4)
         w = self._where()
-        w[:] = [plan.where(3, 1, 2), plan.where(3, 1, 2, True), plan.where(3, 1, 2, True), plan.where(3, 1, 2, True)]
+        w[:] = [abi.where(3, 1, 2), abi.where(3, 1, 2, True), abi.where(3, 1, 2, True), abi.where(3, 1, 2, True)]
         time.sleep(0.2)
         self._barrier_timed_out()
         while True:
@@ -70,7 +70,7 @@ class FakeService:
         the CUDA error reaches the process only seconds later, when the driver has torn the context down."""
         self.set_phase("running", 0.2, 4)
         w = self._where()
-        w[:] = [plan.where(3, 1, 2), plan.where(3, 1, 2, True), plan.where(3, 1, 2, True), plan.where(3, 1, 2, True)]
+        w[:] = [abi.where(3, 1, 2), abi.where(3, 1, 2, True), abi.where(3, 1, 2, True), abi.where(3, 1, 2, True)]
         time.sleep(after_s)
         self.fault()
 
@@ -95,7 +95,7 @@ class FakeService:
         from workbench.run.runtime import KernelHang
         self.set_phase("running", 0.2, 4)
         w = self._where()
-        w[:] = [plan.where(3, 1, 2), plan.where(3, 1, 2, True), plan.where(3, 1, 2, True), plan.where(3, 1, 2, True)]
+        w[:] = [abi.where(3, 1, 2), abi.where(3, 1, 2, True), abi.where(3, 1, 2, True), abi.where(3, 1, 2, True)]
         self._barrier_timed_out()
         self.set_phase("checking")
         raise KernelHang("grid barrier timed out after the o_proj_residual stage of layer 1 at step 2: block 1 "

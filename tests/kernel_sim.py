@@ -14,9 +14,9 @@ import dataclasses
 
 import numpy as np
 
-from workbench import plan
-from workbench.build.assemble import BuildOptions
-from workbench.check import stages as S
+from workbench import plan, schedule
+from workbench.compiler.assemble import BuildOptions
+from workbench.model import stage_math as S
 from workbench.check.reference import KVCache, PreparedView, forward
 from workbench.model.weights import to_bf16, to_f32
 from workbench.run.runtime import KernelAborted, NonFiniteLogits, Result, Sampling
@@ -110,7 +110,7 @@ class SimKernel:
         self._abort = stop_requested
         self.view._model.pop("embed", None)             # the weights as they are now (a check may have edited them)
         record, tap_steps = sorted(record), sorted(tap_steps)
-        floats = plan.tap_step_floats(cfg, launch)
+        floats = schedule.tap_step_floats(cfg, launch)
         taps = np.full((len(tap_steps), floats), np.nan, np.float32)
         logits_hist, draws = [], []
         fed, out = [int(prompt[0])], []
@@ -156,7 +156,7 @@ class SimKernel:
             fed.append(nxt)
             if step in tap_steps:
                 row = taps[tap_steps.index(step)]
-                for tp in plan.taps(cfg, launch):
+                for tp in schedule.taps(cfg, launch):
                     layers = range(cfg.n_layers) if tp.layers > 1 else [-1]
                     for layer in layers:
                         if tp.buffer == "blk_max":

@@ -8,9 +8,9 @@ import re
 import numpy as np
 import pytest
 
-from workbench import plan
-from workbench.build.assemble import BuildOptions, Params, assemble, defines, section_path, smem_bytes
-from workbench.build.compile import CompileError, compile_cubin, parse_log, resource_usage
+from workbench import abi, plan, schedule
+from workbench.compiler.assemble import BuildOptions, Params, assemble, defines, section_path, smem_bytes
+from workbench.compiler.compile import CompileError, compile_cubin, parse_log, resource_usage
 from workbench.model.config import PRESETS, get_config
 
 
@@ -60,7 +60,7 @@ def test_every_line_maps_back_to_its_file(tiny_asm):
 
 def test_params_struct_matches_ctypes(tiny_asm):
     assert f"static_assert(sizeof(Params) == {ctypes.sizeof(Params)}" in tiny_asm.source
-    assert [f[0] for f in Params._fields_] == [n for n, _ in plan.params_fields()]
+    assert [f[0] for f in Params._fields_] == [n for n, _ in abi.params_fields()]
 
 
 def test_edit_changes_the_cache_key(tiny_asm):
@@ -114,7 +114,7 @@ def test_timing_switch_compiles_away():
     # the stamps exist only under #if WB_TIMING; with it off the kernel has no globaltimer read outside the barrier
     cubin0, _ = compile_cubin(assemble(get_config("tiny")))
     cubin1, _ = compile_cubin(assemble(get_config("tiny"), BuildOptions(timing=True)))
-    from workbench.build.compile import disassemble
+    from workbench.compiler.compile import disassemble
     n0 = disassemble(cubin0).count("GLOBALTIMER")
     n1 = disassemble(cubin1).count("GLOBALTIMER")
     assert n1 > n0
@@ -250,7 +250,7 @@ def test_ptxas_level_reaches_the_compiler():
 
 
 def test_build_options_from_text_and_bad_values():
-    from workbench.build.assemble import option_from_text
+    from workbench.compiler.assemble import option_from_text
     assert option_from_text("sampler", "greedy") == "greedy" and option_from_text("fast_compile", "0") == "0"
     assert option_from_text("ptxas_opt", "1") == 1 and option_from_text("timing", "1") is True
     with pytest.raises(ValueError, match="not a BuildOptions field"):
@@ -336,13 +336,13 @@ def test_early_splits_the_barriers_before_the_named_stages(model):
 def test_the_early_region_is_clear_of_the_early_stages_and_builds_without_spills(model):
     cfg = get_config(model)
     opt = BuildOptions(early="+".join(EARLY))
-    off, n = plan.early_region(cfg, opt.launch)
-    assert n == opt.launch.stage_threads * plan.EARLY_LOADS * 4 and off % 4 == 0
-    regions = plan.smem_regions(cfg, opt.launch)
+    off, n = schedule.early_region(cfg, opt.launch)
+    assert n == opt.launch.stage_threads * schedule.EARLY_LOADS * 4 and off % 4 == 0
+    regions = schedule.smem_regions(cfg, opt.launch)
     for name in EARLY:
         assert all(o + k <= off for o, k in regions[name].values()), name
-    assert plan.smem_floats(cfg, opt.launch) >= off + n
-    assert plan.early_region(cfg, BuildOptions(early="").launch) == (0, 0)
+    assert schedule.smem_floats(cfg, opt.launch) >= off + n
+    assert schedule.early_region(cfg, BuildOptions(early="").launch) == (0, 0)
     cubin = compile_cubin(assemble(cfg, opt))[0]
     assert resource_usage(cubin)[0].stack == 0
 
@@ -382,18 +382,18 @@ def test_compiling_leaves_python_bytes_alone():
 
 def test_generated_constants_are_the_plans():
     """What the C++ side is told (the generated header) is what the host reads (the plan)."""
-    from workbench.build.header import plan_header
+    from workbench.compiler.header import plan_header
     from workbench.measure.timing import slot_names
     for cfg in PRESETS.values():
         launch = plan.Launch()
         text = plan_header(cfg, launch)
-        assert f"constexpr int WB_SLOTS = {plan.n_slots(cfg)};" in text
-        assert len(slot_names(cfg)) == plan.n_slots(cfg) == 4 * cfg.n_layers + 2
+        assert f"constexpr int WB_SLOTS = {schedule.n_slots(cfg)};" in text
+        assert len(slot_names(cfg)) == schedule.n_slots(cfg) == 4 * cfg.n_layers + 2
         assert f"constexpr int WB_BLOCKS = {launch.grid};" in text
-        assert f"WB_TAP_STEP_FLOATS = {plan.tap_step_floats(cfg, launch)};" in text
-        for tp in plan.taps(cfg, launch):
+        assert f"WB_TAP_STEP_FLOATS = {schedule.tap_step_floats(cfg, launch)};" in text
+        for tp in schedule.taps(cfg, launch):
             assert f"WB_TAP_{tp.stage.upper()}_{tp.buffer.upper()} = {tp.offset}," in text
-        for st, regions in plan.smem_regions(cfg, launch).items():
+        for st, regions in schedule.smem_regions(cfg, launch).items():
             for r, (off, n) in regions.items():
                 assert f"WB_SMEM_{st.upper()}_{r.upper()} = {off}, WB_SMEM_{st.upper()}_{r.upper()}_FLOATS = {n};" in text
         assert "enum Stage { " + ", ".join(f"ST_{s.upper()}" for s in plan.STAGE_NAMES) in text
@@ -402,15 +402,14 @@ def test_generated_constants_are_the_plans():
 def test_a_layout_that_no_longer_fits_fails_at_the_sections_line(monkeypatch):
     """The sections static_assert what they need of the plan's layout: a region made too small is a compile
     error at the section's own line, not a silent overflow."""
-    from workbench.build import header
-    orig = plan.smem_regions
+    from workbench.compiler import header
+    orig = schedule.smem_regions
 
     def shrunk(cfg, launch=plan.Launch()):
         r = orig(cfg, launch)
         r["attention_decode"]["warps"] = (r["attention_decode"]["warps"][0], 4)
         return r
-    monkeypatch.setattr(plan, "smem_regions", shrunk)
-    monkeypatch.setattr(header.plan, "smem_regions", shrunk)
+    monkeypatch.setattr(schedule, "smem_regions", shrunk)
     with pytest.raises(CompileError) as e:
         compile_cubin(assemble(get_config("tiny")))
     assert any(m[0] == "kernels/sections/attention_decode.cuh" and "static assertion" in m[3]
@@ -419,13 +418,13 @@ def test_a_layout_that_no_longer_fits_fails_at_the_sections_line(monkeypatch):
 
 def test_the_decode_step_is_generated_from_the_plan():
     """One statement per stage, in plan order, with its buffers; a barrier only where the plan needs one."""
-    from workbench.build.header import decode_step, stage_call
+    from workbench.compiler.header import decode_step, stage_call
     cfg = get_config("tiny")
     text = decode_step(cfg, plan.Launch())
     calls = re.findall(r"WB_(GRID|BLOCK0)\(ST_(\w+),", text)
     assert [c[1].lower() for c in calls] == list(plan.STAGE_NAMES)
     # a whole barrier or only its arrival (the stage after it loads early: Launch.early), one per slot's end
-    assert text.count("WB_SYNC(") + text.count("WB_ARRIVE(") == len({s.stages[-1][0] for s in plan.slots(cfg)})
+    assert text.count("WB_SYNC(") + text.count("WB_ARRIVE(") == len({s.stages[-1][0] for s in schedule.slots(cfg)})
     assert ("stage_o_proj_residual(P->o, P->wo + layer * WB_PER_LAYER_WO, layer, smem, /* → */ P->x /* += */, P->h)"
             in text)
     # the MLP's two stages with a block barrier between them, and no grid barrier
@@ -441,7 +440,7 @@ def test_the_decode_step_is_generated_from_the_plan():
 def test_cupys_nvrtc_binding_makes_the_same_kernel():
     """Without cuda-bindings (a GPU machine may have CuPy alone) a build with PTX sections reaches NVRTC through
     CuPy's own binding: the same PTX, and the same log on an error; a cubin it does not make."""
-    from workbench.build import compile as C
+    from workbench.compiler import compile as C
     asm = assemble(get_config("tiny"))
     opts = ["--gpu-architecture=compute_90", *C.NVRTC_OPTIONS]
     a, b = C.nvrtc_program(asm.source, opts, cubin=False), C._nvrtc_cupy(asm.source, opts, cubin=False)

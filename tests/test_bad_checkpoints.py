@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from workbench import plan
+from workbench import abi, plan, schedule
 from workbench.errors import ConfigError, WeightsError
 from workbench.model import safetensors_io
 from workbench.model.config import (INDEX_MAX, INT32_MAX, MAX_GRID_WARPS, MAX_LAYERS, PRESETS, ModelConfig,
@@ -204,13 +204,13 @@ def test_sliding_layer_types_without_use_sliding_window_are_refused(tiny_config)
 # -- 3. sizes past the kernel's 32-bit indices ---------------------------------------------------------------------
 
 def test_the_index_bounds_are_the_plans():
-    """The largest grid-wide stride is plan.MAX_BLOCKS blocks of plan.MAX_WARPS warps (matvec.cuh's grid_nwarps);
-    the where-word keeps layer + 1 in plan.WHERE_FIELDS' layer bits; the tap record is plan.tap_step_floats."""
-    assert MAX_GRID_WARPS == plan.MAX_BLOCKS * plan.MAX_WARPS and INDEX_MAX == INT32_MAX - MAX_GRID_WARPS
-    assert MAX_LAYERS == 2 ** dict(plan.WHERE_FIELDS)["layer"] - 2
+    """The largest grid-wide stride is abi.MAX_BLOCKS blocks of plan.MAX_WARPS warps (matvec.cuh's grid_nwarps);
+    the where-word keeps layer + 1 in abi.WHERE_FIELDS' layer bits; the tap record is schedule.tap_step_floats."""
+    assert MAX_GRID_WARPS == abi.MAX_BLOCKS * plan.MAX_WARPS and INDEX_MAX == INT32_MAX - MAX_GRID_WARPS
+    assert MAX_LAYERS == 2 ** dict(abi.WHERE_FIELDS)["layer"] - 2
     for cfg in [*PRESETS.values(), TINY.with_(n_layers=7, intermediate=4096, vocab=50000)]:
         fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-        assert tap_record_floats(fields) == plan.tap_step_floats(cfg, plan.Launch(grid=plan.MAX_BLOCKS)), cfg.name
+        assert tap_record_floats(fields) == schedule.tap_step_floats(cfg, plan.Launch(grid=abi.MAX_BLOCKS)), cfg.name
 
 
 def test_vocab_at_and_past_the_index_bound(tiny_config):

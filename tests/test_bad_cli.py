@@ -233,7 +233,7 @@ def test_build_arch(argv, names):
 
 
 def test_every_supported_arch_parses():
-    from workbench.build.compile import CUDA_ARCHS, HIP_ARCHS
+    from workbench.compiler.compile import CUDA_ARCHS, HIP_ARCHS
     for a in CUDA_ARCHS + HIP_ARCHS:
         args = cli._parser().parse_args(["build", "--model", "tiny", "--arch", a])
         cli._check_build(args)

@@ -131,10 +131,10 @@ def test_the_benchs_worker_has_room_for_every_step_its_kernel_runs(argv):
     """The bench's kernel runs to its furthest position or its longest prompt (cache_positions), past the model's
     default context; the worker's mapped block, sized before the kernel exists, must stream that many steps (a
     32k prompt once stopped the bench with 'the mapped block has 17429 words, 33820 needed')."""
-    from workbench import plan
+    from workbench import abi
     from workbench.cli import _check_bench, _parser, worker_tokens
     args = _parser().parse_args(["bench", "--model", "llama-3.2-1b", "--tokens", "32", *argv])
     _check_bench(args)
     steps = args.cache_positions                      # run_bench's Monokernel(max_steps=...)
     assert steps == cache_positions(args.positions or bench_positions("llama-3.2-1b"), 32, args.ttft)
-    assert plan.mapped_words(worker_tokens(args)) >= plan.mapped_words(steps + 1)
+    assert abi.mapped_words(worker_tokens(args)) >= abi.mapped_words(steps + 1)

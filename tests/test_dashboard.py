@@ -21,14 +21,14 @@ pytest.importorskip("plotly")
 pytest.importorskip("ipywidgets")
 pytest.importorskip("anywidget")
 
-from workbench import plan                                        # noqa: E402
+from workbench import abi, plan, schedule  # noqa: E402
 from workbench.ui import dashboard as D                          # noqa: E402
 from workbench.measure import trace as T                              # noqa: E402
 from workbench.model.config import PRESETS                           # noqa: E402
 from workbench.measure.timing import slot_labels, slot_names, spans, stage_bytes, stage_table  # noqa: E402
 
 CFG = PRESETS["tiny"]                  # 2 layers: 10 slots
-LAYER_SLOTS = [s.label for s in plan.slots(CFG) if s.layer == 0]      # one layer's slots, in order
+LAYER_SLOTS = [s.label for s in schedule.slots(CFG) if s.layer == 0]      # one layer's slots, in order
 SLOTS_PER_LAYER = len(LAYER_SLOTS)
 N_SLOTS = SLOTS_PER_LAYER * CFG.n_layers + 2
 SLOT0 = "sampling+publish+embedding"
@@ -60,7 +60,7 @@ def synthetic(cfg=CFG, steps=5, blocks=4, work_scale=None, t0=T0):
 
 def layer_slot(label: str, layer: int) -> int:
     """The index of the slot `label` of `layer` in a step (CFG's layout)."""
-    return next(s.index for s in plan.slots(CFG) if (s.label, s.layer) == (label, layer))
+    return next(s.index for s in schedule.slots(CFG) if (s.label, s.layer) == (label, layer))
 
 
 def slot_span_ns(k):
@@ -95,21 +95,21 @@ def save_v1(path, t: np.ndarray, meta: dict) -> Path:
 
 def test_slot_layout_comes_from_the_plan():
     names = slot_names(CFG)
-    assert names == [(s.label, s.layer) for s in plan.slots(CFG)] and len(names) == plan.n_slots(CFG) == N_SLOTS
+    assert names == [(s.label, s.layer) for s in schedule.slots(CFG)] and len(names) == schedule.n_slots(CFG) == N_SLOTS
     assert names[0] == (SLOT0, -1) and names[-1] == ("lm_head", -1)
     assert slot_names(CFG, first_step=True)[0] == ("embedding", -1)
     assert slot_labels(CFG) == [SLOT0, *LAYER_SLOTS, "lm_head"]
     assert LAYER_SLOTS == ["qkv_rope_append", "attention_decode", "o_proj_residual", MLP] and N_SLOTS == 10
     for layer in range(CFG.n_layers):                  # each layer's slots run the layer stages once, in order
-        mine = [s for s in plan.slots(CFG) if s.layer == layer]
+        mine = [s for s in schedule.slots(CFG) if s.layer == layer]
         assert [s.label for s in mine] == LAYER_SLOTS
         assert [st for s in mine for st in s.stages] == [(st, layer) for st in plan.LAYER_STAGES]
-        assert plan.barrier_slot(CFG, "gate_up_silu", layer) is None           # no grid barrier inside the MLP
-        assert plan.barrier_slot(CFG, "down_residual", layer) == layer_slot(MLP, layer)
-    assert stage_bytes(CFG, MLP, 7) == sum(plan.stage_bytes(CFG, s, 7) for s in ("gate_up_silu", "down_residual"))
-    assert stage_bytes(CFG, SLOT0, 7) == sum(plan.stage_bytes(CFG, s, 7) for s in ("sampling", "publish",
+        assert schedule.barrier_slot(CFG, "gate_up_silu", layer) is None           # no grid barrier inside the MLP
+        assert schedule.barrier_slot(CFG, "down_residual", layer) == layer_slot(MLP, layer)
+    assert stage_bytes(CFG, MLP, 7) == sum(schedule.stage_bytes(CFG, s, 7) for s in ("gate_up_silu", "down_residual"))
+    assert stage_bytes(CFG, SLOT0, 7) == sum(schedule.stage_bytes(CFG, s, 7) for s in ("sampling", "publish",
                                                                                     "embedding"))
-    assert stage_bytes(CFG, "attention_decode", 9) == plan.stage_bytes(CFG, "attention_decode", 9)
+    assert stage_bytes(CFG, "attention_decode", 9) == schedule.stage_bytes(CFG, "attention_decode", 9)
 
 
 def test_synthetic_spans_are_what_the_construction_says():
@@ -312,7 +312,7 @@ def test_recorded_fixtures_are_small_and_labelled():
         assert m["commit"] == "44eafba" and m["model"] == "llama-3.2-1b" and m["position"] == pos
         assert m["tok_s"] == pytest.approx(tok_s, abs=0.1) and m["roofline_tbps"] == pytest.approx(4.391, abs=0.005)
         assert m["format"] == T.FORMAT
-        n_slots = plan.n_slots(PRESETS["llama-3.2-1b"])
+        n_slots = schedule.n_slots(PRESETS["llama-3.2-1b"])
         assert n_slots == SLOTS_PER_LAYER * PRESETS["llama-3.2-1b"].n_layers + 2 == 66       # 16 layers of four
         assert tr.stamps.shape == (17, n_slots, 132, 2) and tr.complete_steps == 17
         assert tr.slot_names == slot_names(tr.cfg)
@@ -333,7 +333,7 @@ def test_recorded_stage_table_matches_the_notes():
     for stage, us in notes.items():
         assert rows[stage].us_per_token == pytest.approx(us, rel=0.02), stage
     assert rows["lm_head"].tbps / near.roofline_tbps == pytest.approx(1.009, abs=0.01)
-    mlp_bytes = sum(plan.stage_bytes(near.cfg, st, 0) for st in ("gate_up_silu", "down_residual"))
+    mlp_bytes = sum(schedule.stage_bytes(near.cfg, st, 0) for st in ("gate_up_silu", "down_residual"))
     assert rows[MLP].bytes == mlp_bytes * near.cfg.n_layers                  # both stages' weights, every layer
     far = {r.stage: r for r in T.load_recorded(3700).stage_table()}
     assert far["attention_decode"].us_per_token == pytest.approx(174.9, rel=0.02)
@@ -437,7 +437,7 @@ def test_perfetto_of_the_recorded_fixture(tmp_path):
     got = check_perfetto(doc, tr.stamps)
     assert len([n for n in got["names"].values() if n.startswith("block")]) == 8
     x = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["cat"] != "grid"]
-    assert len(x) == 8 * plan.n_slots(tr.cfg) * 2
+    assert len(x) == 8 * schedule.n_slots(tr.cfg) * 2
     assert doc["otherData"]["recorded"] is True and doc["otherData"]["device"] == "NVIDIA H200"
     grid = [e for e in doc["traceEvents"] if e.get("cat") == "grid"]
     assert sum(e["dur"] for e in grid) == pytest.approx(T.step_ns(tr.stamps)[1] / 1e3, abs=0.01)
@@ -462,7 +462,7 @@ def test_dashboard_figures_synthetic():
     layers = CFG.n_layers
     gu = next(r for r in rows if r.stage == MLP)
     assert gu.bytes == stage_bytes(CFG, MLP, 102) * layers
-    assert gu.bytes == sum(plan.stage_bytes(CFG, st, 102) for st in ("gate_up_silu", "down_residual")) * layers
+    assert gu.bytes == sum(schedule.stage_bytes(CFG, st, 102) for st in ("gate_up_silu", "down_residual")) * layers
     assert bw.data[0].y[list(bw.data[0].x).index(MLP)] == pytest.approx(gu.bytes / gu.us_per_token / 1e6)
     assert bw.layout.shapes[0].y0 == bw.layout.shapes[0].y1 == 2.0
     assert "2.00 TB/s" in bw.layout.annotations[0].text
@@ -506,7 +506,7 @@ def test_gantt_synthetic():
     t0 = int(t[1, -1, :, 1].max())
     for y, base, x, cd in zip(qkv.y, qkv.base, qkv.x, qkv.customdata):
         layer = int(cd[0].split()[1])
-        k = plan.barrier_slot(CFG, "qkv_rope_append", layer)
+        k = schedule.barrier_slot(CFG, "qkv_rope_append", layer)
         assert k == 1 + SLOTS_PER_LAYER * layer
         assert x == pytest.approx(iv.work[2, k, y] / 1e3, abs=1e-3)
         assert base == pytest.approx((iv.start[2, k, y] - t0) / 1e3, abs=1e-3)
@@ -674,7 +674,7 @@ def test_dashboard_from_the_recorded_trace():
     assert d.figures["bandwidth"].layout.shapes[0].y0 == pytest.approx(4.3912, abs=1e-4)
     assert "1,270 tok/s" in d.header.value and "4.39 TB/s" in d.header.value
     g = d.figures["gantt"]
-    n_slots = plan.n_slots(PRESETS["llama-3.2-1b"])
+    n_slots = schedule.n_slots(PRESETS["llama-3.2-1b"])
     assert sum(len(tr.y) for tr in g.data if tr.name == D.WAIT_TRACE) == n_slots * 132
     assert len(g.data[0].y) == n_slots
     toks = d.figures["tok_s"].data[0].y
@@ -775,7 +775,7 @@ def test_follow_a_workbench():
 
 def test_ab_rows_and_view_synthetic():
     a = synthetic()
-    attn = [plan.barrier_slot(CFG, "attention_decode", l) for l in range(CFG.n_layers)]
+    attn = [schedule.barrier_slot(CFG, "attention_decode", l) for l in range(CFG.n_layers)]
     assert attn == [layer_slot("attention_decode", l) for l in range(CFG.n_layers)] == [2, 6]
     b = synthetic(work_scale=lambda k: 3 if k in attn else 1)        # attention three times the work
     view = D.ABView((a, CFG, 0), (b, CFG, 0), labels=("base", "slow attention"))
@@ -835,8 +835,8 @@ def test_blocks_panel_shows_a_hang_from_its_record():
     from workbench.run.worker import block_states
 
     attn = plan.STAGE_NAMES.index("attention_decode")
-    words = np.array([plan.where(attn, 5, 17, waiting=True)] * 132, np.uint32).view(np.int32)
-    words[7] = plan.where(attn, 5, 17)                               # block 7 never left attention at layer 5
+    words = np.array([abi.where(attn, 5, 17, waiting=True)] * 132, np.uint32).view(np.int32)
+    words[7] = abi.where(attn, 5, 17)                               # block 7 never left attention at layer 5
     words[131] = 0                                                     # one block never started
     blocks = block_states(words, words.copy(), 132)
     d = D.Dashboard(CFG, source="x")

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from workbench import cli, paths
-from workbench.build import assemble
+from workbench.compiler import assemble
 from workbench.errors import SourceError, UserError
 from workbench.loop import sections, session
 from workbench.model.config import get_config

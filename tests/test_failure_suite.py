@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from workbench.build.assemble import BuildOptions, assemble, section_path
-from workbench.build.compile import CompileError, compile_cubin
+from workbench.compiler.assemble import BuildOptions, assemble, section_path
+from workbench.compiler.compile import CompileError, compile_cubin
 from workbench import plan
 from workbench.check import failures as suite
 from workbench.model.config import get_config
@@ -88,7 +88,7 @@ def test_named_alone_wants_every_other_block_waiting():
 def test_a_runtime_compile_log_of_too_much_shared_data_lands_at_the_declaration():
     """CuPy's compile (the kernel the GPU runs) hands back NVRTC's log as this text, as the H200 printed it: the
     same messages as the compile without a driver, at the section's static shared array."""
-    from workbench.build.compile import compile_error
+    from workbench.compiler.compile import compile_error
     inj = suite.by_name("too-much-shared")
     mutated = inj.apply(section_path(inj.section).read_text())
     asm = assemble(get_config("tiny"), BuildOptions(timing=True), overrides={inj.section: mutated})

@@ -14,7 +14,7 @@ import torch
 from test_reference import N_TOKENS, hf_logits, rel_err
 
 from workbench.check.reference import forward
-from workbench.check.stages import head_rmsnorm, qkv_rope_append
+from workbench.model.stage_math import head_rmsnorm, qkv_rope_append
 from workbench.model.config import get_config
 from workbench.model.weights import expected_shapes, layer_names, load_hf, prepare, random_weights
 
@@ -137,9 +137,9 @@ def test_qwen3_gains_are_prepared_as_they_are_and_come_back():
 def test_qwen3_builds_and_reads_its_gains():
     """The Qwen3 build compiles the per-head norm in (its gains, the raw heads and their arrival counters are the
     stage's arguments) without local memory; a Llama build compiles it away."""
-    from workbench import plan
-    from workbench.build.assemble import assemble
-    from workbench.build.compile import compile_cubin, resource_usage
+    from workbench import schedule
+    from workbench.compiler.assemble import assemble
+    from workbench.compiler.compile import compile_cubin, resource_usage
     cfg = get_config("tiny").with_(qk_norm=True)
     asm = assemble(cfg)
     assert "#define WB_QK_NORM 1" in asm.source and "P->qk_gain + layer * WB_PER_LAYER_QK_GAIN" in asm.source
@@ -147,7 +147,7 @@ def test_qwen3_builds_and_reads_its_gains():
     assert "#define WB_QK_NORM 0" in assemble(get_config("tiny")).source
     (r,) = resource_usage(compile_cubin(asm)[0])
     assert r.stack == 0
-    extra = plan.stage_weight_bytes(cfg, "qkv_rope_append") - plan.stage_weight_bytes(get_config("tiny"), "qkv_rope_append")
+    extra = schedule.stage_weight_bytes(cfg, "qkv_rope_append") - schedule.stage_weight_bytes(get_config("tiny"), "qkv_rope_append")
     assert extra == 4 * 2 * cfg.head_dim
 
 
@@ -210,14 +210,14 @@ def test_qwen2_biases_are_prepared_in_the_kernels_row_order_and_come_back():
 
 
 def test_qwen2_builds_and_reads_its_biases():
-    from workbench import plan
-    from workbench.build.assemble import assemble
-    from workbench.build.compile import compile_cubin, resource_usage
+    from workbench import schedule
+    from workbench.compiler.assemble import assemble
+    from workbench.compiler.compile import compile_cubin, resource_usage
     cfg = get_config("tiny").with_(qkv_bias=True)
     asm = assemble(cfg)
     assert "#define WB_QKV_BIAS 1" in asm.source and "P->bqkv + layer * WB_PER_LAYER_BQKV" in asm.source
     (r,) = resource_usage(compile_cubin(asm)[0])
     assert r.stack == 0
     # the biases' bytes are the model's, and a Llama streams none
-    extra = plan.stage_weight_bytes(cfg, "qkv_rope_append") - plan.stage_weight_bytes(get_config("tiny"), "qkv_rope_append")
+    extra = schedule.stage_weight_bytes(cfg, "qkv_rope_append") - schedule.stage_weight_bytes(get_config("tiny"), "qkv_rope_append")
     assert extra == 4 * cfg.qkv_rows

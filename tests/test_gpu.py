@@ -10,8 +10,8 @@ import pytest
 from conftest import fresh_seed
 from test_families import FAMILIES
 
-from workbench.build.assemble import BuildOptions
-from workbench.build.compile import CompileError
+from workbench.compiler.assemble import BuildOptions
+from workbench.compiler.compile import CompileError
 from workbench.model.config import get_config
 
 pytestmark = pytest.mark.gpu
@@ -72,7 +72,7 @@ def test_every_sampler_mode_draw_by_draw(tiny_taps):
 
 def test_a_deliberate_error_is_named_by_its_stage(tiny_taps):
     """A 1e-4 scale error in one layer's MLP output, as an edit of the section."""
-    from workbench.build.assemble import section_path
+    from workbench.compiler.assemble import section_path
     from workbench.check.verify import verify_stages
     text = section_path("down_residual").read_text()
     bad = text.replace("x_add(x, i, t);", "x_add(x, i, t * 1.0001f);")
@@ -131,7 +131,7 @@ def test_hang_is_reported_and_next_run_works():
 
 
 def test_compile_error_names_section_line(tiny):
-    from workbench.build.assemble import section_path
+    from workbench.compiler.assemble import section_path
     from workbench.run.runtime import Monokernel
     text = section_path("down_residual").read_text().replace("x_add(x, i, t);", "x_add(x, i, t + nonsense);")
     line = text.splitlines().index(next(l for l in text.splitlines() if "nonsense" in l)) + 1
@@ -343,7 +343,7 @@ def test_a_section_that_reads_other_rows_than_the_stream_is_named():
     """o_proj with one unit too few: the blocks' ranges, and so the pages they ask for, no longer match the plan's."""
     import cupy as cp
 
-    from workbench.build.assemble import section_path
+    from workbench.compiler.assemble import section_path
     from workbench.model.weights import prepare, random_weights
     from workbench.run.runtime import Monokernel, StreamMismatch
     p = prepare(random_weights(get_config("tiny"), fresh_seed(), xp=cp, progress=False), xp=cp, progress=False)
@@ -371,7 +371,7 @@ def test_family_checkpoints_verify_and_their_steps_mutants_are_named(hf_checkpoi
     (check.mutants, `needs`) is named qkv_rope_append."""
     import cupy as cp
 
-    from workbench.build.assemble import section_path
+    from workbench.compiler.assemble import section_path
     from workbench.check.mutants import MUTANTS
     from workbench.check.verify import verify_stages
     from workbench.model.weights import load_hf, prepare
@@ -415,7 +415,7 @@ def test_qwen2_5_shapes_verify():
     _verified(p, prompt_len=6, max_new=12)
 
 
-# ---- sections written in PTX (workbench.build.ptx) ------------------------------------------------------------
+# ---- sections written in PTX (workbench.compiler.ptx) ------------------------------------------------------------
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_ptx_embedding_verifies(stream):
@@ -442,11 +442,11 @@ def test_the_ptx_gemv_verifies(name):
 
 @pytest.mark.parametrize("name", ["tiny", "llama-3.2-1b"])
 def test_the_units_build_verifies(name):
-    """The build in units (workbench/build/units.py: a unit per stage, linked, as the loop's verification build may
+    """The build in units (workbench/compiler/units.py: a unit per stage, linked, as the loop's verification build may
     be made) verifies stage by stage and end to end, and generates the whole build's greedy tokens."""
     import cupy as cp
 
-    from workbench.build.units import units_linkable
+    from workbench.compiler.units import units_linkable
     from workbench.model.weights import prepare, random_weights
     from workbench.run.runtime import Monokernel
     if not units_linkable():
@@ -468,7 +468,7 @@ def test_the_fused_causal_softmax_is_the_array_codes(dtype):
     fp64 the same at its own ulp."""
     import cupy as cp
 
-    from workbench.check import stages as S
+    from workbench.model import stage_math as S
     rng = np.random.default_rng(fresh_seed())
     B, rows, ctx = 3, 5, 700
     last = np.array([0, 699, 257, 31, 512])
@@ -498,7 +498,7 @@ def test_the_prefills_attention_kernel_is_the_references_attention(heads, kv_hea
     measured 1.0-1.3e-3 relative: caught. A wrong mask, a wrong GQA head or an unscaled score is off by order 1."""
     import cupy as cp
 
-    from workbench.check import stages as S
+    from workbench.model import stage_math as S
     from workbench.model.weights import to_bf16, to_f32
     from workbench.run.prefill_gpu import flash_attention
     rng = np.random.default_rng(fresh_seed())

@@ -11,7 +11,7 @@ import pytest
 from conftest import fresh_seed
 
 from workbench import paths
-from workbench.build import assemble
+from workbench.compiler import assemble
 from workbench.loop import benchmark, session
 
 pytestmark = pytest.mark.gpu

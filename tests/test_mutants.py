@@ -8,8 +8,8 @@ import functools
 import pytest
 
 from workbench import plan
-from workbench.build.assemble import BuildOptions, assemble, section_path
-from workbench.build.compile import compile_cubin
+from workbench.compiler.assemble import BuildOptions, assemble, section_path
+from workbench.compiler.compile import compile_cubin
 from workbench.check.mutants import FAMILY_MODELS, MUTANTS, by_name, for_model
 from workbench.model.config import get_config
 
@@ -45,7 +45,7 @@ def test_each_familys_mutants_run_on_a_model_of_that_family():
 
 @functools.lru_cache(maxsize=None)
 def _section_ptx(model: str, section: str, listed: str, sampler: str, text: str) -> str:
-    from workbench.build.compile import dump_section
+    from workbench.compiler.compile import dump_section
     cfg = get_config(model).with_(max_seq=4352)
     opt = BuildOptions(fast_compile="min", sampler=sampler)
     return dump_section(assemble(cfg, opt, overrides={section: text}), "ptx", listed)

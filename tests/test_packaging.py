@@ -94,7 +94,7 @@ _EVERYWHERE = shutil.ignore_patterns("__pycache__", ".history", "*.egg-info", ".
 
 
 def _ignore(folder: str, names: list[str]) -> set[str]:
-    """What a copy of the checkout leaves out: git, the venv, build outputs (top level only: workbench/build stays)."""
+    """What a copy of the checkout leaves out: git, the venv, build outputs (top level only: workbench/compiler stays)."""
     top = {".git", ".venv", "build", "dist", "out"} if Path(folder) == REPO else set()
     return set(_EVERYWHERE(folder, names)) | (top & set(names))
 

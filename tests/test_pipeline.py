@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from workbench.build.assemble import BuildOptions, assemble
-from workbench.build.compile import CompileError, compile_cubin
+from workbench.compiler.assemble import BuildOptions, assemble
+from workbench.compiler.compile import CompileError, compile_cubin
 from workbench.loop.backends import GpuBackend
 from workbench.loop.benchmark import texts_of
 from workbench.model.config import get_config

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from workbench import plan
+from workbench import abi, plan, schedule
 from workbench.model.config import PRESETS, get_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,14 +20,14 @@ def test_decode_order_and_scopes():
     assert names[0] == "embedding" and names[-2:] == ("sampling", "publish")
     assert plan.LAYER_STAGES == tuple(s.name for s in plan.STAGES if s.scope == "layer")
     cfg = get_config("tiny")
-    ex = plan.execution(cfg)
+    ex = schedule.execution(cfg)
     assert ex[0] == ("embedding", -1) and ex[-1] == ("publish", -1)
     assert len(ex) == len(plan.TOKEN_STAGES) + cfg.n_layers * len(plan.LAYER_STAGES)
 
 
 def test_barriers_follow_from_the_reads_and_writes():
     cfg = get_config("tiny")
-    slots = plan.slots(cfg)
+    slots = schedule.slots(cfg)
     # a barrier after every layer stage and the LM head; none between sampling, publish and the next embedding
     # (one block runs those three, in order)
     assert [s.stages[-1] for s in slots][:2] == [("embedding", -1), ("qkv_rope_append", 0)]
@@ -39,11 +39,11 @@ def test_barriers_follow_from_the_reads_and_writes():
     assert [s.stages for s in mlp] == [(("gate_up_silu", l), ("down_residual", l)) for l in range(cfg.n_layers)]
     assert mlp[0].label == "gate_up_silu+down_residual"
     assert all(len(s.stages) == 1 for s in slots[1:] if s not in mlp)
-    assert plan.barrier_slot(cfg, "sampling", -1) is None and plan.barrier_slot(cfg, "lm_head", -1) == len(slots) - 1
-    assert plan.barrier_slot(cfg, "gate_up_silu", 0) is None and plan.block_barrier_before(cfg, "down_residual")
+    assert schedule.barrier_slot(cfg, "sampling", -1) is None and schedule.barrier_slot(cfg, "lm_head", -1) == len(slots) - 1
+    assert schedule.barrier_slot(cfg, "gate_up_silu", 0) is None and schedule.block_barrier_before(cfg, "down_residual")
     for name, p in PRESETS.items():
-        assert plan.n_slots(p) == 4 * p.n_layers + 2, name
-        assert plan.local_problem(p) is None, name
+        assert schedule.n_slots(p) == 4 * p.n_layers + 2, name
+        assert schedule.local_problem(p) is None, name
 
 
 def test_a_local_read_needs_the_same_units_dealt_by_blocks(monkeypatch):
@@ -54,11 +54,11 @@ def test_a_local_read_needs_the_same_units_dealt_by_blocks(monkeypatch):
     shifted = dataclasses.replace(down, reads=(dataclasses.replace(down.reads[0], rows=lambda c, j: ((j + 1, j + 2),)),)
                                   + down.reads[1:])
     monkeypatch.setattr(plan, "STAGES", tuple(shifted if s is down else s for s in plan.STAGES))
-    assert "unit 0 reads rows ((1, 2),)" in plan.local_problem(cfg)
+    assert "unit 0 reads rows ((1, 2),)" in schedule.local_problem(cfg)
     gate = plan.stage("gate_up_silu")
     warps = dataclasses.replace(gate, deal="warps")
-    assert plan.local_reads(warps, down) == set() and plan.conflicts(warps, down) == {"hmlp"}
-    assert plan.conflicts(gate, down) == set()
+    assert schedule.local_reads(warps, down) == set() and schedule.conflicts(warps, down) == {"hmlp"}
+    assert schedule.conflicts(gate, down) == set()
 
 
 def test_a_new_stage_gets_its_barrier(monkeypatch):
@@ -71,35 +71,35 @@ def test_a_new_stage_gets_its_barrier(monkeypatch):
     i = plan.STAGE_NAMES.index("down_residual") + 1
     monkeypatch.setattr(plan, "STAGES", tuple(stages[:i] + [extra, noop] + stages[i:]))
     monkeypatch.setattr(plan, "_BY_NAME", {s.name: s for s in plan.STAGES})
-    plan._slots.cache_clear()
-    plan._execution.cache_clear()
+    schedule._slots.cache_clear()
+    schedule._execution.cache_clear()
     try:
         cfg = get_config("tiny")
-        assert plan.barrier_slot(cfg, "down_residual", 0) is not None       # scale_x reads its x
-        assert plan.barrier_slot(cfg, "scale_x", 0) is None                 # noop needs nothing
-        assert plan.n_slots(cfg) == 5 * cfg.n_layers + 2
+        assert schedule.barrier_slot(cfg, "down_residual", 0) is not None       # scale_x reads its x
+        assert schedule.barrier_slot(cfg, "scale_x", 0) is None                 # noop needs nothing
+        assert schedule.n_slots(cfg) == 5 * cfg.n_layers + 2
     finally:
-        plan._slots.cache_clear()
-        plan._execution.cache_clear()
+        schedule._slots.cache_clear()
+        schedule._execution.cache_clear()
 
 
 def test_producers():
     cfg = get_config("tiny")
-    assert plan.producer(cfg, "x", "qkv_rope_append", 0) == ("embedding", -1)
-    assert plan.producer(cfg, "x", "qkv_rope_append", 1) == ("down_residual", 0)
-    assert plan.producer(cfg, "x", "o_proj_residual", 1) == ("down_residual", 0)
-    assert plan.producer(cfg, "h", "gate_up_silu", 1) == ("o_proj_residual", 1)
-    assert plan.producer(cfg, "q", "attention_decode", 1) == ("qkv_rope_append", 1)
-    assert plan.producer(cfg, "x", "lm_head", -1) == ("down_residual", cfg.n_layers - 1)
-    assert plan.producer(cfg, "sampled", "publish", -1) == ("sampling", -1)
-    assert plan.producer(cfg, "token", "embedding", -1) is None        # the previous step's publish
+    assert schedule.producer(cfg, "x", "qkv_rope_append", 0) == ("embedding", -1)
+    assert schedule.producer(cfg, "x", "qkv_rope_append", 1) == ("down_residual", 0)
+    assert schedule.producer(cfg, "x", "o_proj_residual", 1) == ("down_residual", 0)
+    assert schedule.producer(cfg, "h", "gate_up_silu", 1) == ("o_proj_residual", 1)
+    assert schedule.producer(cfg, "q", "attention_decode", 1) == ("qkv_rope_append", 1)
+    assert schedule.producer(cfg, "x", "lm_head", -1) == ("down_residual", cfg.n_layers - 1)
+    assert schedule.producer(cfg, "sampled", "publish", -1) == ("sampling", -1)
+    assert schedule.producer(cfg, "token", "embedding", -1) is None        # the previous step's publish
 
 
 def test_dependencies_at_the_finest_grain():
     """What per-unit dependency counters would count: each consumer unit waits for exactly the producer units
     whose rows it reads."""
     cfg = get_config("tiny")
-    d = plan.dependencies(cfg)
+    d = schedule.dependencies(cfg)
     half = cfg.head_dim // 2
     assert d["attention_decode", "q"] == ("qkv_rope_append", [cfg.group * half] * cfg.n_kv_heads)
     assert d["attention_decode", "k_cache"] == ("qkv_rope_append", [half] * cfg.n_kv_heads)
@@ -130,25 +130,25 @@ def test_a_unit_reads_only_the_rows_it_writes_of_a_buffer_it_updates():
 
 def test_bytes_per_token():
     for name, cfg in PRESETS.items():
-        assert plan.weight_bytes_per_token(cfg) == cfg.weight_bytes_per_token(), name
-        a0, a1 = (plan.stage_bytes(cfg, "attention_decode", p) for p in (0, 1000))
+        assert schedule.weight_bytes_per_token(cfg) == cfg.weight_bytes_per_token(), name
+        a0, a1 = (schedule.stage_bytes(cfg, "attention_decode", p) for p in (0, 1000))
         assert a1 - a0 == 2 * 2 * cfg.kv_dim * 1000
 
 
 def test_taps_tile_the_step_record():
     cfg = get_config("llama-3.2-1b")
     off = 0
-    for t in plan.taps(cfg):
+    for t in schedule.taps(cfg):
         assert t.offset == off
         off += t.size * t.layers
-    assert off == plan.tap_step_floats(cfg)
-    assert plan.tap(cfg, "qkv_rope_append", "k_cache").size == cfg.kv_dim
+    assert off == schedule.tap_step_floats(cfg)
+    assert schedule.tap(cfg, "qkv_rope_append", "k_cache").size == cfg.kv_dim
 
 
 def test_shared_memory_is_the_largest_stage():
     cfg = get_config("llama-3.2-1b")
-    regions = plan.smem_regions(cfg)
-    assert plan.smem_floats(cfg) == max(sum(n for _, n in r.values()) for r in regions.values())
+    regions = schedule.smem_regions(cfg)
+    assert schedule.smem_floats(cfg) == max(sum(n for _, n in r.values()) for r in regions.values())
     for r in regions.values():
         for off, n in r.values():
             assert off % 4 == 0 and n % 4 == 0
@@ -158,7 +158,7 @@ def test_shared_memory_is_the_largest_stage():
 def test_attentions_rings_fit_their_budget_and_the_block(preset):
     """As many warps get a ring of attention's K/V steps as the budget holds (at most the block's, one in a stream
     build, none in the AMD build), and the whole stage stays inside a block's shared memory."""
-    from workbench.build.assemble import BuildOptions
+    from workbench.compiler.assemble import BuildOptions
     cfg = get_config(preset)
     launch = plan.Launch()
     per_warp = launch.attn_ring_bytes(cfg)
@@ -166,9 +166,9 @@ def test_attentions_rings_fit_their_budget_and_the_block(preset):
     w = launch.attn_warps(cfg)
     assert 1 <= w <= launch.consumer_warps and w * per_warp <= launch.attn_kv_bytes < (w + 1) * per_warp or \
         w == launch.consumer_warps
-    regions = plan.smem_regions(cfg, launch)["attention_decode"]
+    regions = schedule.smem_regions(cfg, launch)["attention_decode"]
     assert regions["kv"][1] * 4 == w * per_warp                    # floats of the region: the rings' bytes / 4
-    assert plan.smem_bytes(cfg, launch) <= plan.SMEM_LIMIT - plan.STATIC_SMEM
+    assert schedule.smem_bytes(cfg, launch) <= schedule.SMEM_LIMIT - schedule.STATIC_SMEM
     assert plan.Launch(stream=True).attn_warps(cfg) == 1
     assert BuildOptions().for_target("hip").launch.attn_warps(cfg) == 0
 
@@ -177,8 +177,8 @@ def test_attentions_rings_fit_their_budget_and_the_block(preset):
 def test_attentions_splits_follow_its_rings(preset):
     """By default a split gives every reading warp one step, and one block takes a kv head alone (no merge) up to
     attn_single such chunks; the header carries both, and an explicit attn_min_chunk wins."""
-    from workbench.build.assemble import BuildOptions
-    from workbench.build.header import plan_header
+    from workbench.compiler.assemble import BuildOptions
+    from workbench.compiler.header import plan_header
     cfg = get_config(preset)
     launch = plan.Launch()
     chunk = launch.attn_warps(cfg) * plan.ATTN_STEP
@@ -195,26 +195,26 @@ def test_where_words_round_trip():
     for stage_i, name in enumerate(plan.STAGE_NAMES):
         for layer in (-1, 0, 31):
             for waiting in (False, True):
-                w = plan.where(stage_i, layer, 4097, waiting)
-                assert plan.decode_where(w) == (name, layer, 4097, waiting)
+                w = abi.where(stage_i, layer, 4097, waiting)
+                assert abi.decode_where(w) == (name, layer, 4097, waiting)
                 signed = int(np.array([w], np.uint32).view(np.int32)[0])     # as the host's int32 view reads it
-                assert plan.decode_where(signed) == (name, layer, 4097, waiting)
-    assert plan.describe_where(plan.where(2, 3, 7)) == "attention_decode of layer 3 at step 7"
-    assert plan.describe_where(plan.where(2, 3, 7, True)) == "waiting after attention_decode of layer 3 at step 7"
-    assert plan.describe_where(-1) == "unknown"
+                assert abi.decode_where(signed) == (name, layer, 4097, waiting)
+    assert abi.describe_where(abi.where(2, 3, 7)) == "attention_decode of layer 3 at step 7"
+    assert abi.describe_where(abi.where(2, 3, 7, True)) == "waiting after attention_decode of layer 3 at step 7"
+    assert abi.describe_where(-1) == "unknown"
 
 
 def test_the_mapped_block_layout():
-    assert plan.mapped_offset("status") == 0
-    assert plan.mapped_offset("host_abort") == plan.STATUS_LEN
-    assert plan.mapped_offset("where") == plan.STATUS_LEN + 3
-    assert plan.mapped_offset("tokens_out") == plan.STATUS_LEN + 3 + plan.MAX_BLOCKS
-    assert plan.mapped_words(10) == plan.mapped_offset("tokens_out") + 10
-    assert len(plan.STATUS_WORDS) <= plan.STATUS_LEN
+    assert abi.mapped_offset("status") == 0
+    assert abi.mapped_offset("host_abort") == abi.STATUS_LEN
+    assert abi.mapped_offset("where") == abi.STATUS_LEN + 3
+    assert abi.mapped_offset("tokens_out") == abi.STATUS_LEN + 3 + abi.MAX_BLOCKS
+    assert abi.mapped_words(10) == abi.mapped_offset("tokens_out") + 10
+    assert len(abi.STATUS_WORDS) <= abi.STATUS_LEN
 
 
 def test_describe():
-    text = plan.describe(get_config("llama-3.2-1b"))
+    text = schedule.describe(get_config("llama-3.2-1b"))
     assert "66 grid barriers per token" in text
     for st in plan.STAGES:
         assert st.name in text and st.math in text

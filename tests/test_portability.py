@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from workbench.build import compile as C
+from workbench.compiler import compile as C
 from workbench.cli import main
-from workbench.build.assemble import BuildOptions, assemble, section_path, smem_bytes
+from workbench.compiler.assemble import BuildOptions, assemble, section_path, smem_bytes
 from workbench.paths import kernels_dir
 from workbench.model.config import PRESETS, get_config
 
@@ -103,7 +103,7 @@ def test_parse_log_reads_clang_messages():
 
 @pytest.mark.parametrize("target", ["cuda", pytest.param("hip", marks=needs_clang)])
 def test_cli_build_exits_nonzero_on_compile_error(target, monkeypatch, capsys):
-    import workbench.build.assemble as A
+    import workbench.compiler.assemble as A
     text, line = _broken_lm_head()
     real = A.assemble
     monkeypatch.setattr(A, "assemble", lambda cfg, opt=BuildOptions(), overrides=None:

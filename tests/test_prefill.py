@@ -123,7 +123,7 @@ def test_the_prefills_kernels_compile_for_every_presets_head_dim():
     """kernels/prefill/attention.cuh and layer.cuh through NVRTC and ptxas for sm_90 (no GPU needed), attention at
     each head_dim a preset has: no local memory (a spill would run the score tiles through it), the static shared
     memory of two stages of both tiles; head_dims the kernel does not take go the interpreter's way."""
-    from workbench.build.compile import nvrtc_program, resource_usage
+    from workbench.compiler.compile import nvrtc_program, resource_usage
     from workbench.model.config import PRESETS
     from workbench.run.prefill_gpu import FlashLayout, covers, flash_source, flash_supported, layer_source
     dims = sorted({get_config(name).head_dim for name in PRESETS})
@@ -150,7 +150,7 @@ def test_the_prefills_kernels_compile_for_every_presets_head_dim():
 def test_a_layer_stage_the_gpu_path_lacks_sends_the_prefill_the_interpreters_way(monkeypatch):
     """prefill_gpu implements the plan's stages by their reference bindings; a plan whose layer stage has no
     implementation there is not half run on that path."""
-    from workbench.check import stages as S
+    from workbench.model import stage_math as S
     from workbench.run import prefill_gpu as G
     cfg = get_config("tiny")
     monkeypatch.delitem(G.IMPLEMENTS, S.gate_up_silu_io)

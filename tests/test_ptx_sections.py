@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from workbench.build import compile as C
-from workbench.build.assemble import BuildOptions, assemble, section_path
-from workbench.build.ptx import cpp_params, is_ptx_variant
+from workbench.compiler import compile as C
+from workbench.compiler.assemble import BuildOptions, assemble, section_path
+from workbench.compiler.ptx import cpp_params, is_ptx_variant
 from workbench.model.config import get_config
 from workbench.plan import STAGE_NAMES
 from test_portability import needs_clang
@@ -120,7 +120,7 @@ def test_a_ptx_body_of_a_streamed_stage_is_refused_in_a_stream_build():
 
 
 def test_the_plan_headers_integer_constants_reach_a_ptx_body():
-    from workbench.build.ptx import header_constants
+    from workbench.compiler.ptx import header_constants
     got = header_constants("constexpr int A = 1, B_FLOATS = 20;\nconstexpr u32 C = 3u << 2;\n"
                            "constexpr long long D = 5LL;\nconstexpr int E = 4 * 7, F = 1 << 4, G = -2;")
     assert got == {"A": "1", "B_FLOATS": "20", "D": "5", "G": "-2"}      # expressions are left out
@@ -243,7 +243,7 @@ def test_the_splice_finds_the_definition_and_maps_its_lines():
     """On a small module: a prototype of the function and a longer-named function that starts with its name are
     passed over; the body lands in the definition; with line info each instruction gets a .loc of the file (and the
     module a .file for it); without, none; the spans map module lines back to the body's."""
-    from workbench.build.ptx import PtxBody, splice
+    from workbench.compiler.ptx import PtxBody, splice
     body = PtxBody("lm_head", "kernels/sections/lm_head@ptx.ptx", "// load\n\tld.param.u64 %rd1, [x];\n\tret;\n",
                    ("x",), (("WB_D", "8"),))
     fn = "_Z17stage_lm_head_ptxPKf"

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from workbench import plan
-from workbench.check import stages as S
+from workbench import plan, schedule
+from workbench.model import stage_math as S
 from workbench.check.reference import (HFView, KVCache, PreparedView, decode_step, forward, generate_reference,
                                        round_bf16, view)
 from workbench.model.config import get_config
@@ -290,7 +290,7 @@ def expected_taps(cfg, n):
     """(stage, buffer, layer) → shape of every stage output of every layer: the plan's taps of each stage that has a
     reference, less the cross-block scratch the kernel keeps for itself."""
     out = {}
-    for name, layer in plan.execution(cfg):
+    for name, layer in schedule.execution(cfg):
         st = plan.stage(name)
         if st.reference is None:
             continue
@@ -298,7 +298,7 @@ def expected_taps(cfg, n):
             b = plan.BUFFERS[buf]
             if b.kind == "scratch":
                 continue
-            out[name, buf, layer] = (n,) if b.kind == "value" else (n, plan.tap_size(cfg, buf))
+            out[name, buf, layer] = (n,) if b.kind == "value" else (n, schedule.tap_size(cfg, buf))
     return out
 
 
@@ -360,7 +360,7 @@ def test_the_hook_changes_a_stage_and_later_stages_see_it(tiny_weights, rng):
 
     cache, hooked = KVCache.empty(cfg, np.float64), {}
     logits = forward(w, tokens, cache=cache, taps=hooked, hook=hook)
-    assert calls == [(s, l) for s, l in plan.execution(cfg) if plan.stage(s).reference is not None]
+    assert calls == [(s, l) for s, l in schedule.execution(cfg) if plan.stage(s).reference is not None]
     order = list(clean)
     first_changed = order.index(("gate_up_silu", "hmlp", 0))
     for key in order[:first_changed]:                           # before the hooked stage: untouched

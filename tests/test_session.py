@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from workbench import paths
-from workbench.build import assemble
+from workbench.compiler import assemble
 from workbench.loop import session
 from workbench.model.config import get_config
 

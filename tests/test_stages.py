@@ -1,4 +1,4 @@
-"""Each stage's reference math (workbench.check.stages) against an independent implementation (torch and
+"""Each stage's reference math (workbench.model.stage_math) against an independent implementation (torch and
 transformers' own functions), batched over rows at their own positions; the stages bound to the plan's buffers;
 the sampler's distribution, uniforms and draw check; the tolerances; and the bytes the plan says each stage moves."""
 import warnings
@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workbench import plan
-from workbench.check import stages as S
+from workbench import plan, schedule
+from workbench.model import stage_math as S
 from workbench.check.reference import round_bf16
 from workbench.model.config import PRESETS, get_config
 from workbench.model.weights import expected_shapes, layer_names, rope_tables
@@ -244,7 +244,7 @@ def test_stage_references_give_the_plan_buffers_in_the_input_dtype(rng, dtype):
         assert set(st.tolerances) <= set(out), st.name
         for buf, val in out.items():
             b = plan.BUFFERS[buf]
-            size = plan.tap_size(CFG, buf)
+            size = schedule.tap_size(CFG, buf)
             want = (n,) if b.kind == "value" else (n, size)
             assert val.shape == want, (st.name, buf)
             if b.kind == "value":
@@ -514,24 +514,24 @@ def test_stage_bytes_over_a_token_are_the_weights_and_the_cache(name):
     """Every stage's bytes, summed over a token's execution, are the weights a token streams (the plan's count and
     the config's, the same), the embedding row, and the K and V attention reads at each layer."""
     cfg = PRESETS[name]
-    assert plan.weight_bytes_per_token(cfg) == cfg.weight_bytes_per_token()
+    assert schedule.weight_bytes_per_token(cfg) == cfg.weight_bytes_per_token()
     for pos in (0, 1, 1000, cfg.max_seq - 1):
-        total = sum(plan.stage_bytes(cfg, s, pos) for s, _ in plan.execution(cfg))
+        total = sum(schedule.stage_bytes(cfg, s, pos) for s, _ in schedule.execution(cfg))
         assert total == cfg.weight_bytes_per_token() + 2 * cfg.hidden + cfg.kv_bytes_per_token(pos), (name, pos)
     for pos in (1, 1000, cfg.max_seq - 1):
-        grow = plan.stage_bytes(cfg, "attention_decode", pos) - plan.stage_bytes(cfg, "attention_decode", 0)
+        grow = schedule.stage_bytes(cfg, "attention_decode", pos) - schedule.stage_bytes(cfg, "attention_decode", 0)
         assert grow == 2 * 2 * cfg.kv_dim * pos
         for s in plan.STAGE_NAMES:                              # nothing else depends on the position
             if s != "attention_decode":
-                assert plan.stage_bytes(cfg, s, pos) == plan.stage_bytes(cfg, s, 0), s
+                assert schedule.stage_bytes(cfg, s, pos) == schedule.stage_bytes(cfg, s, 0), s
 
 
 def test_stage_bytes_llama_32_1b():
     cfg = get_config("llama-3.2-1b")
-    assert plan.stage_bytes(cfg, "attention_decode", 4095) - plan.stage_bytes(cfg, "attention_decode", 0) \
+    assert schedule.stage_bytes(cfg, "attention_decode", 4095) - schedule.stage_bytes(cfg, "attention_decode", 0) \
         == 2 * 2 * 512 * 4095
-    assert plan.stage_bytes(cfg, "lm_head", 0) == 2 * 128256 * 2048
-    assert plan.stage_bytes(cfg, "qkv_rope_append", 0) == 2 * (2048 + 2 * 512) * 2048
-    assert plan.stage_bytes(cfg, "gate_up_silu", 0) == 2 * 2 * 8192 * 2048
-    assert plan.stage_bytes(cfg, "sampling", 0) == plan.stage_bytes(cfg, "publish", 0) == 0
-    assert plan.weight_bytes_per_token(cfg) == 2_471_493_632
+    assert schedule.stage_bytes(cfg, "lm_head", 0) == 2 * 128256 * 2048
+    assert schedule.stage_bytes(cfg, "qkv_rope_append", 0) == 2 * (2048 + 2 * 512) * 2048
+    assert schedule.stage_bytes(cfg, "gate_up_silu", 0) == 2 * 2 * 8192 * 2048
+    assert schedule.stage_bytes(cfg, "sampling", 0) == schedule.stage_bytes(cfg, "publish", 0) == 0
+    assert schedule.weight_bytes_per_token(cfg) == 2_471_493_632

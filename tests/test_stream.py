@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from workbench import plan
-from workbench.build.assemble import BuildOptions, assemble, smem_bytes
-from workbench.build.compile import compile_cubin, resource_usage
+from workbench import abi, plan, schedule
+from workbench.compiler.assemble import BuildOptions, assemble, smem_bytes
+from workbench.compiler.compile import compile_cubin, resource_usage
 from workbench.model.config import PRESETS, get_config
 from workbench.run.runtime import STATUS, StreamMismatch, stream_mismatch
 
@@ -17,18 +17,18 @@ STREAM = BuildOptions(stream=True)
 
 def test_pieces_split_rows_into_whole_loads_within_a_slot():
     for k in (264, 712, 2048, 3072, 4096, 8192, 9728, 14336, 896, 4864):
-        n = plan.pieces(k)
+        n = schedule.pieces(k)
         assert k % n == 0 and (k // n) % 8 == 0, k
-        assert 2 * (k // n) <= plan.SLOT_BYTES or k // n <= 8, k
+        assert 2 * (k // n) <= schedule.SLOT_BYTES or k // n <= 8, k
         # the fewest: one piece fewer either breaks a row unevenly or overflows the slot
         assert n == 1 or any(cond for cond in (k % (n - 1) != 0, (k // (n - 1)) % 8 != 0,
-                                                 2 * (k // (n - 1)) > plan.SLOT_BYTES)), k
-    assert (plan.pieces(2048), plan.pieces(8192), plan.pieces(14336), plan.pieces(3072)) == (1, 4, 7, 2)
+                                                 2 * (k // (n - 1)) > schedule.SLOT_BYTES)), k
+    assert (schedule.pieces(2048), schedule.pieces(8192), schedule.pieces(14336), schedule.pieces(3072)) == (1, 4, 7, 2)
 
 
 def test_the_streams_are_the_weight_stages_in_decode_order():
     cfg = get_config("llama-3.2-1b")
-    s = plan.streams(cfg)
+    s = schedule.streams(cfg)
     # down reads Wdᵀ by columns, not as dot products of whole rows: it keeps the register path (Stage.streamed)
     assert [x.stage for x in s] == ["qkv_rope_append", "o_proj_residual", "gate_up_silu", "lm_head"]
     assert [(x.buffer, x.rows, x.k) for x in s] == [("wqkv", 2, 2048), ("wo", 1, 2048), ("wgu", 2, 2048),
@@ -37,32 +37,32 @@ def test_the_streams_are_the_weight_stages_in_decode_order():
     launch = plan.Launch(stream=True)
     for x in s:
         assert sum(x.items(launch, b) for b in range(launch.grid)) == x.units * x.rows * x.pieces
-        assert plan.stream_stage(cfg, x.stage) == x
-    assert plan.stream_stage(cfg, "attention_decode") is None
+        assert schedule.stream_stage(cfg, x.stage) == x
+    assert schedule.stream_stage(cfg, "attention_decode") is None
     # the streamed bytes are the plan's weight bytes but down's (read by its section) and the embedding row's
     per_token = sum(x.units * x.rows * x.k * 2 * (cfg.n_layers if x.scope == "layer" else 1) for x in s)
-    assert per_token == plan.weight_bytes_per_token(cfg) - cfg.n_layers * plan.stage_weight_bytes(cfg, "down_residual")
+    assert per_token == schedule.weight_bytes_per_token(cfg) - cfg.n_layers * schedule.stage_weight_bytes(cfg, "down_residual")
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_the_ring_fits_beside_every_stage(name):
     cfg = get_config(name)
     launch = plan.Launch(stream=True)
-    pages = plan.ring_slots(cfg, launch)
-    assert 1 <= pages <= plan.MAX_RING_SLOTS
-    assert smem_bytes(cfg, STREAM) + plan.STATIC_SMEM <= plan.SMEM_LIMIT
+    pages = schedule.ring_slots(cfg, launch)
+    assert 1 <= pages <= schedule.MAX_RING_SLOTS
+    assert smem_bytes(cfg, STREAM) + schedule.STATIC_SMEM <= schedule.SMEM_LIMIT
     # the partials hold a float per item of the largest stage whose units span several items
-    assert plan.partial_floats(cfg, launch) >= max(x.max_items(launch) for x in plan.streams(cfg) if x.combines)
+    assert schedule.partial_floats(cfg, launch) >= max(x.max_items(launch) for x in schedule.streams(cfg) if x.combines)
     # without the stream, nothing of it is laid out
-    assert plan.partial_floats(cfg, plan.Launch()) == 0 and plan.ring_slots(cfg, plan.Launch()) == 0
-    assert smem_bytes(cfg, BuildOptions()) == 4 * plan.smem_floats(cfg)
+    assert schedule.partial_floats(cfg, plan.Launch()) == 0 and schedule.ring_slots(cfg, plan.Launch()) == 0
+    assert smem_bytes(cfg, BuildOptions()) == 4 * schedule.smem_floats(cfg)
 
 
 def test_too_many_threads_for_the_ring_is_one_clear_error():
     wide = dataclasses.replace(get_config("tiny"), intermediate=30000)      # 117 KB of activations in one stage
-    assert plan.ring_slots(wide, plan.Launch(threads=256, stream=True)) >= 1
+    assert schedule.ring_slots(wide, plan.Launch(threads=256, stream=True)) >= 1
     with pytest.raises(ValueError, match="1024 threads leave no room for the weight ring: 31 consumer warps"):
-        plan.ring_slots(wide, plan.Launch(threads=1024, stream=True))
+        schedule.ring_slots(wide, plan.Launch(threads=1024, stream=True))
 
 
 def test_a_unit_that_is_not_whole_adjacent_rows_is_refused(monkeypatch):
@@ -71,7 +71,7 @@ def test_a_unit_that_is_not_whole_adjacent_rows_is_refused(monkeypatch):
                     else s for s in plan.STAGES)
     monkeypatch.setattr(plan, "STAGES", patched)
     with pytest.raises(ValueError, match="o_proj_residual: a unit of wo must be whole adjacent rows"):
-        plan.streams(get_config("tiny"))
+        schedule.streams(get_config("tiny"))
 
 
 @pytest.mark.parametrize("name", ["tiny", "llama-3.2-1b"])
@@ -91,8 +91,8 @@ def test_register_stages_of_a_stream_build_are_left_out_of_the_stream():
     cfg = get_config("llama-3.2-1b")
     opt = dataclasses.replace(STREAM, stream_register="qkv_rope_append+o_proj_residual",
                               defines=(("WB_STREAM_AHEAD", "1"), ("WB_STREAM_INFLIGHT", "1")))
-    names = [x.stage for x in plan.streams(cfg, opt.launch)]
-    assert names == [x.stage for x in plan.streams(cfg, STREAM.launch)
+    names = [x.stage for x in schedule.streams(cfg, opt.launch)]
+    assert names == [x.stage for x in schedule.streams(cfg, STREAM.launch)
                      if x.stage not in ("qkv_rope_append", "o_proj_residual")]
     asm = assemble(cfg, opt)
     mask = sum(1 << plan.STAGE_NAMES.index(n) for n in names)
@@ -103,7 +103,7 @@ def test_register_stages_of_a_stream_build_are_left_out_of_the_stream():
     with pytest.raises(ValueError, match="attention_decode: not a stage that streams weights"):
         assemble(cfg, dataclasses.replace(STREAM, stream_register="attention_decode"))
     with pytest.raises(ValueError, match="every streaming stage is named"):     # the streamer would have nothing
-        assemble(cfg, dataclasses.replace(STREAM, stream_register="+".join(x.stage for x in plan.streams(cfg))))
+        assemble(cfg, dataclasses.replace(STREAM, stream_register="+".join(x.stage for x in schedule.streams(cfg))))
     with pytest.raises(ValueError, match="set stream too"):
         BuildOptions(stream_register="o_proj_residual")
 
@@ -115,9 +115,9 @@ def test_the_plain_build_has_no_stream():
 
 
 def _status(cfg, stage, layer, step, block, want, got):
-    st = [0] * plan.STATUS_LEN
+    st = [0] * abi.STATUS_LEN
     idx = plan.STAGE_NAMES.index(stage)
-    st[STATUS["code"]] = plan.ERRORS.index("stream")
+    st[STATUS["code"]] = abi.ERRORS.index("stream")
     st[STATUS["stage"]], st[STATUS["layer"]], st[STATUS["step"]], st[STATUS["block"]] = idx, layer, step, block
     st[STATUS["stream_want"]], st[STATUS["stream_got"]] = want, got
     return st
@@ -126,13 +126,13 @@ def _status(cfg, stage, layer, step, block, want, got):
 def test_a_stream_report_names_the_stage_and_what_it_found():
     cfg = get_config("llama-3.2-1b")
     launch = plan.Launch(stream=True)
-    want = plan.where(plan.STAGE_NAMES.index("o_proj_residual"), 3, 15)
-    got = plan.where(plan.STAGE_NAMES.index("o_proj_residual"), 3, 0)
+    want = abi.where(plan.STAGE_NAMES.index("o_proj_residual"), 3, 15)
+    got = abi.where(plan.STAGE_NAMES.index("o_proj_residual"), 3, 0)
     e = stream_mismatch(cfg, launch, _status(cfg, "o_proj_residual", 3, 7, 5, want, got))
     assert isinstance(e, StreamMismatch) and e.where == ("o_proj_residual", 3, 7)
     text = str(e)
     assert text.startswith("weight stream: o_proj_residual of layer 3 at step 7, block 5: ")
     assert "its item 15" in text and "found item 0 of o_proj_residual of layer 3" in text
     assert "the plan streams it 2,048 units of 1 row(s) of wo (2048 wide)" in text
-    never = stream_mismatch(cfg, launch, _status(cfg, "lm_head", -1, 2, 0, plan.where(6, -1, 30), -1))
+    never = stream_mismatch(cfg, launch, _status(cfg, "lm_head", -1, 2, 0, abi.where(6, -1, 30), -1))
     assert "its item 30 never arrived in the ring" in str(never) and never.where == ("lm_head", -1, 2)

@@ -1,4 +1,4 @@
-"""The verification build in units (workbench/build/units.py), without a GPU: the split, the real NVRTC compiles of
+"""The verification build in units (workbench/compiler/units.py), without a GPU: the split, the real NVRTC compiles of
 every unit, the nvJitLink link, that an edit recompiles only its own unit, and compiler messages at the section's
 line as in the whole build. Whether the linked kernel computes what the whole build does is the GPU test's
 (tests/test_gpu.py::test_the_units_build_verifies)."""
@@ -9,9 +9,9 @@ import re
 import pytest
 
 from workbench import plan
-from workbench.build import units as U
-from workbench.build.assemble import BuildOptions, assemble, section_path
-from workbench.build.compile import CompileError, compile_cubin, resource_usage
+from workbench.compiler import units as U
+from workbench.compiler.assemble import BuildOptions, assemble, section_path
+from workbench.compiler.compile import CompileError, compile_cubin, resource_usage
 from workbench.model.config import get_config
 
 needs_link = pytest.mark.skipif(not U.units_linkable(), reason=f"{U.nvjitlink_problem()}")

@@ -9,7 +9,7 @@ import time
 import pytest
 from fake_service import FakeService
 
-from workbench import plan
+from workbench import abi
 from workbench.run.worker import BlockState, Worker, WorkerFailure, block_states, summarize_blocks
 
 
@@ -143,7 +143,7 @@ def test_an_interrupt_stops_the_run_and_keeps_the_worker(worker):
 
 def test_block_states_and_summary():
     import numpy as np
-    words = np.array([plan.where(3, 1, 2, True)] * 3 + [plan.where(3, 1, 2)] + [0], np.uint32).view(np.int32)
+    words = np.array([abi.where(3, 1, 2, True)] * 3 + [abi.where(3, 1, 2)] + [0], np.uint32).view(np.int32)
     blocks = block_states(words, None, 5)
     assert blocks[3] == BlockState(3, "o_proj_residual", 1, 2, False, False)
     assert blocks[4].stage is None

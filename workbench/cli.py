@@ -39,7 +39,7 @@ def positive_int(text: str) -> int:
 
 def build_option(text: str) -> tuple:
     """--set FIELD=VALUE: one BuildOptions field, checked as the options check it."""
-    from .build.assemble import BuildOptions, option_from_text
+    from .compiler.assemble import BuildOptions, option_from_text
     field, eq, value = text.partition("=")
     if not eq:
         raise argparse.ArgumentTypeError(f"expected FIELD=VALUE, got {text!r}")
@@ -132,7 +132,7 @@ def non_empty(text: str) -> str:
 
 def arch_arg(text: str) -> str:
     """--arch: one the build is made for (compile.CUDA_ARCHS, HIP_ARCHS), never handed to a compiler to refuse."""
-    from .build.compile import CUDA_ARCHS, HIP_ARCHS
+    from .compiler.compile import CUDA_ARCHS, HIP_ARCHS
     if text not in CUDA_ARCHS + HIP_ARCHS:
         raise argparse.ArgumentTypeError(f"{text!r} is not an arch the build supports (cuda: {', '.join(CUDA_ARCHS)}; "
                                          f"hip: {', '.join(HIP_ARCHS)})")
@@ -221,7 +221,7 @@ def env_output_folder(ap: argparse.ArgumentParser, variable: str, default: str) 
 
 
 def threads(text: str) -> int:
-    from .build.assemble import threads_problem      # the builds' own rule, checked before anything is read
+    from .compiler.assemble import threads_problem      # the builds' own rule, checked before anything is read
     n = _number(text, int)
     if (why := threads_problem(n)) is not None:
         raise argparse.ArgumentTypeError(why)
@@ -229,7 +229,7 @@ def threads(text: str) -> int:
 
 
 def section_variant(text: str) -> tuple[str, str]:
-    from .build.assemble import section_path
+    from .compiler.assemble import section_path
     name, sep, variant = text.partition("=")
     if not sep or not name or not variant:
         raise argparse.ArgumentTypeError(f"{text!r} is not SECTION=VARIANT (e.g. embedding=ptx)")
@@ -378,7 +378,7 @@ def _check_verify(args):
 
 
 def _check_build(args):
-    from .build.compile import HIP_ARCHS
+    from .compiler.compile import HIP_ARCHS
     of_arch = None if args.arch is None else "hip" if args.arch in HIP_ARCHS else "cuda"
     target = args.target or of_arch or ("hip" if args.dump == "amdgcn" else "cuda")
     if of_arch is not None and of_arch != target:
@@ -391,7 +391,7 @@ def _check_build(args):
     if args.no_spills and args.dump:
         raise UsageError(f"--no-spills judges a build's registers, and --dump {args.dump} prints code instead; "
                          "leave out one of them")
-    from .build.assemble import _display, section_path
+    from .compiler.assemble import _display, section_path
     chosen: dict[str, str] = {}
     for name, variant in args.variant:              # two variants of one section: one would be dropped, silently
         if chosen.setdefault(name, variant) != variant:
@@ -465,7 +465,7 @@ def _require_gpu(cmd: str):
 def _load(args):
     import cupy
 
-    from . import plan
+    from . import plan, schedule
     from .errors import GpuMemoryError
     from .model.weights import load_prepared
     cfg = get_config(args.model, max_seq=args.max_seq)
@@ -473,7 +473,7 @@ def _load(args):
         free = cupy.cuda.runtime.memGetInfo()[0]
     except cupy.cuda.runtime.CUDARuntimeError:  # no device after all: loading says so, in its own words
         free = None
-    problem = free is not None and plan.memory_problem(cfg, free, plan.Launch(threads=args.threads))
+    problem = free is not None and schedule.memory_problem(cfg, free, plan.Launch(threads=args.threads))
     if problem:                                  # before minutes of loading, not at the cache's allocation
         raise GpuMemoryError(problem)
     t0 = time.perf_counter()
@@ -484,7 +484,7 @@ def _load(args):
 
 
 def _kernel(args, p, **kw):
-    from .build.assemble import BuildOptions
+    from .compiler.assemble import BuildOptions
     from .run.runtime import Monokernel
     mk = Monokernel(p, BuildOptions(threads=args.threads), **kw)
     r = mk.resources()
@@ -589,7 +589,7 @@ def cmd_verify(args) -> int:
     """Stage by stage on every code path (a taps build of the same sections: every stage of every layer on its own
     inputs, at both sides of every attention split threshold, a long position, every sampler mode with
     --sampling), then end to end on the kernel itself (teacher-forced logits and greedy tokens)."""
-    from .build.assemble import BuildOptions
+    from .compiler.assemble import BuildOptions
     from .check.stops import verify_stops
     from .check.verify import SAMPLER_MODES, verify, verify_sampling, verify_stages
     from .run.runtime import Monokernel
@@ -632,8 +632,8 @@ def cmd_verify(args) -> int:
 
 
 def cmd_build(args) -> int:
-    from .build import compile as C
-    from .build.assemble import BuildOptions, assemble, smem_bytes
+    from .compiler import compile as C
+    from .compiler.assemble import BuildOptions, assemble, smem_bytes
     target = args.target or ("hip" if args.dump == "amdgcn" else "cuda")
     arch = args.arch or {"cuda": "sm_90", "hip": "gfx942"}[target]
     names = list(PRESETS) if args.all_presets else [args.model]
@@ -805,10 +805,10 @@ def _check_plan(args):
 
 
 def cmd_plan(args) -> int:
-    from . import plan
-    from .build.header import decode_step
+    from . import plan, schedule
+    from .compiler.header import decode_step
     cfg = get_config(args.model, max_seq=args.max_seq)
-    print(plan.describe(cfg))
+    print(schedule.describe(cfg))
     if args.decode_step:
         print()
         print(decode_step(cfg, plan.Launch()), end="")
@@ -975,7 +975,7 @@ def main(argv=None) -> int:
         sys.stdout = None
         return 0
     except Exception as e:
-        from .build.compile import CompileError
+        from .compiler.compile import CompileError
         from .run.runtime import KernelError
         if isinstance(e, CompileError):                 # the kernel sources' fault, reported as `build` reports it
             print(e, file=sys.stderr)

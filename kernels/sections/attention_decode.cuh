@@ -13,7 +13,7 @@
 // products, shuffle sums, exps and rescaling on the CUDA cores, 8 lanes a position) was bound by its instruction
 // issue: it took 20 µs a layer for a block's 1,000 positions at 16k with its K/V already in shared memory.
 //
-// Precision (held to the fp32 tolerance, check.stages.ATTENTION): K and V are bf16 in the cache, so they enter the
+// Precision (held to the fp32 tolerance, model.stage_math.ATTENTION): K and V are bf16 in the cache, so they enter the
 // products exactly; the scaled queries and the probabilities are split as hi + mid + lo, three bf16 whose sum is
 // within ~2⁻²⁵ of the fp32 value, and all three are multiplied (accumulating in fp32), so the products sit at
 // fp32's own level. Two parts (2⁻¹⁷) would pass too: the queries cut to two were not caught on the 1B (every

@@ -1,7 +1,7 @@
 """The reference: the plan's decode step interpreted stage by stage on numpy or cupy arrays.
 
 `forward` runs the stages of workbench/plan.py in their execution order, each through its reference in
-workbench/check/stages.py, over a batch of tokens at given positions (a whole teacher-forced sequence at once, or
+workbench/model/stage_math.py, over a batch of tokens at given positions (a whole teacher-forced sequence at once, or
 one decode step), keeping a KV cache. It is the same list of stages the kernel is generated from, so the reference
 cannot drift from the kernel's decode step: a stage added to the plan is computed here too.
 
@@ -24,10 +24,10 @@ import functools
 
 import numpy as np
 
-from .. import plan
+from .. import plan, schedule
 from ..model.config import ModelConfig
 from ..model.weights import Prepared, Weights, layer_names, qkv_row_order, rope_tables, to_f32
-from . import stages as S
+from ..model import stage_math as S
 
 
 def round_bf16(a):
@@ -192,7 +192,7 @@ def forward(source, tokens, positions=None, *, cache: KVCache | None = None, kv_
     state: dict = {}
     out = None
     no_logits = logit_rows is not None and len(logit_rows) == 0
-    for stage_name, layer in plan.execution(cfg):
+    for stage_name, layer in schedule.execution(cfg):
         st = plan.stage(stage_name)
         if st.reference is None:
             continue

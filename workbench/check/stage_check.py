@@ -1,10 +1,10 @@
 """Stage-local verification: every stage of every layer, checked on its own inputs as the kernel computed them.
 
 A taps build (BuildOptions(taps=True)) copies what each stage wrote (plan.Stage.taps) at chosen steps. For a
-stage at a layer and step, its inputs are the taps of the stages that produced them (plan.producer: the latest
+stage at a layer and step, its inputs are the taps of the stages that produced them (schedule.producer: the latest
 writer before it in the step), the kernel's own bf16 KV cache, its prepared weights and rope tables; its reference
 (plan.Stage.reference) runs on those in fp64, and its own taps are held to the stage's tolerances
-(plan.Stage.tolerances: fp32-level, argued in workbench.check.stages). A wrong stage therefore fails by itself, at
+(plan.Stage.tolerances: fp32-level, argued in workbench.model.stage_math). A wrong stage therefore fails by itself, at
 its own layer and step, whatever its depth, and the stages after it pass on its (wrong) output.
 
 What is checked beyond the taps:
@@ -25,9 +25,9 @@ import math
 
 import numpy as np
 
-from .. import plan
+from .. import plan, schedule
 from ..model.config import ModelConfig
-from . import stages as S
+from ..model import stage_math as S
 from .reference import PreparedView
 
 
@@ -197,7 +197,7 @@ class _KernelIO(S.StageIO):
         self.x_frac_bits = plan.X_FRAC_BITS if plan.BUFFERS["x"].dtype == "fixed" else None
 
     def act(self, buffer):
-        prod = plan.producer(self.cfg, buffer, self.stage_name, self.layer)
+        prod = schedule.producer(self.cfg, buffer, self.stage_name, self.layer)
         if prod is None:
             raise KeyError(f"{self.stage_name} reads {buffer}, which nothing before it in the step writes")
         return self.ctx.tap(prod[0], buffer, prod[1])
@@ -228,7 +228,7 @@ class _Batch:
         self._cache_layer = None
 
     def tap(self, stage, buffer, layer):
-        t = plan.tap(self.cfg, stage, buffer, self.launch)
+        t = schedule.tap(self.cfg, stage, buffer, self.launch)
         off = t.at(max(layer, 0))
         return self.taps[:, off:off + t.size].astype(self.xp.float64)
 
@@ -267,7 +267,7 @@ def check_stages(mk, runs: list, prepared=None, *, draws: dict | None = None, st
     b = _Batch(mk, runs, prepared)
     xp = b.xp
     pending: dict = {}                                   # (stage, buffer) → [(layer, kernel, exact)]
-    for stage_name, layer in plan.execution(cfg):
+    for stage_name, layer in schedule.execution(cfg):
         st = plan.stage(stage_name)
         if st.reference is None or not st.taps:
             continue
@@ -286,7 +286,7 @@ def check_stages(mk, runs: list, prepared=None, *, draws: dict | None = None, st
         for i, (layer, _, _) in enumerate(items):
             metrics.append(m[:, i * n:(i + 1) * n])
             keys.append((stage_name, buf, layer, tol))
-    order = {k: i for i, k in enumerate(plan.execution(cfg))}
+    order = {k: i for i, k in enumerate(schedule.execution(cfg))}
     idx = sorted(range(len(keys)), key=lambda i: order[keys[i][0], keys[i][2]])
     keys = [keys[i] for i in idx]
     metrics = [metrics[i] for i in idx]
@@ -317,7 +317,7 @@ def check_stages(mk, runs: list, prepared=None, *, draws: dict | None = None, st
 
 
 class _ContractIO:
-    """What a stage's contracts see (check.stages.*_contract): host arrays [rows, size] of its own taps and its
+    """What a stage's contracts see (model.stage_math.*_contract): host arrays [rows, size] of its own taps and its
     inputs' taps, the runs, the rows (run, step) checked, the sampling of each run, and the embedding table."""
 
     def __init__(self, b: "_Batch", stage: str, draws: dict):
@@ -332,7 +332,7 @@ class _ContractIO:
         return self._host(self.b.tap(self.stage, buffer, -1))
 
     def input(self, buffer):
-        prod = plan.producer(self.cfg, buffer, self.stage, -1)
+        prod = schedule.producer(self.cfg, buffer, self.stage, -1)
         return self._host(self.b.tap(prod[0], buffer, prod[1]))
 
     def reader_tap(self, buffer):

@@ -128,7 +128,7 @@ def verify_repeat(mk: Monokernel, first, rerun) -> list[Check]:
     """Two runs of the same command must give the same bits: tokens, logits, draws, and every tap. `first` is a
     Result, `rerun` a callable that runs it again. A difference is pinned on the first stage (in decode order of
     the first step that differs) whose tapped output differs."""
-    from .. import plan
+    from .. import plan, schedule
     again = rerun()
     same = list(first.tokens) == list(again.tokens) and first.steps == again.steps
     for name in ("logits", "draws", "taps"):
@@ -143,8 +143,8 @@ def verify_repeat(mk: Monokernel, first, rerun) -> list[Check]:
     where = (STAGE, -1, 0)
     if first.taps is not None and again.taps is not None:
         ta, tb = _host(first.taps), _host(again.taps)
-        order = plan.execution(mk.cfg)
-        by = {(t.stage, t.buffer): t for t in plan.taps(mk.cfg, mk.launch)}
+        order = schedule.execution(mk.cfg)
+        by = {(t.stage, t.buffer): t for t in schedule.taps(mk.cfg, mk.launch)}
         found = None
         for si, step in enumerate(first.tap_steps):
             for stage_name, layer in order:

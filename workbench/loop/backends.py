@@ -23,9 +23,9 @@ import time
 import numpy as np
 
 from .. import paths
-from ..build import assemble as _asm
-from ..build.assemble import BuildOptions
-from ..build.compile import CompileError
+from ..compiler import assemble as _asm
+from ..compiler.assemble import BuildOptions
+from ..compiler.compile import CompileError
 from ..model.config import ModelConfig
 
 
@@ -130,7 +130,7 @@ class CpuBackend:
         return self._p
 
     def build(self, builds: dict, overrides: dict, defer=()) -> float:
-        from ..build.compile import compile_cubin, resource_usage
+        from ..compiler.compile import compile_cubin, resource_usage
         if self._deferred is not None:
             with contextlib.suppress(Exception):    # a round nobody finished: waited for, what it built kept
                 self.finish()
@@ -212,7 +212,7 @@ class CpuBackend:
 
     def ab(self, a: dict, b: dict, overrides: dict, **kw) -> dict:
         """Both selections compiled (each build of each), no runs."""
-        from ..build.compile import compile_cubin
+        from ..compiler.compile import compile_cubin
         out = {}
         for tag, builds in (("a", a), ("b", b)):
             try:

@@ -4,7 +4,7 @@
     <the whole section file>
 
 writes the cell into kernels/sections/NAME.cuh (or NAME@V.cuh, which the build then uses; NAME@ptx....ptx for a
-stage's body in PTX, workbench.build.ptx) through the active
+stage's body in PTX, workbench.compiler.ptx) through the active
 Workbench (atomically, the previous version kept for undo), and reloads: compile, verify every stage, time.
 `%wb_undo NAME [--variant V] [--no-reload]` puts the previous version back. Errors are printed as file:line with
 the source line, never as a traceback; a failed write leaves the old file in place (the cell keeps your text).

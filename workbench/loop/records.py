@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..build.compile import CompileError
+from ..compiler.compile import CompileError
 
 
 def format_compile_error(e: CompileError, limit: int = 12) -> str:

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 from .. import paths
-from ..build.assemble import decode_source, section_path
+from ..compiler.assemble import decode_source, section_path
 from ..errors import SourceError
 
 try:

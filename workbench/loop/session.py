@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Callable
 
 from .. import paths, plan
-from ..build.assemble import BuildOptions, section_path
-from ..build.compile import CompileError
+from ..compiler.assemble import BuildOptions, section_path
+from ..compiler.compile import CompileError
 from ..model.config import get_config
 from ..run.worker import WorkerFailure
 from .backends import CpuBackend, GpuBackend, WorkerBackend
@@ -109,7 +109,7 @@ class Workbench:
     four times the last compile, at least 10 s). pipeline: compile the timed build in the background while the
     verification build is verified, so that the verdict (on_verdict, ReloadRecord.verdict_s) does not wait for the
     slower build (default); False compiles both before verifying. verify_units: build the verification build in
-    units (workbench.build.units: one per stage, cached, linked), so that an edit recompiles only its section's
+    units (workbench.compiler.units: one per stage, cached, linked), so that an edit recompiles only its section's
     (default; on the H200 edit → verdict 0.42 s against 1.57 s whole, every mutant still caught). The PTX and
     stream builds stay whole, as does any build where nvJitLink is missing; False builds it whole always."""
 

@@ -108,7 +108,7 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
     """`options`: (field, value) pairs of the kernel's BuildOptions (e.g. ("early", "o_proj_residual"))."""
     import cupy as cp
 
-    from ..build.assemble import BuildOptions
+    from ..compiler.assemble import BuildOptions
     from .baselines import stream_read_tbps
     from ..model.config import get_config
     from ..model.weights import prepare, random_weights

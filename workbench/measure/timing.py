@@ -1,6 +1,6 @@
 """Per-stage timing from the kernel's %globaltimer stamps (a build with BuildOptions(timing=True)).
 
-The stamps are [steps, slots, blocks, 2]: for every grid barrier of a step (a slot of `plan.slots`), when each block
+The stamps are [steps, slots, blocks, 2]: for every grid barrier of a step (a slot of `schedule.slots`), when each block
 arrived (its share of the slot's work done) and when it left (everyone had arrived). Every slot is stamped in every
 step. Slot 0 ends at the barrier after the stages the plan runs before the first layer stage, and also holds what
 the previous step ran after its last barrier (with the plan of today: the previous step's sampling and publish,
@@ -20,14 +20,14 @@ import dataclasses
 
 import numpy as np
 
-from .. import plan
+from .. import plan, schedule
 from ..model.config import ModelConfig
 
 
 def slot_names(cfg: ModelConfig, first_step: bool = False) -> list[tuple[str, int]]:
     """(label, layer) of every slot of a step, in order: the plan's slots. With first_step, the labels of step 0,
     where slot 0 holds only its own stages (nothing ran before it)."""
-    names = [(s.label, s.layer) for s in plan.slots(cfg)]
+    names = [(s.label, s.layer) for s in schedule.slots(cfg)]
     if first_step and names:
         names[0] = (first_step_label(cfg), names[0][1])
     return names
@@ -36,8 +36,8 @@ def slot_names(cfg: ModelConfig, first_step: bool = False) -> list[tuple[str, in
 def first_step_label(cfg: ModelConfig) -> str:
     """Slot 0's label at step 0: its stages without those the previous step carries into it (they come after the
     step's last barrier in execution order)."""
-    slots = plan.slots(cfg)
-    order = plan.execution(cfg)
+    slots = schedule.slots(cfg)
+    order = schedule.execution(cfg)
     last = order.index(slots[-1].stages[-1])
     own = [st for st, layer in slots[0].stages if order.index((st, layer)) <= last]
     return "+".join(dict.fromkeys(own)) or slots[0].label
@@ -54,13 +54,13 @@ def label_stages(label: str) -> list[str]:
 
 
 def stage_bytes(cfg: ModelConfig, stage: str, pos: int) -> int:
-    """Bytes a stage must move from memory at position `pos` (plan.stage_bytes: weights bf16, the KV cache read by
+    """Bytes a stage must move from memory at position `pos` (schedule.stage_bytes: weights bf16, the KV cache read by
     attention); a slot label made of several stages gives their sum; a stage the plan does not know (an older
     trace's) gives 0."""
     total = 0
     for name in label_stages(stage):
         if name in plan.STAGE_NAMES:
-            total += plan.stage_bytes(cfg, name, pos)
+            total += schedule.stage_bytes(cfg, name, pos)
     return total
 
 

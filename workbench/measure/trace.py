@@ -1,7 +1,7 @@
 """Timing traces: the kernel's %globaltimer stamps, saved, loaded, and exported for Perfetto.
 
 The stamps of a timing build (`BuildOptions(timing=True)`, see workbench/measure/timing.py) are uint64 nanoseconds
-[steps, slots, blocks, 2]: for every grid barrier of a step (the slots of `workbench.plan.slots`), when each block
+[steps, slots, blocks, 2]: for every grid barrier of a step (the slots of `workbench.schedule.slots`), when each block
 arrived and when it left. Every slot is stamped in every step; slot 0 holds what the previous step ran after its
 last barrier and this step's first stages (at step 0 only the latter). A stamp not yet written reads 0 (a snapshot
 taken while the kernel runs).

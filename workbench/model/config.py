@@ -85,21 +85,21 @@ def f32_positive(x: float) -> bool:
 #   max_seq        attention_decode.cuh's positions (`n = pos + 1`, a split's `start + chunk` ≤ n + splits),
 #                  publish.cuh's `P->pos0 + step + 1 >= WB_MAX_SEQ`
 # An index is compared with its bound after a strided step, so the bound plus the largest stride must fit too: the
-# grid's warp count (matvec.cuh warp_units: stride = grid_nwarps(), at most plan.MAX_BLOCKS = 1,024 blocks of 32
+# grid's warp count (matvec.cuh warp_units: stride = grid_nwarps(), at most abi.MAX_BLOCKS = 1,024 blocks of 32
 # warps of 32 lanes); the other strides (threads of a block, 8·WB_WARP columns, a block's positions) are smaller.
 INT32_MAX = 2 ** 31 - 1
 MAX_GRID_WARPS = 1024 * (1024 // 32)
 INDEX_MAX = INT32_MAX - MAX_GRID_WARPS
-# plan.WHERE_FIELDS: the where-word that names a block's stage and layer (hang reports, the weight stream's page
+# abi.WHERE_FIELDS: the where-word that names a block's stage and layer (hang reports, the weight stream's page
 # tags) keeps layer + 1 in 7 bits, the token stages being layer -1
 MAX_LAYERS = 2 ** 7 - 2
-# the debug build's per-block values tapped after the LM head (plan.taps: blk_max and blk_arg, a float each for up
-# to plan.MAX_BLOCKS blocks) and the sampled token
+# the debug build's per-block values tapped after the LM head (schedule.taps: blk_max and blk_arg, a float each for up
+# to abi.MAX_BLOCKS blocks) and the sampled token
 _TAP_PER_BLOCK = 2 * 1024 + 1
 
 
 def tap_record_floats(v: dict) -> int:
-    """Floats of one step's tap record (plan.tap_step_floats at the largest grid): what the debug build copies out
+    """Floats of one step's tap record (schedule.tap_step_floats at the largest grid): what the debug build copies out
     after every stage. Its offsets are `constexpr int` (header.py's WB_TAP_* and WB_TAP_STEP_FLOATS, instrument.cuh's
     wb_tap_dst `int offset`): the embedding's x, per layer q, k, v (the rows appended), o, x and h, hmlp, x, then the
     logits."""

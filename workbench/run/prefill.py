@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from .. import plan
+from .. import plan, schedule
 from ..model.weights import Prepared, to_bf16, to_f32
 
 # Rows per chunk: each projection is a [rows, K] × [K, N] product, large enough to run cuBLAS near its peak, and a
@@ -52,7 +52,7 @@ def prefill_bytes(cfg, n_ctx: int, chunk: int, dtype=np.float32, gpu: bool = Fal
     a layer at a time), the embedding and the LM head converted whole, the bf16 write's temporaries, and
     attention's score block (stages.SCORE_ELEMENTS: the product's output, softmaxed in place, and the product's
     workspace)."""
-    from ..check.stages import SCORE_ELEMENTS
+    from ..model.stage_math import SCORE_ELEMENTS
     rows = n_ctx if rows is None else rows
     if gpu:
         return 2 * rows * cfg.hidden * 4 + 2 * chunk * (4 * cfg.qkv_rows + 8 * cfg.q_dim + 12 * cfg.intermediate
@@ -176,7 +176,7 @@ def _layers(cfg, xp, n: int, chunk: int, run, clock, before_layer=None):
     the last row's logits."""
     bounds = [(a, min(n, a + chunk)) for a in range(0, n, chunk)]
     state: dict = {}
-    for layer, stages in itertools.groupby(plan.execution(cfg), key=lambda e: e[1]):
+    for layer, stages in itertools.groupby(schedule.execution(cfg), key=lambda e: e[1]):
         names = [name for name, _ in stages if plan.stage(name).reference is not None]
         if layer < 0 and "x" in state:                  # after the layers: the LM head on the last row only
             last = {"x": state["x"][n - 1:]}

@@ -9,10 +9,10 @@ stays the one declaration of the step. Where the plan has a layer stage this mod
 prefill takes the interpreter's path instead (`covers`); a token stage without one (the sampler) runs the
 reference's math on its rows.
 
-Each implementation computes its stage reference's math (workbench/check/stages.py) in fp32, to within fp32's
+Each implementation computes its stage reference's math (workbench/model/stage_math.py) in fp32, to within fp32's
 rounding (the kernels' comments argue it), takes the stage's inputs from the chunk's state by the plan's buffer
 names and returns what it writes (the prefill checks that against the plan's declared writes); keys and values go
-straight into the kernel's cache. The order is the plan's (plan.execution), as on the interpreter's path.
+straight into the kernel's cache. The order is the plan's (schedule.execution), as on the interpreter's path.
 check_prefill holds the result to fp64.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import functools
 
 import numpy as np
 
-from ..check import stages as S
+from ..model import stage_math as S
 from ..model.weights import Prepared, to_f32
 
 ATTN_THREADS = 128           # four warps of 16 query rows, and so 64 rows a block: the kernel's static_asserts
@@ -301,9 +301,9 @@ IMPLEMENTS = {S.embedding_io: embedding, S.qkv_rope_append_io: qkv_rope_append, 
 def covers(cfg) -> bool:
     """Whether every layer stage of the plan (for this config) has an implementation here: then the path runs,
     its split activations (hmlp) read only by its own stages."""
-    from .. import plan
+    from .. import plan, schedule
     return all(plan.stage(name).reference in IMPLEMENTS
-               for name, layer in plan.execution(cfg) if layer >= 0 and plan.stage(name).reference is not None)
+               for name, layer in schedule.execution(cfg) if layer >= 0 and plan.stage(name).reference is not None)
 
 
 def _row(table, layer: int, shape: tuple, fill: float):

@@ -15,16 +15,16 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .. import plan
-from ..build.assemble import Assembled, BuildOptions, Params, assemble
-from ..build.compile import NVRTC_OPTIONS, compile_error
-from ..build.units import units_linkable
+from .. import abi, plan, schedule
+from ..compiler.assemble import Assembled, BuildOptions, Params, assemble
+from ..compiler.compile import NVRTC_OPTIONS, compile_error
+from ..compiler.units import units_linkable
 from ..model.weights import Prepared
 
-STATUS = {name: i for i, name in enumerate(plan.STATUS_WORDS)}
-ERROR = {name: i for i, name in enumerate(plan.ERRORS)}
+STATUS = {name: i for i, name in enumerate(abi.STATUS_WORDS)}
+ERROR = {name: i for i, name in enumerate(abi.ERRORS)}
 M_STATUS, M_ABORT, M_N_OUT, M_PROGRESS, M_WHERE, M_TOKENS = (
-    plan.mapped_offset(n) for n in ("status", "host_abort", "n_out", "progress", "where", "tokens_out"))
+    abi.mapped_offset(n) for n in ("status", "host_abort", "n_out", "progress", "where", "tokens_out"))
 _ALLOC_LOCK = threading.Lock()
 
 
@@ -131,7 +131,7 @@ class Result:
     recorded_steps: list[int]
     draws: np.ndarray | None = None    # [n_recorded, n_draws]: the sampler's draws at the recorded steps
     timing: np.ndarray | None = None   # [steps, slots, blocks, 2] globaltimer ns, when built with timing
-    taps: object = None                # [n_tapped, plan.tap_step_floats] fp32 on the device, when built with taps
+    taps: object = None                # [n_tapped, schedule.tap_step_floats] fp32 on the device, when built with taps
     tap_steps: list[int] = dataclasses.field(default_factory=list)
     pos0: int = 0
     fed: list[int] = dataclasses.field(default_factory=list)   # the token fed at each step (as streamed)
@@ -145,7 +145,7 @@ class Result:
 
     def tap(self, stage: str, buffer: str, layer: int, step: int, cfg, launch=None):
         """One tap (a cupy view) of a tapped step: `buffer` as `stage` left it at `layer` (-1: token stage)."""
-        t = plan.tap(cfg, stage, buffer, launch or plan.Launch())
+        t = schedule.tap(cfg, stage, buffer, launch or plan.Launch())
         i = self.tap_steps.index(step)
         off = t.at(max(layer, 0))
         return self.taps[i, off:off + t.size]
@@ -236,15 +236,15 @@ class Monokernel:
         # the where-words go to mapped host memory (readable after this process is gone); where_in_device keeps
         # them on the device (to measure what the mapped writes cost)
         self.where_in_device = where_in_device
-        if mapped is not None and mapped.words.size < plan.mapped_words(self.max_steps + 1):
-            raise ValueError(f"the mapped block has {mapped.words.size} words, {plan.mapped_words(self.max_steps + 1)} "
+        if mapped is not None and mapped.words.size < abi.mapped_words(self.max_steps + 1):
+            raise ValueError(f"the mapped block has {mapped.words.size} words, {abi.mapped_words(self.max_steps + 1)} "
                              f"needed for {self.max_steps} steps")
         self._external_mapped = mapped
-        if self.grid > plan.MAX_BLOCKS:
-            raise ValueError(f"{self.grid} blocks: the mapped block holds where-words for {plan.MAX_BLOCKS}")
+        if self.grid > abi.MAX_BLOCKS:
+            raise ValueError(f"{self.grid} blocks: the mapped block holds where-words for {abi.MAX_BLOCKS}")
         with _ALLOC_LOCK:                # two kernels built in parallel threads must not both count the same memory
             free = free_device_bytes(cupy)
-            problem = plan.memory_problem(self.cfg, free, self.launch, weights_resident=True)
+            problem = schedule.memory_problem(self.cfg, free, self.launch, weights_resident=True)
             if problem:                               # one line, not an allocator's traceback
                 from ..errors import GpuMemoryError
                 raise GpuMemoryError(problem)
@@ -265,7 +265,7 @@ class Monokernel:
         finally:
             say("checking")
         compile_s = time.perf_counter() - t0
-        smem = plan.smem_bytes(self.cfg, options.launch)
+        smem = schedule.smem_bytes(self.cfg, options.launch)
         fn.max_dynamic_shared_size_bytes = smem
         occ = self.cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, options.threads, smem)
         if occ < 1:
@@ -316,13 +316,13 @@ class Monokernel:
         return mod, fn
 
     def _load_spliced(self, asm: Assembled):
-        """A build with stages written in PTX (workbench.build.ptx): NVRTC's PTX of the module with their bodies in
+        """A build with stages written in PTX (workbench.compiler.ptx): NVRTC's PTX of the module with their bodies in
         place, through ptxas (its messages at the .ptx files' lines) to a cubin, which the driver loads. A build in
-        units (workbench.build.units) comes the same way, as the cubin its linked units make."""
+        units (workbench.compiler.units) comes the same way, as the cubin its linked units make."""
         import os
         import tempfile
 
-        from ..build.compile import CompileError, compile_nvidia
+        from ..compiler.compile import CompileError, compile_nvidia
         cp = self.cp
         arch = f"sm_{cp.cuda.Device().compute_capability}"
         try:
@@ -377,13 +377,13 @@ class Monokernel:
         self.bar_count = cp.zeros(1, u32)
         self.arrive = cp.zeros(self.grid, u32)
         self.where_dev = cp.zeros(self.grid, u32)
-        self.dev_flags = cp.zeros(len(plan.DEV_FLAGS), i32)
+        self.dev_flags = cp.zeros(len(abi.DEV_FLAGS), i32)
         self.tokens_in = cp.zeros(self.max_steps + 1, i32)
         self.eos = cp.zeros(max(1, len(cfg.eos_token_ids)) + 8, i32)
         self.draws = cp.zeros(1, i32)
         self.timing = cp.zeros(1, cp.uint64)
         self.taps = cp.zeros(1, cp.float32)
-        self.mapped = self._external_mapped or _Mapped(plan.mapped_words(self.max_steps + 1))
+        self.mapped = self._external_mapped or _Mapped(abi.mapped_words(self.max_steps + 1))
         self.params_dev = cp.empty(ctypes.sizeof(Params), cp.uint8)
         self.stream = cp.cuda.Stream(non_blocking=True)
 
@@ -413,7 +413,7 @@ class Monokernel:
     def _params(self, n_in, n_steps, max_new, pos0, sampling: Sampling, eos, n_draws, timing_steps, timeout_s):
         p, m = self.p, self.mapped
         P = Params()
-        for name, _ in plan.params_fields():
+        for name, _ in abi.params_fields():
             b = plan.BUFFERS.get(name)
             if b is not None and b.kind in ("weight", "table"):
                 setattr(P, name, getattr(p, name).data.ptr)
@@ -480,7 +480,7 @@ class Monokernel:
             raise ValueError("n_draws must be ≥ 0")
         if n_draws and self.draws.size < n_draws * max(1, len(record)):
             self.draws = cp.zeros(n_draws * max(1, len(record)), cp.int32)
-        n_slots = plan.n_slots(cfg)
+        n_slots = schedule.n_slots(cfg)
         if self.opt.timing and timing_steps:
             need = timing_steps * n_slots * self.grid * 2
             if self.timing.size < need:
@@ -492,7 +492,7 @@ class Monokernel:
             raise ValueError("tap_steps needs a build with BuildOptions(taps=True)")
         if tap_steps and not (0 <= tap_steps[0] and tap_steps[-1] < n_steps):
             raise ValueError(f"tap steps must be in [0, {n_steps})")
-        tap_floats = plan.tap_step_floats(cfg, self.launch)
+        tap_floats = schedule.tap_step_floats(cfg, self.launch)
         if tap_steps and self.taps.size < len(tap_steps) * tap_floats:
             self.taps = cp.zeros(len(tap_steps) * tap_floats, cp.float32)
         self.timing_steps = timing_steps
@@ -598,7 +598,7 @@ class Monokernel:
         written read 0). [timing_steps, slots, blocks, 2]."""
         if not self.opt.timing or not getattr(self, "timing_steps", 0):
             return None
-        n = self.timing_steps * plan.n_slots(self.cfg) * self.grid * 2
+        n = self.timing_steps * schedule.n_slots(self.cfg) * self.grid * 2
         side = getattr(self, "_side", None) or self.cp.cuda.Stream(non_blocking=True)
         self._side = side
         out = np.empty(n, np.uint64)
@@ -618,19 +618,19 @@ class Monokernel:
 
     def _raise_on_status(self, aborted_by_host: bool, host_timeout_s: float):
         w = self.mapped.words
-        st = w[M_STATUS:M_STATUS + plan.STATUS_LEN]
+        st = w[M_STATUS:M_STATUS + abi.STATUS_LEN]
         # an abort leaves its reason on the device only
-        code = int(st[STATUS["code"]]) or int(self.dev_flags[plan.DEV_FLAGS.index("stop")].get())
+        code = int(st[STATUS["code"]]) or int(self.dev_flags[abi.DEV_FLAGS.index("stop")].get())
         if code == ERROR["ok"]:
             return
         if code == ERROR["hang"]:
             s = int(st[STATUS["stage"]])
-            stage = plan.stage_name(s)
+            stage = abi.stage_name(s)
             layer = f" of layer {st[STATUS['layer']]}" if st[STATUS["layer"]] >= 0 else ""
             raise KernelHang(
                 f"grid barrier timed out after the {stage} stage{layer} at step {st[STATUS['step']]}: block "
                 f"{st[STATUS['block']]} waited, {st[STATUS['n_missing']]} block(s) never arrived, the first being "
-                f"block {st[STATUS['missing_block']]}, last seen in {plan.describe_where(int(st[STATUS['missing_where']]))}")
+                f"block {st[STATUS['missing_block']]}, last seen in {abi.describe_where(int(st[STATUS['missing_where']]))}")
         if code == ERROR["aborted"]:
             why = f"no progress for {host_timeout_s:.0f} s (host watchdog)" if aborted_by_host else "abort requested"
             raise KernelAborted(f"kernel aborted: {why}; it stopped at step {int(w[M_PROGRESS])}")
@@ -639,9 +639,9 @@ class Monokernel:
         if code == ERROR["stream"]:
             raise stream_mismatch(self.cfg, self.launch, [int(v) for v in st])
         if code == ERROR["unwaited"]:
-            name = plan.stage_name(int(st[STATUS["stage"]]))
+            name = abi.stage_name(int(st[STATUS["stage"]]))
             raise KernelError(
-                f"{plan.place(name, int(st[STATUS['layer']]), int(st[STATUS['step']]))}, block {st[STATUS['block']]}: "
+                f"{abi.place(name, int(st[STATUS['layer']]), int(st[STATUS['step']]))}, block {st[STATUS['block']]}: "
                 f"stage_{name} returned without waiting at the grid barrier before it, which the build's early={name} "
                 f"leaves to its prologue: read the weights through for_warp_units (kernels/lib/matvec.cuh), or "
                 f"build without early={name}; it read its inputs before every block had written them")
@@ -651,12 +651,12 @@ class Monokernel:
 def stream_mismatch(cfg, launch: plan.Launch, st: list[int]) -> StreamMismatch:
     """The kernel's stream report (status words, see kernels/lib/stream.cuh) as one line naming the stage."""
     stage, layer, step, block = (st[STATUS[k]] for k in ("stage", "layer", "step", "block"))
-    name = plan.stage_name(stage)
-    where = plan.place(name, layer, step)
+    name = abi.stage_name(stage)
+    where = abi.place(name, layer, step)
     want, got = st[STATUS["stream_want"]] & 0xFFFFFFFF, st[STATUS["stream_got"]] & 0xFFFFFFFF
-    w = plan.decode_where(want)
+    w = abi.decode_where(want)
     item = w[2] if w else -1
-    s = plan.stream_stage(cfg, name, launch)
+    s = schedule.stream_stage(cfg, name, launch)
     declared = (f"the plan streams it {s.units:,} units of {s.rows} row(s) of {s.buffer} ({s.k} wide)"
                 if s is not None else "the plan streams it no weights")
     if got == 0xFFFFFFFF:
@@ -664,7 +664,7 @@ def stream_mismatch(cfg, launch: plan.Launch, st: list[int]) -> StreamMismatch:
     elif got == 0xFFFFFFFE:
         why = f"its {item} items do not fit the partial sums the build reserved (a grid it was not built for)"
     else:
-        g = plan.decode_where(got)
+        g = abi.decode_where(got)
         held = "nothing" if g is None else f"item {g[2]} of {g[0]}" + (f" of layer {g[1]}" if g[1] >= 0 else "")
         why = (f"it asked the ring for its item {item} of those rows and found {held}, or rows from another "
                f"address: the section reads other weights, or another number of units, than the plan declares")

@@ -6,7 +6,7 @@ answers calls over a pipe. Beside the pipe the two share one block of memory (mu
 
     words 0..15    the worker's own: what it is doing (the phase), the grid of the kernel it runs, that kernel's
                    barrier timeout
-    words 16..     the kernel's mapped block (workbench.plan.MAPPED): status, the host's abort flag, the token count,
+    words 16..     the kernel's mapped block (workbench.abi.MAPPED): status, the host's abort flag, the token count,
                    the step heartbeat, every block's where-word, the tokens; the worker registers it as mapped host
                    memory, so the kernel writes it directly and the caller reads it while the kernel runs and after
                    the worker is gone
@@ -35,7 +35,7 @@ from multiprocessing import get_context, shared_memory
 
 import numpy as np
 
-from .. import plan
+from .. import abi
 
 W_PHASE, W_GRID, W_TIMEOUT_MS = 0, 1, 2
 HEADER = 16                              # worker words before the kernel's mapped block
@@ -96,7 +96,7 @@ class BlockState:
     def where(self) -> str:
         if self.stage is None:
             return "never started"
-        return ("waiting after " if self.waiting else "in ") + plan.place(self.stage, self.layer, self.step)
+        return ("waiting after " if self.waiting else "in ") + abi.place(self.stage, self.layer, self.step)
 
     def __str__(self) -> str:
         return f"block {self.block}: {self.where}" + ("" if self.moved or self.stage is None else " (stopped moving)")
@@ -106,7 +106,7 @@ def block_states(where_words: np.ndarray, previous: np.ndarray | None, grid: int
     out = []
     for b in range(grid):
         w = int(where_words[b]) & 0xFFFFFFFF
-        d = plan.decode_where(w) if w else None
+        d = abi.decode_where(w) if w else None
         moved = previous is not None and b < len(previous) and int(previous[b]) != int(where_words[b])
         if d is None:
             out.append(BlockState(b, None, -1, -1, False, moved))
@@ -134,7 +134,7 @@ def summarize_blocks(blocks: list[BlockState], limit: int = 6) -> str:
 
 def _describe(e: BaseException) -> tuple:
     """A picklable account of an exception raised in the worker."""
-    from ..build.compile import CompileError
+    from ..compiler.compile import CompileError
     if isinstance(e, CompileError):
         return ("CompileError", str(e), {"messages": e.messages, "log": e.log})
     code = getattr(e, "status", None)
@@ -153,7 +153,7 @@ def _describe(e: BaseException) -> tuple:
 
 def _rebuild(desc: tuple) -> BaseException:
     """The exception of `_describe` on this side: the workbench's own classes come back as themselves."""
-    from ..build.compile import CompileError
+    from ..compiler.compile import CompileError
     from . import runtime as R
     name, message, extra = desc[0], desc[1], desc[2]
     if name == "CompileError":
@@ -277,7 +277,7 @@ class Worker:
                  start_s: float = 120.0, max_tokens: int = 1 << 16, **kwargs):
         self.factory, self.args, self.kwargs = factory, args, kwargs
         self.hang_s, self.grace_s, self.compile_s, self.start_s = hang_s, grace_s, compile_s, start_s
-        self.n_words = HEADER + plan.mapped_words(max_tokens)
+        self.n_words = HEADER + abi.mapped_words(max_tokens)
         self.shm = shared_memory.SharedMemory(create=True, size=4 * self.n_words)
         self.words = np.frombuffer(self.shm.buf, dtype=np.int32, count=self.n_words)
         self.words[:] = 0
@@ -290,7 +290,7 @@ class Worker:
     # -- the shared block --
     @property
     def mapped(self) -> np.ndarray:
-        """A snapshot of the kernel's mapped block (plan.MAPPED): a copy, so that no view outlives the block."""
+        """A snapshot of the kernel's mapped block (abi.MAPPED): a copy, so that no view outlives the block."""
         return self.words[HEADER:].copy()
 
     @property
@@ -299,20 +299,20 @@ class Worker:
         return int(self.words[W_GRID])
 
     def where_words(self) -> np.ndarray:
-        o = HEADER + plan.mapped_offset("where")
+        o = HEADER + abi.mapped_offset("where")
         return self.words[o:o + self.grid].copy()
 
     def status(self) -> dict:
-        o = HEADER + plan.mapped_offset("status")
-        st = self.words[o:o + plan.STATUS_LEN]
-        return {name: int(st[i]) for i, name in enumerate(plan.STATUS_WORDS)}
+        o = HEADER + abi.mapped_offset("status")
+        st = self.words[o:o + abi.STATUS_LEN]
+        return {name: int(st[i]) for i, name in enumerate(abi.STATUS_WORDS)}
 
     def progress(self) -> int:
-        return int(self.words[HEADER + plan.mapped_offset("progress")])
+        return int(self.words[HEADER + abi.mapped_offset("progress")])
 
     def abort(self):
         """Ask a running kernel to stop at its next bounded wait (the host abort flag it polls)."""
-        self.words[HEADER + plan.mapped_offset("host_abort")] = 1
+        self.words[HEADER + abi.mapped_offset("host_abort")] = 1
 
     @property
     def phase(self) -> str:
@@ -473,7 +473,7 @@ class Worker:
                 # leave them the time to
                 hang_s = max(self.hang_s, self.words[W_TIMEOUT_MS] / 1000 + 1.0)
                 status = self.status()
-                reported = status.get("code", 0) == plan.ERRORS.index("hang")
+                reported = status.get("code", 0) == abi.ERRORS.index("hang")
                 if aborted_at is None and (reported or now - last_move > hang_s):
                     # A grid frozen whole, even the blocks waiting at a barrier past their own timeout, with no
                     # report from them, is a fault: measured on the H200, a trap, an illegal address and an
@@ -481,7 +481,7 @@ class Worker:
                     # process in 15 s. Every hang (a spin, a skipped barrier, a sampler that never returns) left
                     # the waiting blocks' timeouts running, and they report it themselves.
                     if not reported and status.get("code", 0) == 0 and any(
-                            (d := plan.decode_where(int(x))) is not None and d[3] for x in w):
+                            (d := abi.decode_where(int(x))) is not None and d[3] for x in w):
                         raise self._failure("fault", f"the whole grid halted at once: blocks waiting at a barrier "
                                                      f"stopped for {now - last_move:.1f} s without their own "
                                                      f"timeout ({self.words[W_TIMEOUT_MS] / 1000:.1f} s) firing, "
@@ -518,10 +518,10 @@ class Worker:
     def _failure(self, kind, message, t0, status=None, kill: bool = True) -> WorkerFailure:
         blocks = self.blocks()
         status = status or self.status()
-        if status.get("code") == plan.ERRORS.index("hang"):   # the kernel's own barrier report came first
+        if status.get("code") == abi.ERRORS.index("hang"):   # the kernel's own barrier report came first
             message += (f"; the kernel's barrier report: block {status['block']} waited after "
-                        f"{plan.stage_name(status['stage'])} (step {status['step']}), first missing block "
-                        f"{status['missing_block']}, last seen in {plan.describe_where(status['missing_where'])}")
+                        f"{abi.stage_name(status['stage'])} (step {status['step']}), first missing block "
+                        f"{status['missing_block']}, last seen in {abi.describe_where(status['missing_where'])}")
         f = WorkerFailure(kind, message, blocks, status, time.perf_counter() - t0)
         f.killed = kill
         self.last_failure = f

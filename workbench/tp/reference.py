@@ -17,7 +17,7 @@ import dataclasses
 
 import numpy as np
 
-from .. import plan
+from .. import plan, schedule
 from ..check.reference import _IO, KVCache, _integers, store_kv, view
 from .shard import SPLIT_ACTIVATIONS, Sharding
 
@@ -93,7 +93,7 @@ def tp_forward(source, tokens, ranks: int, positions=None, *, caches: list | Non
     state = [{} for _ in range(ranks)]
     exchanges: list[Exchange] = []
     logits = None
-    for stage_name, layer in plan.execution(cfg):
+    for stage_name, layer in schedule.execution(cfg):
         st = plan.stage(stage_name)
         if st.reference is None:
             continue

@@ -67,7 +67,7 @@ def parse_log(log: str, asm: Assembled | None = None) -> list:
 
 
 _SHARED_ARRAY = re.compile(r"__shared__[^;()]*\[")
-# ptxas's own words, and nvJitLink's when it links the units (workbench/build/units.py): "error   : Entry ..."
+# ptxas's own words, and nvJitLink's when it links the units (workbench/compiler/units.py): "error   : Entry ..."
 _PTXAS_SHARED = re.compile(r"(?:ptxas )?error\s*: (?P<text>Entry function .* uses too much shared data.*)$", re.M)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ctypes
 import struct
 
-from .. import plan
+from .. import abi, plan, schedule
 from ..model.config import ModelConfig
 
 _CTYPES = {"u64": ctypes.c_uint64, "int": ctypes.c_int32, "float": ctypes.c_float}
@@ -22,7 +22,7 @@ _CTYPES = {"u64": ctypes.c_uint64, "int": ctypes.c_int32, "float": ctypes.c_floa
 
 class Params(ctypes.Structure):
     """The kernel's parameter block as the host fills it (one 64-bit word per pointer)."""
-    _fields_ = [(n, ctypes.c_uint64 if t.endswith("*") else _CTYPES[t]) for n, t in plan.params_fields()]
+    _fields_ = [(n, ctypes.c_uint64 if t.endswith("*") else _CTYPES[t]) for n, t in abi.params_fields()]
 
 
 def _upper(name: str) -> str:
@@ -30,7 +30,7 @@ def _upper(name: str) -> str:
 
 
 def params_struct() -> str:
-    body = "\n".join(f"    {t} {n};" for n, t in plan.params_fields())
+    body = "\n".join(f"    {t} {n};" for n, t in abi.params_fields())
     return (f"struct Params {{\n{body}\n}};\n"
             f"static_assert(sizeof(Params) == {ctypes.sizeof(Params)}, \"Params: the host's layout\");\n")
 
@@ -42,13 +42,13 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
     out.append("enum Stage { " + ", ".join(f"ST_{_upper(s)}" for s in plan.STAGE_NAMES) +
                f", WB_N_STAGES }};")
     out.append("enum WbError { " + ", ".join(f"WB_{'OK' if e == 'ok' else 'ERR_' + _upper(e)} = {i}"
-                                            for i, e in enumerate(plan.ERRORS)) + " };")
-    out.append("enum WbDevFlag { " + ", ".join(f"WB_FLAG_{_upper(f)} = {i}" for i, f in enumerate(plan.DEV_FLAGS))
-               + f", WB_DEV_FLAGS = {len(plan.DEV_FLAGS)} }};")
+                                            for i, e in enumerate(abi.ERRORS)) + " };")
+    out.append("enum WbDevFlag { " + ", ".join(f"WB_FLAG_{_upper(f)} = {i}" for i, f in enumerate(abi.DEV_FLAGS))
+               + f", WB_DEV_FLAGS = {len(abi.DEV_FLAGS)} }};")
     out.append("// status[] (mapped host memory): a stop's reason and place, read by the host after `code`")
-    out.append("enum WbStatus { " + ", ".join(f"WB_STATUS_{_upper(w)} = {i}" for i, w in enumerate(plan.STATUS_WORDS))
-               + f", WB_STATUS_WORDS = {plan.STATUS_LEN} }};")
-    shift = plan.where_layout()
+    out.append("enum WbStatus { " + ", ".join(f"WB_STATUS_{_upper(w)} = {i}" for i, w in enumerate(abi.STATUS_WORDS))
+               + f", WB_STATUS_WORDS = {abi.STATUS_LEN} }};")
+    shift = abi.where_layout()
     enc = " | ".join(f"((u32)({'layer + 1' if n == 'layer' else n}) & {(1 << b) - 1}u) << {sh}"
                      for n, sh, b in shift)
     out.append("// where a block is (its stage, layer + 1, step, waiting at the barrier after it): written at every stage")
@@ -59,7 +59,7 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
     for n, sh, b in shift[:3]:
         val = f"(int)((w >> {sh}) & {(1 << b) - 1}u)" + (" - 1" if n == "layer" else "")
         out.append(f"__device__ __forceinline__ int wb_where_{n}(u32 w) {{ return {val}; }}")
-    out.append(f"constexpr int WB_SLOTS = {plan.n_slots(cfg)};           // grid barriers per step")
+    out.append(f"constexpr int WB_SLOTS = {schedule.n_slots(cfg)};           // grid barriers per step")
     out.append(f"constexpr int WB_BLOCKS = {launch.grid};         // the grid the build is specialised to (one block an SM)")
     out += residual_constants(launch)
     out.append("// how each stage deals its units (plan.Stage.deal): a section passes its WB_DEAL_<STAGE> to for_warp_units")
@@ -67,20 +67,20 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
     for st in plan.STAGES:
         out.append(f"constexpr WbDeal WB_DEAL_{_upper(st.name)} = WB_DEAL_{st.deal.upper()};")
     # taps
-    out.append(f"constexpr int WB_TAP_STEP_FLOATS = {plan.tap_step_floats(cfg, launch)};   // one step's tap record")
-    for t in plan.taps(cfg, launch):
+    out.append(f"constexpr int WB_TAP_STEP_FLOATS = {schedule.tap_step_floats(cfg, launch)};   // one step's tap record")
+    for t in schedule.taps(cfg, launch):
         out.append(f"constexpr int WB_TAP_{_upper(t.stage)}_{_upper(t.buffer)} = {t.offset}, "
                    f"WB_TAP_{_upper(t.stage)}_{_upper(t.buffer)}_N = {t.size};")
     # shared memory
-    regions = plan.smem_regions(cfg, launch)
+    regions = schedule.smem_regions(cfg, launch)
     for st, regs in regions.items():
         for r, (off, n) in regs.items():
             out.append(f"constexpr int WB_SMEM_{_upper(st)}_{_upper(r)} = {off}, "
                        f"WB_SMEM_{_upper(st)}_{_upper(r)}_FLOATS = {n};")
-    off, n = plan.early_region(cfg, launch)
+    off, n = schedule.early_region(cfg, launch)
     out.append(f"constexpr int WB_SMEM_EARLY = {off}, WB_SMEM_EARLY_FLOATS = {n};   // early stages' first loads "
                f"(Launch.early)")
-    out.append(f"constexpr int WB_SMEM_FLOATS = {plan.smem_floats(cfg, launch)};   // the largest stage's layout")
+    out.append(f"constexpr int WB_SMEM_FLOATS = {schedule.smem_floats(cfg, launch)};   // the largest stage's layout")
     out.append(f"constexpr int WB_ATTN_WARPS = {launch.attn_warps(cfg)}, WB_ATTN_BUFS = {launch.attn_bufs}, "
                f"WB_ATTN_STEP = {plan.ATTN_STEP}, WB_ATTN_KS = {plan.attn_row(cfg)};   "
                f"// attention's rings: warps with one, steps a ring, positions a step, bf16 a K/V row")
@@ -124,23 +124,23 @@ def residual_constants(launch: plan.Launch) -> list[str]:
 
 
 def stream_constants(cfg: ModelConfig, launch: plan.Launch) -> list[str]:
-    """The weight ring's geometry (plan.ring_slots, plan.ring_offset): zeros in a build without streaming."""
+    """The weight ring's geometry (schedule.ring_slots, schedule.ring_offset): zeros in a build without streaming."""
     on = launch.stream
-    step_shift = next(sh for n, sh, _ in plan.where_layout() if n == "step")
+    step_shift = next(sh for n, sh, _ in abi.where_layout() if n == "step")
     return [
-        "// the weight stream (plan.streams): the block's last warp copies weight rows into a ring of pages, a slot",
+        "// the weight stream (schedule.streams): the block's last warp copies weight rows into a ring of pages, a slot",
         "// per consumer warp each; a page's tag is a where-word with its first item's index in place of the step",
         f"constexpr int WB_CONSUMER_WARPS = {launch.consumer_warps if on else 0};",
-        f"constexpr int WB_RING_SLOTS = {plan.ring_slots(cfg, launch)}, WB_SLOT_BYTES = {plan.SLOT_BYTES}, "
-        f"WB_RING_OFFSET = {plan.ring_offset(cfg, launch) if on else 0}, WB_RING_ALIGN = {plan.RING_ALIGN};"
+        f"constexpr int WB_RING_SLOTS = {schedule.ring_slots(cfg, launch)}, WB_SLOT_BYTES = {schedule.SLOT_BYTES}, "
+        f"WB_RING_OFFSET = {schedule.ring_offset(cfg, launch) if on else 0}, WB_RING_ALIGN = {schedule.RING_ALIGN};"
         "   // pages; bytes",
-        f"constexpr int WB_SMEM_PARTIALS = {plan.smem_floats(cfg, launch)}, "
-        f"WB_SMEM_PARTIALS_FLOATS = {plan.partial_floats(cfg, launch)};   // a float per item of a combining stream",
+        f"constexpr int WB_SMEM_PARTIALS = {schedule.smem_floats(cfg, launch)}, "
+        f"WB_SMEM_PARTIALS_FLOATS = {schedule.partial_floats(cfg, launch)};   // a float per item of a combining stream",
         f"constexpr int WB_TAG_ITEM_SHIFT = {step_shift};",
         f"constexpr u32 WB_TAG_STAGE_LAYER = (1u << {step_shift}) - 1u;",
         "// the stages whose weights come through the ring, one bit per stage (the others read straight to registers)",
         "constexpr unsigned long long WB_STREAMED_STAGES = "
-        f"{_stage_mask(x.stage for x in plan.streams(cfg, launch)) if on else 0}ull;",
+        f"{_stage_mask(x.stage for x in schedule.streams(cfg, launch)) if on else 0}ull;",
         f"constexpr bool WB_STREAM_REGISTER_STAGES = {str(bool(on and launch.register_stages)).lower()};"
         "   // any: only then is the register path compiled into the stream build's stages",
     ]
@@ -157,23 +157,23 @@ def stream_step(cfg: ModelConfig, launch: plan.Launch) -> str:
     """The streaming warp's step: one call per weight stream, in the order the decode step reads them."""
     if not launch.stream:
         return ""
-    st = plan.streams(cfg, launch)
+    st = schedule.streams(cfg, launch)
     first = next(i for i, s in enumerate(plan.STAGES) if s.scope == "layer")
     before = [x for x in st if x.scope == "token" and plan.STAGE_NAMES.index(x.stage) < first]
     layer = [x for x in st if x.scope == "layer"]
     after = [x for x in st if x.scope == "token" and plan.STAGE_NAMES.index(x.stage) > first]
 
-    def call(x: plan.Stream, indent: str) -> str:
+    def call(x: schedule.Stream, indent: str) -> str:
         b = plan.BUFFERS[x.buffer]
         src = f"P->{x.buffer} + layer * WB_PER_LAYER_{_upper(x.buffer)}" if b.per_layer else f"P->{x.buffer}"
         lay = "layer" if x.scope == "layer" else "-1"
         return (f"{indent}if (st.stream<{x.k}, {x.rows}>(ST_{_upper(x.stage)}, {lay}, {src}, {x.units})) "
                 f"return true;   // {x.units:,} units of {x.rows} row(s) of {x.k}, {x.pieces} piece(s) a row")
 
-    out = ["// ---- the weight stream of one step, generated from workbench/plan.py (plan.streams) ----",
+    out = ["// ---- the weight stream of one step, generated from workbench/plan.py (schedule.streams) ----",
            "#if WB_STREAMING"]
     for x in st:
-        out.append(f"static_assert(wb_pieces({x.k}) == {x.pieces}, \"stream.cuh's wb_pieces and plan.pieces agree\");")
+        out.append(f"static_assert(wb_pieces({x.k}) == {x.pieces}, \"stream.cuh's wb_pieces and schedule.pieces agree\");")
     out.append("__device__ bool wb_stream_step(const Params* P, WbStreamer& st) {")
     out += [call(x, "    ") for x in before]
     if layer:
@@ -252,7 +252,7 @@ def _tap_lines(cfg: ModelConfig, launch: plan.Launch, st: plan.Stage, layer: str
 def _next_slot_writes(cfg: ModelConfig, slot: int, buffers) -> bool:
     """Whether a stage of the slot after barrier `slot` writes one of `buffers`: block 0 copies them after the
     barrier while the other blocks run that slot, so the debug build needs a barrier of its own there."""
-    slots = plan.slots(cfg)
+    slots = schedule.slots(cfg)
     after = slots[(slot + 1) % len(slots)]
     return any(plan.stage(name).writes_buffer(b) for name, _ in after.stages for b in buffers
                if plan.stage(name).runs_on == "grid")
@@ -266,9 +266,9 @@ def _next_stage(st: plan.Stage) -> plan.Stage | None:
 
 def _barrier(cfg: ModelConfig, launch: plan.Launch, st: plan.Stage, layer: str, slot: str) -> str:
     """The grid barrier after a stage: whole (WB_SYNC), or only its arrival (WB_ARRIVE) where the next stage
-    loads weights before it waits (plan.early_barrier); the last layer's may differ from the others'."""
+    loads weights before it waits (schedule.early_barrier); the last layer's may differ from the others'."""
     layers = range(cfg.n_layers) if st.scope == "layer" else (-1,)
-    split = [plan.early_barrier(cfg, launch, st.name, l) for l in layers]
+    split = [schedule.early_barrier(cfg, launch, st.name, l) for l in layers]
     macro = {True: "WB_ARRIVE", False: "WB_SYNC"}
     call = lambda m: f"{m}(ST_{_upper(st.name)}, {layer}, {slot});"
     if len(set(split)) == 1:
@@ -282,7 +282,7 @@ def _barrier(cfg: ModelConfig, launch: plan.Launch, st: plan.Stage, layer: str, 
 
 def decode_step(cfg: ModelConfig, launch: plan.Launch) -> str:
     """The decode step: `wb_decode_step(P, s, smem)` runs one step and returns true when the kernel must stop."""
-    slots = plan.slots(cfg)
+    slots = schedule.slots(cfg)
     first = next(i for i, st in enumerate(plan.STAGES) if st.scope == "layer")
     last = max(i for i, st in enumerate(plan.STAGES) if st.scope == "layer")
     per_layer = sum(1 for sl in slots if sl.layer == 0)        # barriers in one layer
@@ -291,14 +291,14 @@ def decode_step(cfg: ModelConfig, launch: plan.Launch) -> str:
         layer = "layer" if st.scope == "layer" else "-1"
         lines = [f"{indent}// {st.math}" + (f"  ({st.doc})" if st.doc else "")]
         macro = "WB_BLOCK0" if st.runs_on == "block0" else "WB_GRID"
-        if plan.block_barrier_before(cfg, st.name):
+        if schedule.block_barrier_before(cfg, st.name):
             lines.append(f"{indent}wb_syncthreads();   // a block barrier: one slot, no grid barrier before this "
                          f"stage (it may read what this block's warps just wrote: a local read)")
         lines.append(f"{indent}{macro}(ST_{_upper(st.name)}, {layer}, {stage_call(st)});")
         if st.name in launch.early:
             lines.append(f"{indent}WB_WAIT_OWED(ST_{_upper(st.name)}, {layer});   // its prologue waited at the "
                          f"barrier before it, after its first loads (Launch.early)")
-        b = plan.barrier_slot(cfg, st.name, 0 if st.scope == "layer" else -1)
+        b = schedule.barrier_slot(cfg, st.name, 0 if st.scope == "layer" else -1)
         if b is not None:
             slot = f"{b} + {per_layer} * layer" if st.scope == "layer" else str(b)
             lines.append(indent + _barrier(cfg, launch, st, layer, slot))
@@ -307,7 +307,7 @@ def decode_step(cfg: ModelConfig, launch: plan.Launch) -> str:
         if taps:
             lines.append(f"{indent}{'WB_TAP_LOCAL_COPIES' if local else 'WB_TAP_COPIES'}(" + " ".join(taps) + ");")
             layers = range(cfg.n_layers) if st.scope == "layer" else (-1,)
-            after = [plan.barrier_slot(cfg, st.name, l) for l in layers]
+            after = [schedule.barrier_slot(cfg, st.name, l) for l in layers]
             if b is not None and st.runs_on == "grid" and any(_next_slot_writes(cfg, a, st.taps) for a in after):
                 lines.append(f"{indent}WB_TAP_SYNC(ST_{_upper(st.name)}, {layer});   // the next slot writes what "
                              f"block 0 just copied")
@@ -317,9 +317,9 @@ def decode_step(cfg: ModelConfig, launch: plan.Launch) -> str:
             lines.append(f"{indent}if (wb_done(P)) return true;   // the previous step's publish said stop")
         return lines
 
-    if (why := plan.local_problem(cfg, launch)) is not None:
+    if (why := schedule.local_problem(cfg, launch)) is not None:
         raise ValueError(f"the plan's local reads do not hold for {cfg.name}: {why}")
-    if plan.barrier_slot(cfg, plan.STAGES[0].name, -1) != 0:
+    if schedule.barrier_slot(cfg, plan.STAGES[0].name, -1) != 0:
         raise ValueError("the plan's first stage must end the step's first slot (the stop test follows it)")
     out = ["// ---- the decode step, generated from workbench/plan.py: edit the plan, not this text ----",
            "// One statement per stage: what it computes, then the call (inputs, then after /* → */ what it writes).",
