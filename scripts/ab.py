@@ -5,8 +5,8 @@ position, plus the per-stage table of each from a timing build.
 
 A variant is NAME:DEFINE=VALUE,DEFINE=VALUE or NAME:@section=variant (a kernels/sections/NAME@VARIANT.cuh file, or
 NAME@VARIANT.ptx for a variant named ptx..., a stage written in PTX: e.g. ptx:@embedding=ptx) or
-NAME:opt.FIELD=VALUE (a BuildOptions field, e.g. opt.attn_min_chunk=64) or NAME:dir=PATH (the kernels/ tree of
-another commit, e.g. from `git archive`); items mix freely.
+NAME:opt.FIELD=VALUE (a BuildOptions or launch field, e.g. opt.attn_min_chunk=64) or NAME:dir=PATH (the kernels/
+tree of another commit, e.g. from `git archive`); items mix freely.
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ import numpy as np  # noqa: E402
 
 import workbench.compiler.assemble as A  # noqa: E402
 from workbench import paths  # noqa: E402
-from workbench.compiler.assemble import BuildOptions  # noqa: E402
 from workbench.cli import env_output_folder  # noqa: E402
 from workbench.model.config import get_config  # noqa: E402
 from workbench.model.weights import prepare, random_weights  # noqa: E402
@@ -72,7 +71,7 @@ def main():
     for spec in a.variant:
         name, defines, variants, fields, kdir = parse(spec)
         paths.set_kernels_dir(kdir)
-        opt = BuildOptions(threads=a.threads, defines=defines, variants=variants, **fields)
+        opt = A.with_fields(threads=a.threads, defines=defines, variants=variants, **fields)
         mk = Monokernel(p, opt, max_steps=4400)
         try:
             rep = verify(mk, prompt_len=6, max_new=10, seed=3)
@@ -84,8 +83,8 @@ def main():
             runs = [mk.generate([1], a.tokens, eos=[], pos0=pos).tok_per_s for _ in range(a.repeats)]
             row[f"tok_s@{pos}"] = float(np.median(runs))
         if a.stages:
-            mkt = Monokernel(p, BuildOptions(threads=a.threads, defines=defines, variants=variants, timing=True,
-                                             **fields), max_steps=4400)
+            mkt = Monokernel(p, A.with_fields(threads=a.threads, defines=defines, variants=variants, timing=True,
+                                              **fields), max_steps=4400)
             row["stages"] = ""
             for sp in a.stage_positions:
                 r = mkt.generate([1], 48, eos=[], timing_steps=48, pos0=sp)

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from workbench.compiler.assemble import Assembled, BuildOptions, assemble, option_from_text  # noqa: E402
+from workbench.compiler.assemble import Assembled, assemble, option_from_text, with_fields  # noqa: E402
 from workbench.compiler.compile import compile_cubin  # noqa: E402
 from workbench.cli import env_output_folder  # noqa: E402
 from workbench.model.config import get_config  # noqa: E402
@@ -40,17 +40,17 @@ def main():
     ap.add_argument("--model", default="llama-3.2-1b")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                    help="a BuildOptions field for both builds (repeatable)")
+                    help="a BuildOptions or launch field for both builds (repeatable)")
     ap.add_argument("--flag", action="append", default=[], help="an extra NVRTC option for both builds (repeatable)")
     ap.add_argument("--debug-set", action="append", default=[], metavar="FIELD=VALUE",
-                    help="a BuildOptions field for the debug build only (repeatable)")
+                    help="a BuildOptions or launch field for the debug build only (repeatable)")
     a = ap.parse_args()
     out = env_output_folder(ap, "OUT", "out")           # before the compiles, not after them
     cfg = get_config(a.model)
     def fields(items):
         return {k: option_from_text(k, v) for k, _, v in (item.partition("=") for item in items)}
-    builds = {"timed": assemble(cfg, BuildOptions(timing=True, **fields(a.set))),
-              "debug": assemble(cfg, BuildOptions(taps=True, **{**fields(a.set), **fields(a.debug_set)}))}
+    builds = {"timed": assemble(cfg, with_fields(timing=True, **fields(a.set))),
+              "debug": assemble(cfg, with_fields(taps=True, **{**fields(a.set), **fields(a.debug_set)}))}
     builds = {k: dataclasses.replace(b, flags=b.flags + tuple(a.flag)) for k, b in builds.items()}
     rows = []
     for b, asm in builds.items():

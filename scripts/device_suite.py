@@ -97,7 +97,7 @@ print("overhead", {k: v for k, v in out["overhead"].items() if k.endswith("pct")
 RECORD = r"""
 import json, sys, numpy as np, cupy as cp
 from pathlib import Path
-from workbench.compiler.assemble import BuildOptions
+from workbench.compiler.assemble import with_fields
 from workbench.measure import trace as T
 from workbench.measure.baselines import stream_read_tbps
 from workbench.model.config import get_config
@@ -105,7 +105,7 @@ from workbench.model.weights import prepare, random_weights
 from workbench.run.runtime import Monokernel
 cfg = get_config("llama-3.2-1b")
 p = prepare(random_weights(cfg, 7, xp=cp, progress=False), xp=cp, progress=False)
-mk = Monokernel(p, BuildOptions(timing=True, **json.loads(sys.argv[3])), max_steps=4200)
+mk = Monokernel(p, with_fields(timing=True, **json.loads(sys.argv[3])), max_steps=4200)
 roof = stream_read_tbps(cfg.weight_bytes_per_token())["tbps"]
 for pos in (0, 3700):
     mk.generate([1], 4, eos=[], pos0=pos)
@@ -137,7 +137,8 @@ def main():
     ap.add_argument("--commit", default="unknown", help="the commit the recorded traces are labelled with")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds for the whole suite")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                    help="a BuildOptions field of the kernel the bench and the recorded traces run (repeatable)")
+                    help="a BuildOptions or launch field of the kernel the bench and the recorded traces run "
+                         "(repeatable)")
     ap.add_argument("--wheels", help="a folder of wheels to install first, without an index (a GPU machine without "
                                      "network: cuda-bindings for the verification build in units)")
     a = ap.parse_args()

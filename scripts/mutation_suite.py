@@ -23,8 +23,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from workbench import paths  # noqa: E402
-from workbench.check.mutants import FAMILY_MODELS, MUTANTS, by_name, for_model, run_suite, table  # noqa: E402
+from workbench.check.mutants import FAMILY_MODELS, MUTANTS, by_name, for_model  # noqa: E402
 from workbench.cli import output_file  # noqa: E402
+from workbench.loop.mutation import run_suite, table  # noqa: E402
 from workbench.model.config import get_config  # noqa: E402
 
 

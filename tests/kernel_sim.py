@@ -17,8 +17,8 @@ import numpy as np
 from workbench import plan, schedule
 from workbench.compiler.assemble import BuildOptions
 from workbench.model import stage_math as S
-from workbench.check.reference import KVCache, PreparedView, forward
 from workbench.model.weights import to_bf16, to_f32
+from workbench.reference import KVCache, PreparedView, forward
 from workbench.run.runtime import KernelAborted, NonFiniteLogits, Result, Sampling
 
 
@@ -58,8 +58,8 @@ class SimKernel:
 
     def __post_init__(self):
         self.cfg = self.p.cfg
-        self.opt = BuildOptions(taps=True, grid=self.grid, sampler="full")
-        self.launch = self.opt.launch
+        self.opt = BuildOptions(launch=plan.Launch(grid=self.grid), taps=True, sampler="full")
+        self.launch = self.opt.effective_launch()
         self.max_steps = 256
         c = self.cfg
         self.cache = KVCache.empty(c, np.float32)
@@ -80,7 +80,7 @@ class SimKernel:
 
     def _partials(self, logits):
         """Rows dealt to warps round-robin, warps numbered block by block (matvec.cuh's grid_warp)."""
-        nwarps = self.opt.threads // 32
+        nwarps = self.launch.threads // 32
         nw = self.grid * nwarps
         rows = np.arange(logits.size)
         block = (rows % nw) // nwarps

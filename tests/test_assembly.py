@@ -250,7 +250,7 @@ def test_ptxas_level_reaches_the_compiler():
 
 
 def test_build_options_from_text_and_bad_values():
-    from workbench.compiler.assemble import option_from_text
+    from workbench.compiler.assemble import option_from_text, with_fields
     assert option_from_text("sampler", "greedy") == "greedy" and option_from_text("fast_compile", "0") == "0"
     assert option_from_text("ptxas_opt", "1") == 1 and option_from_text("timing", "1") is True
     with pytest.raises(ValueError, match="not a BuildOptions field"):
@@ -262,29 +262,51 @@ def test_build_options_from_text_and_bad_values():
     with pytest.raises(ValueError, match="ptxas_opt"):
         BuildOptions(ptxas_opt=7)
     with pytest.raises(ValueError, match="attn_bufs must be at least 2"):
-        BuildOptions(attn_bufs=1)
+        plan.Launch(attn_bufs=1)
     with pytest.raises(ValueError, match="attn_kv_bytes must be a number of bytes"):
-        BuildOptions(attn_kv_bytes=-1)
+        with_fields(attn_kv_bytes=-1)
     assert option_from_text("attn_kv_bytes", "65536") == 65536
     with pytest.raises(ValueError, match="attn_min_chunk must be 0"):
-        BuildOptions(attn_min_chunk=-1)
+        with_fields(attn_min_chunk=-1)
     with pytest.raises(ValueError, match="attn_single must be a number of chunks"):
-        BuildOptions(attn_single=0)
+        plan.Launch(attn_single=0)
+    with pytest.raises(ValueError, match="^threads must be a multiple of 64"):
+        with_fields(threads=100)
+    with pytest.raises(ValueError, match="^x_parts must be a number of parts from 1 to the grid's 2 blocks"):
+        with_fields(grid=2)
+    with pytest.raises(ValueError, match="stream_register.*set stream too"):
+        with_fields(stream_register="o_proj_residual")
+    with pytest.raises(ValueError, match="^early must be a tuple of stage names"):
+        plan.Launch(early="o_proj_residual")
     assert option_from_text("early", "o_proj_residual+gate_up_silu") == "o_proj_residual+gate_up_silu"
+    assert option_from_text("stream", "1") is True and option_from_text("stream_register", "lm_head") == "lm_head"
+    # the launch's fields by the text's names go to the launch; the others stay the options' own
+    opt = with_fields(threads=256, early="o_proj_residual+lm_head", stream=True, stream_register="lm_head",
+                      sampler="greedy")
+    assert opt.launch == plan.Launch(threads=256, early=("o_proj_residual", "lm_head"), stream=True,
+                                     register_stages=("lm_head",))
+    assert opt.sampler == "greedy" and with_fields(opt, grid=66).launch.grid == 66
+    with pytest.raises(ValueError, match="'nope' is neither a BuildOptions field nor a launch's"):
+        with_fields(nope=1)
 
 
 EARLY = ("qkv_rope_append", "o_proj_residual", "gate_up_silu", "lm_head")
 
 
+def _early(*names, **options) -> BuildOptions:
+    return BuildOptions(launch=plan.Launch(early=names), **options)
+
+
 def test_early_names_weight_stages_after_a_grid_barrier():
-    assert BuildOptions(early="+".join(EARLY)).launch.early == EARLY
+    from workbench.compiler.assemble import with_fields
+    assert with_fields(early="+".join(EARLY)).launch.early == EARLY
     for bad, why in (("o_proj", "not a stage"), ("attention_decode", "reads no weight by units"),
                      ("sampling", "reads no weight by units")):
         with pytest.raises(ValueError, match=f"^early: {bad}.*{why}"):
-            BuildOptions(early=bad)
+            _early(bad)
     # down_residual follows gate_up in one slot (a block barrier): there is no grid barrier to load across
     with pytest.raises(ValueError, match="^early: down_residual: no grid barrier goes before it"):
-        assemble(get_config("tiny"), BuildOptions(early="down_residual"))
+        assemble(get_config("tiny"), _early("down_residual"))
 
 
 def test_the_default_early_leaves_out_what_cannot_load_early_and_a_named_one_is_an_error():
@@ -295,12 +317,12 @@ def test_the_default_early_leaves_out_what_cannot_load_early_and_a_named_one_is_
     arrives = [l.split("(")[1].split(",")[0] for l in lines if l.startswith("WB_ARRIVE(")]
     assert arrives == ["ST_ATTENTION_DECODE", "ST_O_PROJ_RESIDUAL", "ST_DOWN_RESIDUAL"]   # o_proj, gate_up, lm_head
     with pytest.raises(ValueError, match="^early: qkv_rope_append: no grid barrier goes before it"):
-        assemble(one, BuildOptions(early="qkv_rope_append+gate_up_silu"))
+        assemble(one, _early("qkv_rope_append", "gate_up_silu"))
     ptx = BuildOptions(variants=(("o_proj_residual", "ptx"),))
-    assert ptx.launch.early == tuple(n for n in EARLY if n != "o_proj_residual")
+    assert ptx.effective_launch().early == tuple(n for n in EARLY if n != "o_proj_residual")
     assert not [l for l in _step_lines(get_config("tiny"), ptx) if l.startswith("WB_WAIT_OWED(ST_O_PROJ_RESIDUAL")]
     with pytest.raises(ValueError, match="^early: o_proj_residual: a PTX body reads its weights itself"):
-        BuildOptions(variants=(("o_proj_residual", "ptx"),), early="o_proj_residual")
+        _early("o_proj_residual", variants=(("o_proj_residual", "ptx"),))
 
 
 def _step_lines(cfg, opt) -> list[str]:
@@ -315,9 +337,9 @@ def test_early_splits_the_barriers_before_the_named_stages(model):
     the check that its prologue waited. A build without early splits nothing; the default loads all four early."""
     assert BuildOptions().launch.early == EARLY
     cfg = get_config(model)
-    plain = _step_lines(cfg, BuildOptions(early=""))
+    plain = _step_lines(cfg, _early())
     assert not any(l.startswith(("WB_ARRIVE", "WB_WAIT_OWED")) or "WB_ARRIVE" in l for l in plain)
-    lines = _step_lines(cfg, BuildOptions(early="+".join(EARLY)))
+    lines = _step_lines(cfg, _early(*EARLY))
     barriers = {l.split("(")[1].split(",")[0]: l.split("(")[0] for l in lines if l.startswith(("WB_SYNC", "WB_ARRIVE"))}
     assert barriers == {"ST_EMBEDDING": "WB_SYNC", "ST_QKV_ROPE_APPEND": "WB_SYNC",
                         "ST_ATTENTION_DECODE": "WB_ARRIVE", "ST_O_PROJ_RESIDUAL": "WB_ARRIVE",
@@ -327,7 +349,7 @@ def test_early_splits_the_barriers_before_the_named_stages(model):
     for l in owed:                                      # right after its stage's call
         assert lines[lines.index(l) - 1].startswith(f"WB_GRID({l.split('(')[1].split(',')[0]},")
     # qkv alone: down_residual's barrier is split before the next layer's qkv, whole before lm_head
-    (down,) = [l for l in _step_lines(cfg, BuildOptions(early="qkv_rope_append")) if "ST_DOWN_RESIDUAL, layer, " in l
+    (down,) = [l for l in _step_lines(cfg, _early("qkv_rope_append")) if "ST_DOWN_RESIDUAL, layer, " in l
                and ("WB_SYNC" in l or "WB_ARRIVE" in l)]
     assert down.startswith("if (layer + 1 < WB_LAYERS) WB_ARRIVE(ST_DOWN_RESIDUAL") and "else WB_SYNC(" in down
 
@@ -335,14 +357,14 @@ def test_early_splits_the_barriers_before_the_named_stages(model):
 @pytest.mark.parametrize("model", ["tiny", "llama-3.2-1b", "llama-3.1-8b", "qwen3-0.6b"])
 def test_the_early_region_is_clear_of_the_early_stages_and_builds_without_spills(model):
     cfg = get_config(model)
-    opt = BuildOptions(early="+".join(EARLY))
+    opt = _early(*EARLY)
     off, n = schedule.early_region(cfg, opt.launch)
     assert n == opt.launch.stage_threads * schedule.EARLY_LOADS * 4 and off % 4 == 0
     regions = schedule.smem_regions(cfg, opt.launch)
     for name in EARLY:
         assert all(o + k <= off for o, k in regions[name].values()), name
     assert schedule.smem_floats(cfg, opt.launch) >= off + n
-    assert schedule.early_region(cfg, BuildOptions(early="").launch) == (0, 0)
+    assert schedule.early_region(cfg, _early().launch) == (0, 0)
     cubin = compile_cubin(assemble(cfg, opt))[0]
     assert resource_usage(cubin)[0].stack == 0
 
@@ -440,23 +462,23 @@ def test_the_decode_step_is_generated_from_the_plan():
 def test_cupys_nvrtc_binding_makes_the_same_kernel():
     """Without cuda-bindings (a GPU machine may have CuPy alone) a build with PTX sections reaches NVRTC through
     CuPy's own binding: the same PTX, and the same log on an error; a cubin it does not make."""
-    from workbench.compiler import compile as C
+    from workbench.compiler import nvrtc as N
     asm = assemble(get_config("tiny"))
-    opts = ["--gpu-architecture=compute_90", *C.NVRTC_OPTIONS]
-    a, b = C.nvrtc_program(asm.source, opts, cubin=False), C._nvrtc_cupy(asm.source, opts, cubin=False)
+    opts = ["--gpu-architecture=compute_90", *N.NVRTC_OPTIONS]
+    a, b = N.nvrtc_program(asm.source, opts, cubin=False), N._nvrtc_cupy(asm.source, opts, cubin=False)
     assert a[0] and b[0] and a[2] == b[2] and ".func" in a[2]
     bad = asm.source + "__device__ void wb_broken() { undeclared_thing += 1; }\n"
-    a, b = C.nvrtc_program(bad, opts, cubin=False), C._nvrtc_cupy(bad, opts, cubin=False)
+    a, b = N.nvrtc_program(bad, opts, cubin=False), N._nvrtc_cupy(bad, opts, cubin=False)
     assert not a[0] and not b[0] and a[1] == b[1] and "undeclared_thing" in a[1]
     with pytest.raises(FileNotFoundError, match="cuda-bindings"):
-        C._nvrtc_cupy(asm.source, opts)
+        N._nvrtc_cupy(asm.source, opts)
 
 
 def test_an_attention_budget_without_a_ring_is_one_clear_compile_error():
     """attn_kv_bytes too small for one warp's ring on NVIDIA: the build stops at attention's section with the reason,
     not at a fault on the GPU."""
     cfg = get_config("tiny")
-    opt = BuildOptions(attn_kv_bytes=plan.Launch().attn_ring_bytes(cfg) - 1)
+    opt = BuildOptions(launch=plan.Launch(attn_kv_bytes=plan.Launch().attn_ring_bytes(cfg) - 1))
     assert opt.launch.attn_warps(cfg) == 0
     with pytest.raises(CompileError) as e:
         compile_cubin(assemble(cfg, opt))

@@ -37,7 +37,7 @@ def test_the_torch_baseline_does_the_kernels_math(family):
     without that step it would be far off, so a baseline that skipped it would be caught here, not flattered."""
     import torch
 
-    from workbench.check.reference import forward
+    from workbench.reference import forward
     from workbench.measure.baselines import gpt_fast_model, tensors_from_weights
     from workbench.model.config import get_config
     from workbench.model.weights import random_weights
@@ -63,7 +63,7 @@ def test_the_hf_baseline_is_the_familys_own_model(family):
     fp32 its logits are the reference's over a teacher-forced run."""
     import torch
 
-    from workbench.check.reference import forward
+    from workbench.reference import forward
     from workbench.measure.baselines import tensors_from_weights
     from workbench.measure.bench import hf_model
     from workbench.model.config import get_config
@@ -100,7 +100,7 @@ def test_the_ttft_baseline_computes_what_the_prefill_computes(family):
     shape = (cfg.n_layers, cfg.n_kv_heads, cfg.max_seq, cfg.head_dim)
     ours = prefill(prepare(w, progress=False), prompt, np.zeros(shape, np.uint16), np.zeros(shape, np.uint16),
                    chunk=16).logits
-    from workbench.check.reference import forward
+    from workbench.reference import forward
     exact = forward(w, prompt, kv_bf16=False, dtype=np.float64)[-1]     # HF keeps fp32 keys and values
     assert np.abs(theirs - exact).max() / exact.std() < 1e-4
     # ours rounds its keys and values to bf16, as the kernel's cache holds them: a few 1e-3 of the spread per

@@ -13,10 +13,10 @@ import pytest
 import torch
 from test_reference import N_TOKENS, hf_logits, rel_err
 
-from workbench.check.reference import forward
-from workbench.model.stage_math import head_rmsnorm, qkv_rope_append
 from workbench.model.config import get_config
+from workbench.model.stage_math import head_rmsnorm, qkv_rope_append
 from workbench.model.weights import expected_shapes, layer_names, load_hf, prepare, random_weights
+from workbench.reference import forward
 
 
 def family(model_type, head_dim, n_heads, n_kv_heads, hidden, intermediate, vocab, n_layers=2, theta=1e6,

@@ -13,6 +13,7 @@ from test_families import FAMILIES
 from workbench.compiler.assemble import BuildOptions
 from workbench.compiler.compile import CompileError
 from workbench.model.config import get_config
+from workbench.plan import Launch
 
 pytestmark = pytest.mark.gpu
 
@@ -266,15 +267,16 @@ def test_generate_streams_whole_characters_through_a_splitting_tokenizer(tmp_pat
     assert text == "".join(stream_text(byte_bpe, tokens, prompt=ids))
 
 
-# ---- the weight stream (BuildOptions.stream): the same checks on the build whose weights come through the ring --
+# ---- the weight stream (Launch.stream): the same checks on the build whose weights come through the ring --
 
 # the meters (stream.cuh: pages in flight, streams ahead) and register stages beside streamed ones change when the
 # streamer issues and which stages take the ring, so each is verified as the plain stream build is
-METERED = BuildOptions(stream=True, stream_register="o_proj_residual",
+STREAM = BuildOptions(launch=Launch(stream=True))
+METERED = BuildOptions(launch=Launch(stream=True, register_stages=("o_proj_residual",)),
                        defines=(("WB_STREAM_AHEAD", "1"), ("WB_STREAM_INFLIGHT", "1")))
 
 
-@pytest.mark.parametrize("name,opt", [("tiny", BuildOptions(stream=True)), ("llama-3.2-1b", BuildOptions(stream=True)),
+@pytest.mark.parametrize("name,opt", [("tiny", STREAM), ("llama-3.2-1b", STREAM),
                                       ("tiny", METERED), ("llama-3.2-1b", METERED)])
 def test_the_stream_build_verifies_stage_by_stage(name, opt):
     import cupy as cp
@@ -285,12 +287,12 @@ def test_the_stream_build_verifies_stage_by_stage(name, opt):
     assert max(table.positions) >= 4096
 
 
-EARLY = "qkv_rope_append+o_proj_residual+gate_up_silu+lm_head"
+EARLY = ("qkv_rope_append", "o_proj_residual", "gate_up_silu", "lm_head")
 
 
-@pytest.mark.parametrize("name,early", [("tiny", EARLY), ("tiny", "o_proj_residual"), ("llama-3.2-1b", EARLY)])
+@pytest.mark.parametrize("name,early", [("tiny", EARLY), ("tiny", ("o_proj_residual",)), ("llama-3.2-1b", EARLY)])
 def test_the_early_build_verifies(name, early):
-    """BuildOptions.early: the weight stages' first loads go out before the barrier they follow, whose wait moves into
+    """Launch.early: the weight stages' first loads go out before the barrier they follow, whose wait moves into
     the stage's prologue. Stage by stage (the taps build keeps each barrier whole, so this checks the sections'
     early loads) and end to end (the plain build, barriers split: a stage that read its activations before the
     wait would be off at every layer)."""
@@ -299,7 +301,7 @@ def test_the_early_build_verifies(name, early):
     from workbench.model.weights import prepare, random_weights
     p = prepare(random_weights(get_config(name), fresh_seed(), xp=cp, progress=False), xp=cp, progress=False)
     # o_proj alone: the other weight stages keep their barriers whole, their shared memory under the early region
-    _verified(p, BuildOptions(early=early), thorough=name == "tiny", prompt_len=6, max_new=12)
+    _verified(p, BuildOptions(launch=Launch(early=early)), thorough=name == "tiny", prompt_len=6, max_new=12)
 
 
 def test_a_hang_in_an_early_build_is_reported_at_the_owed_wait():
@@ -310,12 +312,13 @@ def test_a_hang_in_an_early_build_is_reported_at_the_owed_wait():
     from workbench.model.weights import prepare, random_weights
     from workbench.run.runtime import KernelHang, Monokernel
     p = prepare(random_weights(get_config("tiny"), 5, xp=cp, progress=False), xp=cp, progress=False)
-    hung = Monokernel(p, BuildOptions(early=EARLY, hang=("gate_up_silu", 1, 2)), max_steps=64)
+    early = BuildOptions(launch=Launch(early=EARLY))
+    hung = Monokernel(p, dataclasses.replace(early, hang=("gate_up_silu", 1, 2)), max_steps=64)
     t0 = time.perf_counter()
     with pytest.raises(KernelHang, match=r"down_residual stage of layer 1.*block 2.*gate_up_silu of layer 1"):
         hung.generate([1, 2], 4, timeout_s=0.5)
     assert time.perf_counter() - t0 < 10
-    assert len(Monokernel(p, BuildOptions(early=EARLY), max_steps=64).generate([1, 2], 4, eos=[]).tokens) == 4
+    assert len(Monokernel(p, early, max_steps=64).generate([1, 2], 4, eos=[]).tokens) == 4
 
 
 def test_an_early_stage_that_never_waits_is_named():
@@ -332,11 +335,12 @@ WB_SECTION void stage_o_proj_residual(const float* o, const bf16* __restrict__ w
     for (int r = wb_bid() * wb_ntid() + wb_tid(); r < WB_D; r += wb_nbid() * wb_ntid()) h[r] = x_value(x, r);
 }
 """
-    mk = Monokernel(p, BuildOptions(early="o_proj_residual"), max_steps=64, overrides={"o_proj_residual": own_loop})
+    o_proj = BuildOptions(launch=Launch(early=("o_proj_residual",)))
+    mk = Monokernel(p, o_proj, max_steps=64, overrides={"o_proj_residual": own_loop})
     with pytest.raises(KernelError, match=r"o_proj_residual of layer 0 at step 0, block \d+: stage_o_proj_residual "
                                           r"returned without waiting"):
         mk.generate([1, 2], 4, eos=[], timeout_s=2)
-    assert len(Monokernel(p, BuildOptions(early="o_proj_residual"), max_steps=64).generate([1, 2], 4, eos=[]).tokens) == 4
+    assert len(Monokernel(p, o_proj, max_steps=64).generate([1, 2], 4, eos=[]).tokens) == 4
 
 
 def test_a_section_that_reads_other_rows_than_the_stream_is_named():
@@ -347,7 +351,7 @@ def test_a_section_that_reads_other_rows_than_the_stream_is_named():
     from workbench.model.weights import prepare, random_weights
     from workbench.run.runtime import Monokernel, StreamMismatch
     p = prepare(random_weights(get_config("tiny"), fresh_seed(), xp=cp, progress=False), xp=cp, progress=False)
-    mk = Monokernel(p, BuildOptions(stream=True), max_steps=64)
+    mk = Monokernel(p, STREAM, max_steps=64)
     text = section_path("o_proj_residual").read_text()
     bad = text.replace("(wo, WB_D, act,", "(wo, WB_D - 1, act,")
     assert bad != text
@@ -400,7 +404,7 @@ def test_qwen3_shapes_verify(name):
     _, table = _verified(p, prompt_len=6, max_new=12)
     assert max(table.positions) >= 4096
     if name == "qwen3-0.6b":
-        _verified(p, BuildOptions(stream=True), prompt_len=6, max_new=12)
+        _verified(p, STREAM, prompt_len=6, max_new=12)
 
 
 def test_qwen2_5_shapes_verify():
@@ -425,7 +429,8 @@ def test_the_ptx_embedding_verifies(stream):
 
     from workbench.model.weights import prepare, random_weights
     p = prepare(random_weights(get_config("tiny"), fresh_seed(), xp=cp, progress=False), xp=cp, progress=False)
-    _verified(p, BuildOptions(variants=(("embedding", "ptx"),), stream=stream), prompt_len=6, max_new=12)
+    _verified(p, BuildOptions(launch=Launch(stream=stream), variants=(("embedding", "ptx"),)), prompt_len=6,
+              max_new=12)
 
 
 @pytest.mark.parametrize("name", ["tiny", "qwen2.5-0.5b"])
@@ -565,7 +570,8 @@ def test_the_prefills_gpu_path_is_the_interpreters(family):
     import cupy as cp
 
     from workbench.model.weights import prepare, random_weights, to_f32
-    from workbench.run.prefill import check_prefill, prefill
+    from workbench.check.prefill import check_prefill
+    from workbench.run.prefill import prefill
     from workbench.run.prefill_gpu import covers
     base = get_config("tiny")
     cfg = {"llama": base, "qwen3": base.with_(qk_norm=True), "qwen2": base.with_(qkv_bias=True),
@@ -602,7 +608,7 @@ def test_a_prefilled_prompt_continues_as_the_reference_does(tiny):
     """3,000 prompt tokens through the batched prefill into the kernel's cache, then the kernel from the last one:
     the cache and the prefill's last logits match the fp64 math, the kernel's logits after it match the reference
     teacher-forced over the whole sequence, and its greedy tokens are those of the prompt fed step by step."""
-    from workbench.check.verify import verify_after_prefill
+    from workbench.check.prefill import verify_after_prefill
     seed = fresh_seed()
     prompt = np.random.default_rng(seed).integers(0, tiny.cfg.vocab, 3000).tolist()   # verify_after_prefill's
     replayed = tiny.generate(prompt, 6, eos=[])                       # through the decode path, step by step

@@ -16,7 +16,7 @@ def test_memory_is_the_plans_buffers_by_kind():
     # what a token streams, the embedding table, and the fp32 biases and q/k gains (zeros and ones on Llama)
     embed = cfg.vocab * cfg.hidden * 2
     fp32 = 4 * cfg.n_layers * (cfg.qkv_rows + 2 * cfg.head_dim)
-    assert m["weight"] == schedule.weight_bytes_per_token(cfg) + embed + fp32
+    assert m["weight"] == cfg.weight_bytes_per_token() + embed + fp32
     assert sum(m.values()) == sum(b.nbytes(cfg, plan.Launch()) for b in plan.BUFFERS.values())
 
 

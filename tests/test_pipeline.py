@@ -12,7 +12,7 @@ import pytest
 from workbench.compiler.assemble import BuildOptions, assemble
 from workbench.compiler.compile import CompileError, compile_cubin
 from workbench.loop.backends import GpuBackend
-from workbench.loop.benchmark import texts_of
+from workbench.loop.sections import texts_of
 from workbench.model.config import get_config
 
 CFG = get_config("tiny")
@@ -28,7 +28,7 @@ class CompiledKernel:
         self.reload(opt, overrides)
 
     def same_launch(self, opt):
-        return opt.launch == self.opt.launch
+        return opt.effective_launch() == self.opt.effective_launch()
 
     def reload(self, opt, overrides, phase=True):
         asm = assemble(CFG, opt, overrides)

@@ -129,8 +129,13 @@ def test_a_unit_reads_only_the_rows_it_writes_of_a_buffer_it_updates():
 
 
 def test_bytes_per_token():
+    """The schedule's bytes of each stage, over a token's execution, sum to the config's weight bytes per token
+    (the one count of them): every layer's stages, the LM head, and the embedding's one row, which the config
+    leaves out as negligible."""
     for name, cfg in PRESETS.items():
-        assert schedule.weight_bytes_per_token(cfg) == cfg.weight_bytes_per_token(), name
+        per_stage = sum(schedule.stage_weight_bytes(cfg, s) for s, _ in schedule.execution(cfg))
+        assert per_stage == cfg.weight_bytes_per_token() + schedule.stage_weight_bytes(cfg, "embedding"), name
+        assert schedule.stage_weight_bytes(cfg, "embedding") == 2 * cfg.hidden, name
         a0, a1 = (schedule.stage_bytes(cfg, "attention_decode", p) for p in (0, 1000))
         assert a1 - a0 == 2 * 2 * cfg.kv_dim * 1000
 
@@ -177,15 +182,16 @@ def test_attentions_rings_fit_their_budget_and_the_block(preset):
 def test_attentions_splits_follow_its_rings(preset):
     """By default a split gives every reading warp one step, and one block takes a kv head alone (no merge) up to
     attn_single such chunks; the header carries both, and an explicit attn_min_chunk wins."""
-    from workbench.compiler.assemble import BuildOptions
+    from workbench.compiler.assemble import BuildOptions, with_fields
     from workbench.compiler.header import plan_header
     cfg = get_config(preset)
     launch = plan.Launch()
     chunk = launch.attn_warps(cfg) * plan.ATTN_STEP
     assert launch.attn_chunk(cfg) == chunk and launch.attn_single_positions(cfg) == 2 * chunk
     assert f"WB_ATTN_MIN_CHUNK = {chunk}, WB_ATTN_SINGLE = {2 * chunk};" in plan_header(cfg, launch)
-    assert plan.Launch(attn_min_chunk=40, attn_single=3).attn_single_positions(cfg) == 120
-    assert BuildOptions(attn_min_chunk=40, attn_single=3).launch == plan.Launch(attn_min_chunk=40, attn_single=3)
+    chosen = plan.Launch(attn_min_chunk=40, attn_single=3)
+    assert chosen.attn_single_positions(cfg) == 120
+    assert with_fields(attn_min_chunk=40, attn_single=3).effective_launch() == chosen      # the text names' route
     assert BuildOptions().for_target("hip").launch.attn_chunk(cfg) == 32        # no rings: the CUDA-core path's 32
     paths = {p + 1 for p in plan.attention_paths(cfg, launch)}
     assert {2 * chunk, 2 * chunk + 1} <= paths or 2 * chunk >= cfg.max_seq
@@ -235,9 +241,9 @@ def test_no_other_module_lists_the_stages():
     offenders = {}
     for path in sorted((ROOT / "workbench").rglob("*.py")):
         # the mutation suite and the failure injections name the section files they edit (and the mutants the
-        # stage each edit must be pinned on): data about files, not a statement of the decode step (test_mutants
-        # and test_failure_suite check they are the plan's)
-        if path.name in ("plan.py", "mutants.py", "failures.py"):
+        # stage each edit must be pinned on), the prefill's GPU path the stages it implements: tables keyed by the
+        # plan's stages, not a statement of the decode step (test_stage_tables holds each to the plan's stages)
+        if path.name in ("plan.py", "mutants.py", "failures.py", "prefill_gpu.py"):
             continue
         found = {s for s in _string_constants(path) if s in names}
         if len(found) >= 3:

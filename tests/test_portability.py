@@ -14,6 +14,7 @@ from workbench.cli import main
 from workbench.compiler.assemble import BuildOptions, assemble, section_path, smem_bytes
 from workbench.paths import kernels_dir
 from workbench.model.config import PRESETS, get_config
+from workbench.plan import Launch
 
 
 def _clang_missing() -> str | None:
@@ -54,7 +55,7 @@ def test_every_preset_compiles_for_gfx942(preset):
     text, _ = C.compile_hip(assemble(cfg, opt), arch="gfx942")
     (r,) = C.amdgpu_resources(text)
     assert r.kernel == "wb_generate"
-    assert r.wavefront == 64 and r.max_threads == BuildOptions().threads
+    assert r.wavefront == 64 and r.max_threads == BuildOptions().launch.threads
     assert 0 < r.vgprs <= 512 and 0 < r.sgprs <= 112 and r.scratch >= 0
     assert r.lds + smem_bytes(cfg, opt) <= 65536, f"{preset}: more LDS than a gfx942 workgroup has"
     # spills are not held against the AMD build here (it is not run yet): `build --target hip --no-spills` shows them
@@ -62,12 +63,13 @@ def test_every_preset_compiles_for_gfx942(preset):
 
 @needs_clang
 @pytest.mark.parametrize("opt", [BuildOptions(timing=True), BuildOptions(hang=("attention_decode", 0, 1)),
-                                 BuildOptions(threads=256),
-                                 BuildOptions(early="qkv_rope_append+o_proj_residual+gate_up_silu+lm_head")],
+                                 BuildOptions(launch=Launch(threads=256)),
+                                 BuildOptions(launch=Launch(early=("qkv_rope_append", "o_proj_residual",
+                                                                   "gate_up_silu", "lm_head")))],
                          ids=["timing", "hang", "threads256", "early"])
 def test_build_options_compile_for_gfx942(opt):
     text, _ = C.compile_hip(assemble(get_config("tiny"), opt))
-    assert C.amdgpu_resources(text)[0].max_threads == opt.threads
+    assert C.amdgpu_resources(text)[0].max_threads == opt.launch.threads
 
 
 # ---- compiler messages point at the section file and line, on both targets ----------------------------------------

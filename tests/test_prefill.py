@@ -8,10 +8,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from workbench.check.reference import KVCache, forward
+from workbench.check.prefill import check_prefill
 from workbench.model.config import get_config
 from workbench.model.weights import prepare, random_weights, to_f32
-from workbench.run.prefill import check_prefill, prefill, prefill_bytes
+from workbench.reference import KVCache, forward
+from workbench.run.prefill import prefill, prefill_bytes
 
 # tiny at a short context (the caches are [L, Hkv, max_seq, hd]), and a Qwen3 and a Qwen2 shape (q/k norms, biases)
 CFGS = {"tiny": dataclasses.replace(get_config("tiny"), max_seq=96),
@@ -148,15 +149,14 @@ def test_the_prefills_kernels_compile_for_every_presets_head_dim():
 
 
 def test_a_layer_stage_the_gpu_path_lacks_sends_the_prefill_the_interpreters_way(monkeypatch):
-    """prefill_gpu implements the plan's stages by their reference bindings; a plan whose layer stage has no
-    implementation there is not half run on that path."""
-    from workbench.model import stage_math as S
+    """prefill_gpu implements the plan's stages by name; a plan whose layer stage has no implementation there is
+    not half run on that path."""
     from workbench.run import prefill_gpu as G
     cfg = get_config("tiny")
-    monkeypatch.delitem(G.IMPLEMENTS, S.gate_up_silu_io)
+    monkeypatch.delitem(G.IMPLEMENTS, "gate_up_silu")
     assert not G.covers(cfg)
     monkeypatch.undo()
-    monkeypatch.delitem(G.IMPLEMENTS, S.lm_head_io)                  # a token stage: its reference runs instead
+    monkeypatch.delitem(G.IMPLEMENTS, "lm_head")                     # a token stage: its reference runs instead
     assert G.covers(cfg)
 
 

@@ -11,7 +11,7 @@ from workbench.compiler import compile as C
 from workbench.compiler.assemble import BuildOptions, assemble, section_path
 from workbench.compiler.ptx import cpp_params, is_ptx_variant
 from workbench.model.config import get_config
-from workbench.plan import STAGE_NAMES
+from workbench.plan import STAGE_NAMES, Launch
 from test_portability import needs_clang
 
 PTX = BuildOptions(variants=(("embedding", "ptx"),))
@@ -114,9 +114,10 @@ def test_the_ptx_gemv_assembles_without_spills_and_its_loop_is_listed_by_its_lin
 
 
 def test_a_ptx_body_of_a_streamed_stage_is_refused_in_a_stream_build():
+    stream = Launch(stream=True)
     with pytest.raises(ValueError, match="its weights arrive through the ring"):
-        assemble(get_config("tiny"), BuildOptions(variants=(("o_proj_residual", "ptx"),), stream=True))
-    assemble(get_config("tiny"), BuildOptions(variants=(("embedding", "ptx"),), stream=True))   # no weight stream
+        assemble(get_config("tiny"), BuildOptions(variants=(("o_proj_residual", "ptx"),), launch=stream))
+    assemble(get_config("tiny"), BuildOptions(variants=(("embedding", "ptx"),), launch=stream))   # no weight stream
 
 
 def test_the_plan_headers_integer_constants_reach_a_ptx_body():
@@ -149,7 +150,7 @@ def test_an_assembler_error_is_reported_at_the_ptx_line(find, replace, says):
 
 @needs_ptxas
 def test_the_stream_builds_stage_threads_leave_out_the_streaming_warp():
-    asm = assemble(get_config("tiny"), BuildOptions(variants=(("embedding", "ptx"),), stream=True))
+    asm = assemble(get_config("tiny"), BuildOptions(variants=(("embedding", "ptx"),), launch=Launch(stream=True)))
     assert dict(asm.ptx_bodies[0].constants)["WB_STAGE_THREADS"] == "480"
     _, ptx, _ = C.compile_nvidia(asm)
     assert "add.s32 \t%r2, %r2, 480;" in ptx
@@ -266,7 +267,7 @@ def test_the_splice_finds_the_definition_and_maps_its_lines():
 def test_a_build_with_a_ptx_section_is_rebuilt_exactly_from_its_texts():
     """What the loop keeps of a build to put it back (texts_of: the overrides that rebuild it) holds a PTX stage's
     .ptx body, not its C++ declaration: the rebuilt source and bodies are the same, key for key."""
-    from workbench.loop.benchmark import texts_of
+    from workbench.loop.sections import texts_of
     for opt in (OPROJ, PTX):
         asm = assemble(get_config("tiny"), opt)
         again = assemble(get_config("tiny"), opt, texts_of(asm))

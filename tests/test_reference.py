@@ -1,4 +1,4 @@
-"""The reference interpreter (workbench.check.reference: the plan's stages run in execution order) against Hugging
+"""The reference interpreter (workbench.reference: the plan's stages run in execution order) against Hugging
 Face's LlamaForCausalLM on checkpoints of many shapes, in fp32 and fp64, and against itself: step by step vs
 batched, continued from a cache, on the kernel's prepared weights, its taps, its hook, its bf16 cache, its bad
 inputs, and on cupy arrays."""
@@ -11,11 +11,11 @@ import torch
 
 from workbench import plan, schedule
 from workbench.model import stage_math as S
-from workbench.check.reference import (HFView, KVCache, PreparedView, decode_step, forward, generate_reference,
-                                       round_bf16, view)
 from workbench.model.config import get_config
 from workbench.model.weights import (Weights, layer_names, load_hf, prepare, random_weights, rope_inv_freq,
                                      unprepare)
+from workbench.reference import (HFView, KVCache, PreparedView, decode_step, forward, generate_reference,
+                                 round_bf16, view)
 
 N_TOKENS = 20
 

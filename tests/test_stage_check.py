@@ -8,10 +8,10 @@ import pytest
 from kernel_sim import SimKernel
 
 from workbench import plan
-from workbench.check.reference import round_bf16
 from workbench.check.verify import coverage, end_to_end, verify_stages
 from workbench.model.config import get_config
 from workbench.model.weights import prepare, random_weights
+from workbench.reference import round_bf16
 
 
 @pytest.fixture(scope="module")

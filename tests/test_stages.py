@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from workbench import plan, schedule
 from workbench.model import stage_math as S
-from workbench.check.reference import round_bf16
 from workbench.model.config import PRESETS, get_config
 from workbench.model.weights import expected_shapes, layer_names, rope_tables
+from workbench.reference import round_bf16
 
 CFG = get_config("tiny")
 T = torch.from_numpy
@@ -514,7 +514,6 @@ def test_stage_bytes_over_a_token_are_the_weights_and_the_cache(name):
     """Every stage's bytes, summed over a token's execution, are the weights a token streams (the plan's count and
     the config's, the same), the embedding row, and the K and V attention reads at each layer."""
     cfg = PRESETS[name]
-    assert schedule.weight_bytes_per_token(cfg) == cfg.weight_bytes_per_token()
     for pos in (0, 1, 1000, cfg.max_seq - 1):
         total = sum(schedule.stage_bytes(cfg, s, pos) for s, _ in schedule.execution(cfg))
         assert total == cfg.weight_bytes_per_token() + 2 * cfg.hidden + cfg.kv_bytes_per_token(pos), (name, pos)
@@ -534,4 +533,4 @@ def test_stage_bytes_llama_32_1b():
     assert schedule.stage_bytes(cfg, "qkv_rope_append", 0) == 2 * (2048 + 2 * 512) * 2048
     assert schedule.stage_bytes(cfg, "gate_up_silu", 0) == 2 * 2 * 8192 * 2048
     assert schedule.stage_bytes(cfg, "sampling", 0) == schedule.stage_bytes(cfg, "publish", 0) == 0
-    assert schedule.weight_bytes_per_token(cfg) == 2_471_493_632
+    assert cfg.weight_bytes_per_token() == 2_471_493_632

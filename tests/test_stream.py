@@ -1,4 +1,4 @@
-"""The weight stream (BuildOptions.stream): its plan table, its shared-memory layout, its build, and the report
+"""The weight stream (Launch.stream): its plan table, its shared-memory layout, its build, and the report
 of a section that reads other weights than the plan streams to it. The GPU side is in tests/test_gpu.py."""
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 
 from workbench import abi, plan, schedule
-from workbench.compiler.assemble import BuildOptions, assemble, smem_bytes
+from workbench.compiler.assemble import BuildOptions, assemble, smem_bytes, with_fields
 from workbench.compiler.compile import compile_cubin, resource_usage
 from workbench.model.config import PRESETS, get_config
 from workbench.run.runtime import STATUS, StreamMismatch, stream_mismatch
 
-STREAM = BuildOptions(stream=True)
+STREAM = BuildOptions(launch=plan.Launch(stream=True))
 
 
 def test_pieces_split_rows_into_whole_loads_within_a_slot():
@@ -41,7 +41,7 @@ def test_the_streams_are_the_weight_stages_in_decode_order():
     assert schedule.stream_stage(cfg, "attention_decode") is None
     # the streamed bytes are the plan's weight bytes but down's (read by its section) and the embedding row's
     per_token = sum(x.units * x.rows * x.k * 2 * (cfg.n_layers if x.scope == "layer" else 1) for x in s)
-    assert per_token == schedule.weight_bytes_per_token(cfg) - cfg.n_layers * schedule.stage_weight_bytes(cfg, "down_residual")
+    assert per_token == cfg.weight_bytes_per_token() - cfg.n_layers * schedule.stage_weight_bytes(cfg, "down_residual")
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -84,13 +84,13 @@ def test_the_stream_build_compiles_without_spills(name):
 
 
 def test_register_stages_of_a_stream_build_are_left_out_of_the_stream():
-    """BuildOptions.stream_register: those stages read their weights straight to registers, so the streamer skips
-    them and the header's stage mask leaves them out; a name that is not a streaming stage, or register stages
-    without a stream build, is one clear error before anything compiles. The metered build compiles without
-    spills on the 1B."""
+    """Launch.register_stages (stream_register as text): those stages read their weights straight to registers,
+    so the streamer skips them and the header's stage mask leaves them out; a name that is not a streaming stage,
+    or register stages without a stream build, is one clear error before anything compiles. The metered build
+    compiles without spills on the 1B."""
     cfg = get_config("llama-3.2-1b")
-    opt = dataclasses.replace(STREAM, stream_register="qkv_rope_append+o_proj_residual",
-                              defines=(("WB_STREAM_AHEAD", "1"), ("WB_STREAM_INFLIGHT", "1")))
+    opt = with_fields(STREAM, stream_register="qkv_rope_append+o_proj_residual",
+                      defines=(("WB_STREAM_AHEAD", "1"), ("WB_STREAM_INFLIGHT", "1")))
     names = [x.stage for x in schedule.streams(cfg, opt.launch)]
     assert names == [x.stage for x in schedule.streams(cfg, STREAM.launch)
                      if x.stage not in ("qkv_rope_append", "o_proj_residual")]
@@ -101,11 +101,11 @@ def test_register_stages_of_a_stream_build_are_left_out_of_the_stream():
     (r,) = resource_usage(compile_cubin(asm)[0])
     assert r.stack == 0 and r.registers <= 128, r
     with pytest.raises(ValueError, match="attention_decode: not a stage that streams weights"):
-        assemble(cfg, dataclasses.replace(STREAM, stream_register="attention_decode"))
+        assemble(cfg, with_fields(STREAM, stream_register="attention_decode"))
     with pytest.raises(ValueError, match="every streaming stage is named"):     # the streamer would have nothing
-        assemble(cfg, dataclasses.replace(STREAM, stream_register="+".join(x.stage for x in schedule.streams(cfg))))
+        assemble(cfg, with_fields(STREAM, stream_register="+".join(x.stage for x in schedule.streams(cfg))))
     with pytest.raises(ValueError, match="set stream too"):
-        BuildOptions(stream_register="o_proj_residual")
+        with_fields(stream_register="o_proj_residual")
 
 
 def test_the_plain_build_has_no_stream():

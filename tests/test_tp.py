@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from workbench import plan
-from workbench.check.reference import KVCache, forward
 from workbench.errors import ConfigError
 from workbench.model.config import get_config
 from workbench.model.weights import prepare, random_weights
+from workbench.reference import KVCache, forward
 from workbench.tp.reference import merge_argmax, reduction, tp_forward
 from workbench.tp.shard import Sharding
 

@@ -20,7 +20,7 @@ OPT = BuildOptions(taps=True, fast_compile="min", units=True)
 
 def test_the_split_gives_each_stage_its_unit_and_the_decode_step_the_prototypes():
     asm = assemble(get_config("llama-3.2-1b"), OPT)
-    assert asm.units == OPT.threads
+    assert asm.units == OPT.launch.threads
     units = U.split(asm)
     assert [u.name for u in units] == [U.DECODE_UNIT, *plan.STAGE_NAMES]
     decode, *stages = units
@@ -45,7 +45,7 @@ def test_the_split_gives_each_stage_its_unit_and_the_decode_step_the_prototypes(
 def test_builds_that_stay_whole():
     cfg = get_config("tiny")
     assert assemble(cfg, BuildOptions(taps=True, units=True, variants=(("embedding", "ptx"),))).units == 0
-    assert assemble(cfg, BuildOptions(taps=True, units=True, stream=True)).units == 0
+    assert assemble(cfg, BuildOptions(launch=plan.Launch(stream=True), taps=True, units=True)).units == 0
     assert assemble(cfg, BuildOptions(taps=True)).units == 0
     assert assemble(cfg, OPT).key != assemble(cfg, BuildOptions(taps=True, fast_compile="min")).key
 
@@ -55,7 +55,7 @@ def test_the_units_link_into_the_kernel_and_an_edit_compiles_only_its_own():
     cfg = get_config("tiny")
     first = U.link(U.split(assemble(cfg, OPT)))
     (r,) = [r for r in resource_usage(first.cubin) if r.kernel == "wb_generate"]
-    assert r.registers <= 65536 // OPT.threads
+    assert r.registers <= 65536 // OPT.launch.threads
     again = U.link(U.split(assemble(cfg, OPT)))
     assert again.compiled == [] and again.cubin == first.cubin          # every unit from the cache
     text = section_path("lm_head").read_text() + "\n// an edit\n"

@@ -17,8 +17,26 @@ import traceback
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from .errors import NoDeviceError, UsageError, UserError
+from . import paths, plan, schedule
+from .check.prefill import check_prefill, verify_after_prefill
+from .check.stops import verify_stops
+from .check.verify import DEFAULT_RTOL, SAMPLER_MODES, verify, verify_sampling, verify_stages
+from .compiler import assemble as A
+from .compiler import compile as C
+from .compiler.assemble import (BuildOptions, _display, option_from_text, section_path, smem_bytes, threads_problem,
+                                with_fields)
+from .compiler.compile import CUDA_ARCHS, HIP_ARCHS, CompileError
+from .compiler.header import decode_step, write_step_files
+from .errors import GpuMemoryError, NoDeviceError, UsageError, UserError
+from .measure.bench import bench_positions, cache_positions, ttft_lengths
+from .measure.bench import main as bench_main
+from .model import weights
 from .model.config import DEFAULT_MODEL, PRESETS, ModelConfig, get_config, local_folder
+from .paths import ROOT, write_problem
+from .plan import Launch
+from .run.runtime import WORKER_CONTEXT, KernelError, Monokernel, RegisteredMapped, Sampling
+from .run.worker import Worker, WorkerFailure, phase_setter
+from .tp.shard import Sharding
 
 # -- argument types: argparse reports an ArgumentTypeError as "argument --x: <message>" ---------------------------
 
@@ -38,14 +56,13 @@ def positive_int(text: str) -> int:
 
 
 def build_option(text: str) -> tuple:
-    """--set FIELD=VALUE: one BuildOptions field, checked as the options check it."""
-    from .compiler.assemble import BuildOptions, option_from_text
+    """--set FIELD=VALUE: one BuildOptions field or launch field (e.g. threads), checked as the options check it."""
     field, eq, value = text.partition("=")
     if not eq:
         raise argparse.ArgumentTypeError(f"expected FIELD=VALUE, got {text!r}")
     try:
         v = option_from_text(field, value)
-        BuildOptions(**{field: v})
+        with_fields(**{field: v})
     except (ValueError, TypeError) as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return field, v
@@ -116,7 +133,6 @@ def draws_arg(text: str) -> int:
 
 def seed_arg(text: str) -> int:
     """Any seed: the rule of the kernel's 64-bit seed (Sampling.seed_problem), which the API holds to as well."""
-    from .run.runtime import Sampling
     n = _number(text, int)
     if (why := Sampling.seed_problem(n)) is not None:
         raise argparse.ArgumentTypeError(why)
@@ -132,7 +148,6 @@ def non_empty(text: str) -> str:
 
 def arch_arg(text: str) -> str:
     """--arch: one the build is made for (compile.CUDA_ARCHS, HIP_ARCHS), never handed to a compiler to refuse."""
-    from .compiler.compile import CUDA_ARCHS, HIP_ARCHS
     if text not in CUDA_ARCHS + HIP_ARCHS:
         raise argparse.ArgumentTypeError(f"{text!r} is not an arch the build supports (cuda: {', '.join(CUDA_ARCHS)}; "
                                          f"hip: {', '.join(HIP_ARCHS)})")
@@ -144,7 +159,6 @@ def arch_arg(text: str) -> str:
 
 def _probe(folder: Path) -> str | None:
     """Why no file can be made in `folder` (paths.write_problem: by making one), as an output check says it."""
-    from .paths import write_problem
     why = write_problem(folder)
     return None if why is None else f"no file can be made in {folder} ({why})"
 
@@ -221,15 +235,13 @@ def env_output_folder(ap: argparse.ArgumentParser, variable: str, default: str) 
 
 
 def threads(text: str) -> int:
-    from .compiler.assemble import threads_problem      # the builds' own rule, checked before anything is read
     n = _number(text, int)
-    if (why := threads_problem(n)) is not None:
+    if (why := threads_problem(n)) is not None:        # the builds' own rule, checked before anything is read
         raise argparse.ArgumentTypeError(why)
     return n
 
 
 def section_variant(text: str) -> tuple[str, str]:
-    from .compiler.assemble import section_path
     name, sep, variant = text.partition("=")
     if not sep or not name or not variant:
         raise argparse.ArgumentTypeError(f"{text!r} is not SECTION=VARIANT (e.g. embedding=ptx)")
@@ -378,7 +390,6 @@ def _check_verify(args):
 
 
 def _check_build(args):
-    from .compiler.compile import HIP_ARCHS
     of_arch = None if args.arch is None else "hip" if args.arch in HIP_ARCHS else "cuda"
     target = args.target or of_arch or ("hip" if args.dump == "amdgcn" else "cuda")
     if of_arch is not None and of_arch != target:
@@ -391,7 +402,6 @@ def _check_build(args):
     if args.no_spills and args.dump:
         raise UsageError(f"--no-spills judges a build's registers, and --dump {args.dump} prints code instead; "
                          "leave out one of them")
-    from .compiler.assemble import _display, section_path
     chosen: dict[str, str] = {}
     for name, variant in args.variant:              # two variants of one section: one would be dropped, silently
         if chosen.setdefault(name, variant) != variant:
@@ -411,7 +421,6 @@ def _max_seq_of(args, model: str) -> int | None:
 
 
 def _check_bench(args):
-    from .measure.bench import bench_positions, cache_positions
     fields = [f for f, _ in args.set]
     twice = sorted({f for f in fields if fields.count(f) > 1})
     if twice:                                   # the last would win, silently
@@ -424,7 +433,6 @@ def _check_bench(args):
         raise UsageError(f"position {max(positions)} and --tokens {args.tokens} need {need} positions, past the "
                          f"{limit} of max_position_embeddings of {cfg.name}")
     if args.ttft is not None:
-        from .measure.bench import ttft_lengths
         args.ttft = tuple(args.ttft or ttft_lengths(args.model))
         if min(args.ttft) < 2:
             raise UsageError("--ttft: a prompt of at least 2 tokens (the last one is the kernel's)")
@@ -464,10 +472,6 @@ def _require_gpu(cmd: str):
 
 def _load(args):
     import cupy
-
-    from . import plan, schedule
-    from .errors import GpuMemoryError
-    from .model.weights import load_prepared
     cfg = get_config(args.model, max_seq=args.max_seq)
     try:
         free = cupy.cuda.runtime.memGetInfo()[0]
@@ -477,16 +481,14 @@ def _load(args):
     if problem:                                  # before minutes of loading, not at the cache's allocation
         raise GpuMemoryError(problem)
     t0 = time.perf_counter()
-    p = load_prepared(args.model, args.weights, seed=args.weights_seed or 0, xp=cupy, max_seq=args.max_seq)
+    p = weights.load_prepared(args.model, args.weights, seed=args.weights_seed or 0, xp=cupy, max_seq=args.max_seq)
     print(f"[{p.cfg.name}] weights {p.source}: {p.nbytes() / 1e9:.2f} GB prepared in {time.perf_counter() - t0:.1f} s",
           file=sys.stderr)
     return p
 
 
 def _kernel(args, p, **kw):
-    from .compiler.assemble import BuildOptions
-    from .run.runtime import Monokernel
-    mk = Monokernel(p, BuildOptions(threads=args.threads), **kw)
+    mk = Monokernel(p, BuildOptions(launch=Launch(threads=args.threads)), **kw)
     r = mk.resources()
     print(f"[{p.cfg.name}] compiled in {mk.compile_s:.2f} s: {r['blocks']}×{r['threads']} threads, "
           f"{r['registers']} registers, {r['local_bytes']} B local, {r['dynamic_shared']} B shared", file=sys.stderr)
@@ -533,7 +535,6 @@ def stream_text(tokenizer, ids: Iterable[int], prompt: Iterable[int] = ()) -> It
 
 
 def cmd_generate(args) -> int:
-    from .run.runtime import Sampling
     tok, ids = args.tokenizer, args.prompt_tokens          # from _check_generate
     if tok is None and getattr(args, "has_tokenizer", False):
         tok = _tokenizer(args)                             # in the worker: opened again (it does not travel)
@@ -572,7 +573,6 @@ def cmd_generate(args) -> int:
                f"kernel" if pre else f"the kernel fed the {len(ids)}-token prompt step by step and")
         print(f"time to first token {1e3 * first[0]:.1f} ms: {how} generated")
     if args.check_prefill and pre is not None:
-        from .run.prefill import check_prefill
         c = check_prefill(p, ids[:-1], pre, mk.k_cache, mk.v_cache)
         print(c.summary())
         if not c.passed:
@@ -589,13 +589,9 @@ def cmd_verify(args) -> int:
     """Stage by stage on every code path (a taps build of the same sections: every stage of every layer on its own
     inputs, at both sides of every attention split threshold, a long position, every sampler mode with
     --sampling), then end to end on the kernel itself (teacher-forced logits and greedy tokens)."""
-    from .compiler.assemble import BuildOptions
-    from .check.stops import verify_stops
-    from .check.verify import SAMPLER_MODES, verify, verify_sampling, verify_stages
-    from .run.runtime import Monokernel
     p = _load(args)
     ok = True
-    taps = Monokernel(p, BuildOptions(threads=args.threads, taps=True), max_steps=256)
+    taps = Monokernel(p, BuildOptions(launch=Launch(threads=args.threads), taps=True), max_steps=256)
     table, _ = verify_stages(taps, thorough=True, sampling=args.sampling, seed=args.seeds[0])
     print(table.text() if args.table or not table.passed else table.summary())
     ok &= table.passed
@@ -614,7 +610,6 @@ def cmd_verify(args) -> int:
         print(rep.summary())
         ok &= rep.passed
     if args.prefill_len:
-        from .check.verify import verify_after_prefill
         pc, rep = verify_after_prefill(mk, prompt_len=args.prefill_len, max_new=args.tokens, seed=args.seeds[0],
                                        rtol=args.rtol)
         print(pc.summary())
@@ -632,16 +627,15 @@ def cmd_verify(args) -> int:
 
 
 def cmd_build(args) -> int:
-    from .compiler import compile as C
-    from .compiler.assemble import BuildOptions, assemble, smem_bytes
     target = args.target or ("hip" if args.dump == "amdgcn" else "cuda")
     arch = args.arch or {"cuda": "sm_90", "hip": "gfx942"}[target]
     names = list(PRESETS) if args.all_presets else [args.model]
-    opt = BuildOptions(threads=args.threads, timing=args.timing, variants=tuple(args.variant)).for_target(target)
+    opt = BuildOptions(launch=Launch(threads=args.threads), timing=args.timing,
+                       variants=tuple(args.variant)).for_target(target)
     failed = False
     for name in names:
         cfg = get_config(name, max_seq=_max_seq_of(args, name))
-        asm = assemble(cfg, opt)
+        asm = A.assemble(cfg, opt)
         t0 = time.perf_counter()
         try:
             if args.dump:
@@ -690,7 +684,6 @@ def cmd_build(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .measure.bench import main as bench_main
     return bench_main(args.model, args.tokens, args.repeats, args.json, args.no_torch, args.no_hf, args.positions,
                       args.ttft, args.no_compile, options=args.set)
 
@@ -779,6 +772,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", default=DEFAULT_MODEL, type=non_empty)
     pl.add_argument("--max-seq", type=max_seq_arg)
     pl.add_argument("--decode-step", action="store_true", help="also the C++ decode loop generated from it")
+    pl.add_argument("--write", action="store_true",
+                    help="with --decode-step: rewrite the repository's copies of the decode step "
+                         "(docs/decode_step.MODEL.cuh) instead of printing anything")
     pl.add_argument("--gpus", type=positive_int, default=1,
                     help="also how N GPUs split each layer (tensor parallel) and what a token exchanges")
     be = sub.add_parser("bench", help="monokernel vs torch.compile, HF generate() and the bandwidth roofline (GPU)")
@@ -795,25 +791,37 @@ def _parser() -> argparse.ArgumentParser:
                     help="also time to first token for N-token prompts (the batched prefill against HF "
                          "transformers' prefill; default 1k, 4k, 16k and 32k for llama-3.2-1b, 4k otherwise)")
     be.add_argument("--set", type=build_option, action="append", default=[], metavar="FIELD=VALUE",
-                    help="a BuildOptions field of the kernel benched, e.g. --set early=o_proj_residual (repeatable)")
+                    help="a BuildOptions or launch field of the kernel benched, e.g. --set early=o_proj_residual "
+                         "(repeatable)")
     _in_process_arg(be)
     return ap
 
 
 def _check_plan(args):
+    if args.write:
+        if not args.decode_step:
+            raise UsageError("--write: give --decode-step too (it writes the repository's copies of the decode step)")
+        if args.model != DEFAULT_MODEL or args.max_seq is not None or args.gpus > 1:
+            raise UsageError("--write: the copies are of fixed models at their presets' shapes; give no --model, "
+                             "--max-seq or --gpus")
+        if not paths.source_checkout():
+            raise UsageError("--write: the decode step's copies live in a source checkout's docs/, and this "
+                             "installation is not one")
     _config(args.model, args.max_seq)
 
 
 def cmd_plan(args) -> int:
-    from . import plan, schedule
-    from .compiler.header import decode_step
+    if args.write:
+        for path, changed in write_step_files():
+            shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+            print(f"{'wrote' if changed else 'up to date:'} {shown}")
+        return 0
     cfg = get_config(args.model, max_seq=args.max_seq)
     print(schedule.describe(cfg))
     if args.decode_step:
         print()
         print(decode_step(cfg, plan.Launch()), end="")
     if args.gpus > 1:
-        from .tp.shard import Sharding
         print()
         print(Sharding(cfg, args.gpus).describe())
     return 0
@@ -899,22 +907,18 @@ class CliService:
     shared block the caller watches. Its output goes to the same stdout and stderr."""
 
     def __init__(self, buf, header, n_words, words):
-        from .run.runtime import WORKER_CONTEXT, RegisteredMapped
-        from .run.worker import phase_setter
         # registered when the first kernel is made, so a command that fails on its input touches no GPU
         WORKER_CONTEXT["mapped"] = lambda: RegisteredMapped(buf, n_words, offset_words=header)
         WORKER_CONTEXT["on_phase"] = phase_setter(words)
 
     def close(self):
         """Let go of every view of the shared block, so that the worker can close it when it exits."""
-        from .run.runtime import WORKER_CONTEXT
         m = WORKER_CONTEXT.pop("mapped", None)
         WORKER_CONTEXT.pop("on_phase", None)
         if hasattr(m, "close"):
             m.close()
 
     def run(self, cmd: str, fields: dict) -> int:
-        from . import paths
         paths.set_kernels_dir(fields.pop("kernels_dir"))       # the caller's, not this process's default
         rc = COMMANDS[cmd][0](argparse.Namespace(**fields))
         sys.stdout.flush()
@@ -925,12 +929,10 @@ class CliService:
 def _in_worker(args) -> int:
     """Run a GPU command in a worker process that owns the GPU: a hang or a fault is reported in one line (with
     where every block was) and Ctrl-C stops the kernel cleanly, whatever the kernel does."""
-    from .run.worker import Worker, WorkerFailure
     fields = dict(vars(args))
     fields.pop("in_process", None)
     fields["has_tokenizer"] = fields.get("tokenizer") is not None
     fields["tokenizer"] = None                              # opened again in the worker
-    from . import paths
     fields["kernels_dir"] = str(paths.kernels_dir())
     worker = Worker(CliService, hang_s=30.0, compile_s=300.0, max_tokens=worker_tokens(args))
     try:
@@ -957,7 +959,6 @@ def main(argv=None) -> int:
     try:
         args = _parser().parse_args(argv)
         if getattr(args, "rtol", 0) is None:
-            from .check.verify import DEFAULT_RTOL
             args.rtol = DEFAULT_RTOL
         run, check, needs_gpu = COMMANDS[args.cmd]
         if getattr(args, "max_seq", None) == "max" and not getattr(args, "all_presets", False):
@@ -975,8 +976,6 @@ def main(argv=None) -> int:
         sys.stdout = None
         return 0
     except Exception as e:
-        from .compiler.compile import CompileError
-        from .run.runtime import KernelError
         if isinstance(e, CompileError):                 # the kernel sources' fault, reported as `build` reports it
             print(e, file=sys.stderr)
             return 1

@@ -38,14 +38,39 @@ class Launch:
     attn_bufs: int = 3              # steps in a warp's ring: all but one in flight while the warp reads one
     stream: bool = False
     register_stages: tuple = ()     # in a stream build, stages that still read their weights straight to registers
-    # stages whose first weight loads go out before the grid barrier they follow (H200, 1b: +3.7% at position 128,
-    # NOTES.md round 16)
+    # stages whose first weight loads go out before the grid barrier they follow (H200, 1b: +3.7% at position 128;
+    # DESIGN.md, "Early loads and owed waits")
     early: tuple = ("qkv_rope_append", "o_proj_residual", "gate_up_silu", "lm_head")
     # the residual stream's fixed-point parts (X_FRAC_BITS): block b of the MLP's down projection adds into part
     # b % x_parts, so no address takes more than grid / x_parts atomic adds. On the H200, 132 blocks adding D
     # columns then a grid barrier and a read of all of x: 4 parts cost 1.65 us a round at D = 2048 where one part
-    # cost 3.65 and today's float adds 2.09; 2.53 against 3.57 and 1.89 at D = 4096 (NOTES.md, determinism)
+    # cost 3.65 and float adds 2.09; 2.53 against 3.57 and 1.89 at D = 4096 (scripts/residual_adds_probe.py)
     x_parts: int = 4
+
+    def __post_init__(self):
+        # at most a CUDA block's 1024 threads, which the reduction scratch is sized for (WB_MAX_WARPS)
+        if not (isinstance(self.threads, int) and 64 <= self.threads <= 1024 and self.threads % 64 == 0):
+            raise ValueError(f"threads must be a multiple of 64 from 64 to 1024, got {self.threads!r}")
+        for name in ("early", "register_stages"):
+            if not (isinstance(v := getattr(self, name), tuple) and all(isinstance(n, str) for n in v)):
+                raise ValueError(f"{name} must be a tuple of stage names, got {v!r}")
+        if self.register_stages and not self.stream:
+            raise ValueError("register_stages (stream_register) names stages of a stream build: set stream too")
+        if not (isinstance(self.attn_kv_bytes, int) and self.attn_kv_bytes >= 0):
+            raise ValueError(f"attn_kv_bytes must be a number of bytes, 0 or more, got {self.attn_kv_bytes!r}")
+        if not (isinstance(self.attn_min_chunk, int) and self.attn_min_chunk >= 0):
+            raise ValueError(f"attn_min_chunk must be 0 (one step per reading warp) or a number of positions, got "
+                             f"{self.attn_min_chunk!r}")
+        if not (isinstance(self.attn_single, int) and self.attn_single >= 1):
+            raise ValueError(f"attn_single must be a number of chunks, 1 or more, got {self.attn_single!r}")
+        if not (isinstance(self.attn_bufs, int) and self.attn_bufs >= 2):
+            raise ValueError(f"attn_bufs must be at least 2 (one step read while the next lands), got "
+                             f"{self.attn_bufs!r}")
+        if not (isinstance(self.grid, int) and self.grid >= 1):
+            raise ValueError(f"grid must be a positive number of blocks, got {self.grid!r}")
+        if not (isinstance(self.x_parts, int) and 1 <= self.x_parts <= self.grid):
+            raise ValueError(f"x_parts must be a number of parts from 1 to the grid's {self.grid} blocks, got "
+                             f"{self.x_parts!r}")
 
     def max_splits(self, cfg: ModelConfig) -> int:
         """Attention splits each kv head's positions over at most this many blocks (≈ one block per SM)."""
@@ -64,7 +89,7 @@ class Launch:
         """Up to this many positions (WB_ATTN_SINGLE) one block takes a kv head's context alone and writes o
         itself. Splitting pays a merge (partials out, an arrival counter, the last block's reads of every partial:
         ~1 µs a layer); at 129–256 positions on the 1B one block with two steps a warp was 2% faster than two
-        splits of one step (NOTES.md, round 15). Past it, the positions split into chunks of attn_chunk."""
+        splits of one step (H200). Past it, the positions split into chunks of attn_chunk."""
         return self.attn_single * self.attn_chunk(cfg)
 
     def attn_warps(self, cfg: ModelConfig) -> int:

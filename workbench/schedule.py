@@ -428,7 +428,9 @@ def ring_offset(cfg: ModelConfig, launch: "plan.Launch" = None) -> int:
 # ---- bytes: what each stage must move from memory --------------------------------------------------------------
 
 def stage_weight_bytes(cfg: ModelConfig, stage_name: str) -> int:
-    """Weight bytes one execution of the stage streams (one layer's slice for a layer stage)."""
+    """Weight bytes one execution of the stage streams (one layer's slice for a layer stage). A token's total is
+    ModelConfig.weight_bytes_per_token, which needs no plan; these, summed over a token's execution less the
+    embedding's row, are the same bytes (tests/test_plan.py)."""
     s = plan.stage(stage_name)
     total = 0
     for u in s.reads:
@@ -451,8 +453,8 @@ def stage_bytes(cfg: ModelConfig, stage_name: str, pos: int) -> int:
     total = stage_weight_bytes(cfg, stage_name)
     for u in s.reads:
         b = plan.BUFFERS[u.buffer]
-        if b.kind == "cache" and u.positions == "0..pos":
-            total += 2 * cfg.kv_dim * (pos + 1)
+        if b.kind == "cache" and u.positions == "0..pos":        # one layer's slice, positions 0..pos
+            total += b.nbytes(cfg) // (cfg.n_layers * cfg.max_seq) * (pos + 1)
     return total
 
 
@@ -503,12 +505,6 @@ def memory_problem(cfg: ModelConfig, free_bytes: int, launch: plan.Launch = plan
               "not even a one-position context fits")
     return (f"{cfg.name} with a {cfg.max_seq}-position context needs {gb(need)} of GPU memory ({what}); the GPU has "
             f"{gb(free_bytes)} {where}: {advice}")
-
-
-def weight_bytes_per_token(cfg: ModelConfig) -> int:
-    """Every layer's weights plus the LM head (the embedding row is negligible): what a token must stream."""
-    return sum(stage_weight_bytes(cfg, s) * (cfg.n_layers if plan.stage(s).scope == "layer" else 1)
-               for s in plan.STAGE_NAMES if s != "embedding")
 
 
 # ---- dependencies: which producer units a consumer unit waits for -----------------------------------------------

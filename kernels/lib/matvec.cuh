@@ -102,7 +102,7 @@ __device__ __forceinline__ void warp_units(int n_units, int& u, int& end, int& s
 // This warp's units (NR adjacent rows of K, dealt as DEAL says), each read straight to registers and its result
 // handed to `done(unit, y[NR])`, after the block-wide `prologue` has filled `act`: the register path, and a stream
 // build's register stages (whose prologue has run already: an empty one). The units are found before the prologue
-// runs: that order is the machine code measured on the H200 (NOTES round 13).
+// runs, the order whose machine code the H200 measurements were taken on.
 //
 // WB_EARLY_LOADS (BuildOptions.early): in a stage that owes the wait of the grid barrier before it (the decode
 // step's WB_ARRIVE), the first unit's first chunk of loads goes out before that wait and the prologue, so the
@@ -110,7 +110,7 @@ __device__ __forceinline__ void warp_units(int n_units, int& u, int& end, int& s
 // early region, [warp][row][load][lane] 16-byte pieces), by asynchronous copies: held in registers across the
 // wait and the prologue, they spilled (384 B on the 1B). The first unit then runs its own copy of the row loop
 // (measured, H200: +3.7% on 1b at 128). Reading the chunk inside the one loop instead compiled faster and spilled
-// less, and ran 3% slower on the 1B (NOTES.md round 17).
+// less, and ran 3% slower on the 1B: a branch on the chunk inside the hot row loop costs more than the copy.
 #ifndef WB_EARLY_LOADS
 #define WB_EARLY_LOADS 0
 #endif

@@ -4,17 +4,16 @@ pin on the right stage. A verifier is proven by the mutants it catches.
 Each `Mutant` replaces one piece of text of one section file (its `find`, which must occur exactly `count` times)
 and names the stage whose verdict must fail first (`expect`: for an edit of a library file, the first stage in
 decode order that runs the edited code). A mutant of a family's own step (`needs`: the config flag, e.g. Qwen3's
-qk_norm) runs on a model of that family (FAMILY_MODELS), since any other compiles that code away. `sampling` marks a mutant that only a sampler run with a temperature
-exposes, which the loop does when the sampling section is the one edited. `run_suite` (GPU) applies them one by
-one through the real edit path (Workbench.edit + reload), records what the loop named and how long the verdict
-took, and undoes each; `scripts/mutation_suite.py` runs it and prints the table. Without a GPU,
-`tests/test_mutants.py` checks that every mutant applies and compiles.
+qk_norm) runs on a model of that family (FAMILY_MODELS), since any other compiles that code away. `sampling` marks a
+mutant that only a sampler run with a temperature exposes, which the loop does when the sampling section is the one
+edited. The mutants are declared here; workbench.loop.mutation applies them (GPU) one by one through the real edit
+path (Workbench.edit + reload), records what the loop named and how long the verdict took, and undoes each;
+`scripts/mutation_suite.py` runs it and prints the table. Without a GPU, `tests/test_mutants.py` checks that every
+mutant applies and compiles.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
-import time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +181,10 @@ MUTANTS: tuple[Mutant, ...] = (
 )
 
 
+# the plan's stages whose section no mutant edits, and why (tests/test_stage_tables.py: every stage of the plan has
+# a mutant of its section or an entry here): none
+MUTANTS_EXEMPT: dict[str, str] = {}
+
 # the model each family's mutants run on: random weights at its real shapes
 FAMILY_MODELS = {"qk_norm": "qwen3-0.6b", "qkv_bias": "qwen2.5-0.5b"}
 
@@ -198,52 +201,3 @@ def by_name(name: str) -> Mutant:
         if m.name == name:
             return m
     raise KeyError(f"no mutant {name!r}")
-
-
-@dataclasses.dataclass
-class Outcome:
-    mutant: Mutant
-    status: str                # the record's status
-    named: str | None          # the stage the loop named (None: it passed, or did not run)
-    caught: bool               # rejected and named the expected stage
-    seconds: float             # edit → verdict (the verification's; the timed build compiles beside it)
-    compile_s: float
-    verify_s: float
-    first_failure: str | None
-    record_s: float = float("nan")     # edit → the whole record (the timed build compiled and timed)
-
-
-def run_suite(wb, mutants=MUTANTS, log=print) -> list[Outcome]:
-    """Apply each mutant through `wb` (a GPU Workbench, on a copy of the kernels it may edit), reload, read the
-    verdict, undo. The workbench must pass before and after."""
-    from ..loop.sections import section_file
-    out = []
-    for m in mutants:
-        path = section_file(m.section)
-        original = path.read_text()
-        t0 = time.perf_counter()
-        wb.edit(m.section, m.apply(original))
-        written = time.perf_counter() - t0
-        rec = wb.reload(trigger="edit", section=m.section)
-        whole = time.perf_counter() - t0
-        dt = written + rec.verdict_s if math.isfinite(rec.verdict_s) else whole
-        named = rec.failure.stage if rec.failure is not None else None
-        caught = rec.passed is False and named == m.expect
-        out.append(Outcome(m, rec.status, named, caught, dt, rec.compile_s, rec.verify_s, rec.first_failure,
-                           whole))
-        log(f"{'caught' if caught else 'MISSED'} {m.name:26s} {m.section:18s} named {named or '-':18s} "
-            f"{dt:5.2f} s  {rec.first_failure or rec.status}")
-        wb.undo(m.section, reload=False)
-        if path.read_text() != original:
-            raise RuntimeError(f"undo did not restore {path}")
-    return out
-
-
-def table(outcomes: list[Outcome]) -> str:
-    lines = [f"{'mutant':26s} {'section':18s} {'breaks':58s} {'named':18s} {'edit→verdict':>12s}"]
-    for o in outcomes:
-        lines.append(f"{o.mutant.name:26s} {o.mutant.section:18s} {o.mutant.breaks[:58]:58s} "
-                     f"{(o.named or '—') + ('' if o.caught else ' ✗'):18s} {o.seconds:10.2f} s")
-    caught = sum(o.caught for o in outcomes)
-    lines.append(f"score: {caught}/{len(outcomes)} caught and named ({100 * caught / max(len(outcomes), 1):.0f}%)")
-    return "\n".join(lines)

@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import numpy as np
 
 from .. import plan, schedule
-from ..model.config import ModelConfig
 from ..model import stage_math as S
-from .reference import PreparedView
+from ..model.config import ModelConfig
+from ..model.weights import to_f32
+from ..reference import PreparedView
 
 
 @dataclasses.dataclass
@@ -236,7 +238,6 @@ class _Batch:
         xp = self.xp
         key = (which, layer)
         if self._cache_layer != key:
-            from ..model.weights import to_f32
             src = self.mk.k_cache if which == "k" else self.mk.v_cache
             n = int(self.positions.max()) + 1
             self._cache_val = to_f32(src[layer, :, :n], xp).astype(xp.float64)
@@ -260,7 +261,6 @@ def check_stages(mk, runs: list, prepared=None, *, draws: dict | None = None, st
     read) stage by stage. `draws`: {run index: Sampling} for runs made with a temperature, whose recorded draws are
     checked exactly. `stopped`: {run index: (steps it ran, why)} for runs the kernel stopped itself (NaN logits);
     the stop is a failure of its own, after whatever stage went wrong first."""
-    import time
     t0 = time.perf_counter()
     prepared = prepared or mk.p
     cfg: ModelConfig = prepared.cfg

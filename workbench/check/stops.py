@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import plan, schedule
 from ..run.runtime import KernelAborted, KernelError, Monokernel, NonFiniteLogits, Sampling
 from .stage_check import Check
 
@@ -128,7 +129,6 @@ def verify_repeat(mk: Monokernel, first, rerun) -> list[Check]:
     """Two runs of the same command must give the same bits: tokens, logits, draws, and every tap. `first` is a
     Result, `rerun` a callable that runs it again. A difference is pinned on the first stage (in decode order of
     the first step that differs) whose tapped output differs."""
-    from .. import plan, schedule
     again = rerun()
     same = list(first.tokens) == list(again.tokens) and first.steps == again.steps
     for name in ("logits", "draws", "taps"):

@@ -21,13 +21,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import numpy as np
 
 from .. import plan
 from ..model.config import ModelConfig
+from ..model.stage_math import check_draw, draw_uniform, reference_probs
 from ..model.weights import Prepared
+from ..reference import forward
 from ..run.runtime import KernelError, Monokernel, Result, Sampling
+from .stage_check import check_stages
+from .stops import verify_repeat
 
 DEFAULT_RTOL = 5e-3
 # the sampler modes verified when sampling is what is being checked: temperature alone, with top-k, with top-p,
@@ -94,12 +99,10 @@ def verify_stages(mk: Monokernel, *, thorough: bool = False, sampling: bool = Fa
                   runs: list[Run] | None = None, timeout_s: float = 5.0, repeat: bool = True):
     """Run the coverage on a taps build and check every stage → (StageTable, [Result]). With `repeat`, the first run
     is run again and must give the same bits (tokens, logits, every tap): a check of the table's."""
-    from .stage_check import check_stages
     if not mk.opt.taps:
         raise ValueError("stage-local verification needs a taps build: BuildOptions(taps=True)")
     cfg = mk.cfg
     runs = runs or coverage(cfg, mk.launch, thorough=thorough, sampling=sampling and mk.opt.sampler == "full")
-    import time
     t0 = time.perf_counter()
     rng = np.random.default_rng(seed)
     top = max(p for r in runs for p in r.positions) + 1
@@ -142,7 +145,6 @@ def verify_stages(mk: Monokernel, *, thorough: bool = False, sampling: bool = Fa
     t3 = time.perf_counter()
     if repeat and results and not stopped:
         # the first run again, after the others: it reads only the cache rows it writes itself
-        from .stops import verify_repeat
         table.extra += verify_repeat(mk, results[0], commands[0])
     table.seconds = {"fill cache": t1 - t0, "runs": t2 - t1, "check stages": t3 - t2,
                      "repeat": time.perf_counter() - t3, **table.seconds}
@@ -211,7 +213,6 @@ class VerifyReport:
 def reference_logits(p: Prepared, tokens: list[int], rows: list[int] | None = None, dtype=np.float32) -> np.ndarray:
     """Logits of the reference interpreter for the positions `rows` of teacher-forcing `tokens` from 0, from the
     kernel's own prepared weights (on their device), with bf16 keys and values as the kernel's cache has them."""
-    from .reference import forward
     xp = p.xp
     out = forward(p, xp.asarray(tokens), kv_bf16=True, dtype=dtype, logit_rows=rows)
     return out.get() if hasattr(out, "get") else np.asarray(out)
@@ -281,24 +282,6 @@ def verify(mk: Monokernel, *, prompt_len: int = 8, max_new: int = 24, seed: int 
                         len(modes))
 
 
-def verify_after_prefill(mk: Monokernel, *, prompt_len: int, max_new: int = 16, seed: int = 0,
-                         rtol: float = DEFAULT_RTOL, chunk: int | None = None):
-    """A random prompt's first prompt_len − 1 tokens prefilled into the kernel's cache (run.prefill), checked
-    against the fp64 math; then the kernel from the last prompt token at the position after them, greedy, its
-    recorded logits against the reference teacher-forced over the whole sequence → (PrefillCheck, VerifyReport)."""
-    from ..run.prefill import check_prefill
-    if prompt_len < 2:
-        raise ValueError("a prefill needs a prompt of at least 2 tokens (the last is the kernel's)")
-    cfg = mk.cfg
-    prompt = np.random.default_rng(seed).integers(0, cfg.vocab, prompt_len).tolist()
-    pre = mk.prefill(prompt[:-1], chunk=chunk)
-    pc = check_prefill(mk.p, prompt[:-1], pre, mk.k_cache, mk.v_cache)
-    record = recorded_steps(max_new, mk.max_record)
-    res: Result = mk.generate(prompt[-1:], max_new, Sampling(), eos=[], pos0=prompt_len - 1, record=record)
-    checks = end_to_end(mk.p, res, 1, rtol, context=prompt[:-1])
-    return pc, VerifyReport(cfg.name, seed, prompt_len, len(res.tokens), rtol, checks, res.tok_per_s)
-
-
 # ---- the sampler's distribution (many draws at one position) ---------------------------------------------------------
 
 @dataclasses.dataclass
@@ -310,7 +293,7 @@ class SamplingReport:
     chi2: float
     dof: int
     p_value: float
-    exact_bad: int = 0         # draws outside their token's exact CDF interval (stages.check_draw)
+    exact_bad: int = 0         # draws outside their token's exact CDF interval (stage_math.check_draw)
 
     @property
     def passed(self) -> bool:
@@ -337,7 +320,6 @@ def chi2_sf(x: float, k: int) -> float:
 def verify_sampling(mk: Monokernel, params: Sampling, *, draws: int = 20000, seed: int = 0) -> SamplingReport:
     """Many seeded draws at one position against the reference distribution of the kernel's own logits there:
     a chi-square test of the counts, and every draw checked against its exact inverse-CDF token."""
-    from .stages import check_draw, draw_uniform, reference_probs
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, mk.cfg.vocab, 5).tolist()
     step = len(prompt) - 1

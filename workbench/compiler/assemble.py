@@ -25,26 +25,25 @@ from .ptx import PtxBody, constants as ptx_constants, cpp_params, header_constan
 
 
 def threads_problem(n) -> str | None:
-    """Why `n` cannot be the threads of a block (None: it can): at most a CUDA block's 1024, which the reduction
-    scratch is sized for (WB_MAX_WARPS), in multiples of 64. The command line checks with this too."""
-    if isinstance(n, int) and 64 <= n <= 1024 and n % 64 == 0:
-        return None
-    return f"must be a multiple of 64 from 64 to 1024, got {n!r}"
+    """Why `n` cannot be the threads of a block (None: it can): the launch's own rule (plan.Launch), which the
+    command line checks before anything is read."""
+    try:
+        plan.Launch(threads=n)
+    except ValueError as e:
+        return str(e).removeprefix("threads ")
+    return None
 
 
-DEFAULT_EARLY = "+".join(plan.Launch.early)
+DEFAULT_EARLY = plan.Launch().early
 
 
 @dataclasses.dataclass(frozen=True)
 class BuildOptions:
-    threads: int = 512           # per block; one block per SM
-    grid: int = 132              # blocks: the device's SM count (the runtime sets it; 132 on an H200)
+    launch: plan.Launch = plan.Launch()  # threads, grid, attention's rings, stream, early stages: what the plan's
+                                         # shapes depend on. The build runs effective_launch(): the early stages
+                                         # left at the default leave out what cannot load early in the build; a
+                                         # stage named on purpose that cannot is an error
     timing: bool = False         # WB_TIMING: per-stage %globaltimer stamps
-    attn_min_chunk: int = 0      # fewest cache positions per attention split (0: one step per reading warp)
-    attn_single: int = 2         # a block takes a kv head's whole context alone up to this many chunks
-    attn_kv_bytes: int = 131072  # shared memory for attention's per-warp rings of K/V steps
-    attn_bufs: int = 3           # steps in a warp's ring
-    x_parts: int = 4             # the residual stream's fixed-point parts (plan.Launch.x_parts)
     taps: bool = False           # WB_TAPS: copy every stage's output of chosen steps into tap buffers
     hang: tuple | None = None    # (stage, layer, block): fault injection for hang-safety tests
     variants: tuple = ()         # ((section, variant), ...): alternative section files, see section_path
@@ -52,70 +51,42 @@ class BuildOptions:
     ptxas_opt: int = 3           # ptxas -O level (NVIDIA)
     fast_compile: str = "0"      # NVRTC -Ofc level: "0" (off), "min", "mid", "max": compile speed over code speed
     sampler: str = "full"        # "full": temperature, top-k, top-p; "greedy": argmax only (less code to compile)
-    stream: bool = False         # WB_STREAM: the block's last warp streams the weights into a shared-memory ring
-                                 # (sm_90; measured 6% slower than the register path so far, NOTES.md round 7)
-    stream_register: str = ""   # a stream build's stages (names joined by '+') that read their weights straight to
-                                 # registers instead, e.g. "qkv_rope_append+o_proj_residual"
-    early: str = DEFAULT_EARLY   # stages (names joined by '+') whose warps issue their first weight loads before
-                                 # waiting at the grid barrier in front of the stage (schedule.early_problem; "": none).
-                                 # The default leaves out what cannot load early in a build (early_stages); a
-                                 # stage named on purpose that cannot is an error
     units: bool = False          # NVIDIA: built as one unit per stage, each cached, then linked (workbench/compiler/
                                  # units.py): an edit recompiles one stage; the kernel runs slower (verification only)
 
     def __post_init__(self):
+        if not isinstance(self.launch, plan.Launch):
+            raise ValueError(f"launch must be a plan.Launch, got {self.launch!r}")
         if self.sampler not in ("full", "greedy"):
             raise ValueError(f"sampler must be 'full' or 'greedy', got {self.sampler!r}")
         if self.fast_compile not in ("0", "min", "mid", "max"):
             raise ValueError(f"fast_compile must be 0, min, mid or max, got {self.fast_compile!r}")
         if self.ptxas_opt not in (0, 1, 2, 3):
             raise ValueError(f"ptxas_opt must be 0 to 3, got {self.ptxas_opt!r}")
-        if (why := threads_problem(self.threads)) is not None:
-            raise ValueError(f"threads {why}")
-        if self.stream_register and not self.stream:
-            raise ValueError("stream_register names stages of a stream build: set stream too")
-        if (why := schedule.early_problem(None, stage_names(self.early))) is not None:
+        early = self.launch.early
+        if (why := schedule.early_problem(None, early)) is not None:
             raise ValueError(f"early: {why}")
-        if self.early != DEFAULT_EARLY and (ptx := [n for n in stage_names(self.early) if self._ptx_body(n)]):
+        if early != DEFAULT_EARLY and (ptx := [n for n in early if self._ptx_body(n)]):
             raise ValueError(f"early: {', '.join(ptx)}: a PTX body reads its weights itself, so it never waits at "
                              f"the barrier before it (for_warp_units does that); build without early={ptx[0]}")
-        if not (isinstance(self.attn_kv_bytes, int) and self.attn_kv_bytes >= 0):
-            raise ValueError(f"attn_kv_bytes must be a number of bytes, 0 or more, got {self.attn_kv_bytes!r}")
-        if not (isinstance(self.attn_min_chunk, int) and self.attn_min_chunk >= 0):
-            raise ValueError(f"attn_min_chunk must be 0 (one step per reading warp) or a number of positions, got "
-                             f"{self.attn_min_chunk!r}")
-        if not (isinstance(self.attn_single, int) and self.attn_single >= 1):
-            raise ValueError(f"attn_single must be a number of chunks, 1 or more, got {self.attn_single!r}")
-        if self.attn_bufs < 2:
-            raise ValueError(f"attn_bufs must be at least 2 (one step read while the next lands), got {self.attn_bufs!r}")
-        if not (isinstance(self.grid, int) and self.grid >= 1):
-            raise ValueError(f"grid must be a positive number of blocks, got {self.grid!r}")
-        if not (isinstance(self.x_parts, int) and 1 <= self.x_parts <= self.grid):
-            raise ValueError(f"x_parts must be a number of parts from 1 to the grid's {self.grid} blocks, got "
-                             f"{self.x_parts!r}")
 
     def for_target(self, target: str) -> "BuildOptions":
         """These options as the AMD build takes them: a gfx942 workgroup has 64 KiB of LDS and no matrix product
         of the kind attention's rings feed (mma.sync), so attention reads its cache straight to registers there
         and gets no ring; nor does it load early (no asynchronous copy to shared memory there, and no room)."""
-        return dataclasses.replace(self, attn_kv_bytes=0, early="") if target == "hip" else self
+        if target != "hip":
+            return self
+        return dataclasses.replace(self, launch=dataclasses.replace(self.launch, attn_kv_bytes=0, early=()))
 
     def _ptx_body(self, name: str) -> bool:
         return is_ptx_variant(dict(self.variants).get(name))
 
-    @property
-    def early_stages(self) -> tuple:
-        """The stages that load early in this build: those named, less, by default, a stage whose section is a PTX
-        body (its weights do not pass through for_warp_units, whose prologue waits)."""
-        names = stage_names(self.early)
-        return tuple(n for n in names if not self._ptx_body(n)) if self.early == DEFAULT_EARLY else names
-
-    @property
-    def launch(self) -> plan.Launch:
-        return plan.Launch(grid=self.grid, threads=self.threads, attn_min_chunk=self.attn_min_chunk,
-                           attn_single=self.attn_single,
-                           attn_kv_bytes=self.attn_kv_bytes, attn_bufs=self.attn_bufs, x_parts=self.x_parts, stream=self.stream,
-                           register_stages=stage_names(self.stream_register), early=self.early_stages)
+    def effective_launch(self) -> plan.Launch:
+        """The launch this build runs: `launch`, except that early stages left at the default leave out a stage
+        whose section is a PTX body (its weights do not pass through for_warp_units, whose prologue waits)."""
+        if self.launch.early != DEFAULT_EARLY:
+            return self.launch
+        return dataclasses.replace(self.launch, early=tuple(n for n in self.launch.early if not self._ptx_body(n)))
 
 
 def stage_names(text: str) -> tuple:
@@ -123,9 +94,38 @@ def stage_names(text: str) -> tuple:
     return tuple(filter(None, text.split("+")))
 
 
+# The names the text forms (the command line, the scripts, the loop's settings) give the launch's fields: its own,
+# and `stream_register` for register_stages; the stage sets as names joined by '+' (see stage_names).
+LAUNCH_NAMES = {**{f.name: f.name for f in dataclasses.fields(plan.Launch) if f.name != "register_stages"},
+                "stream_register": "register_stages"}
+STAGE_SETS = ("early", "stream_register")
+
+
+def _stage_set(v):
+    return stage_names(v) if isinstance(v, str) else tuple(v) if isinstance(v, list) else v
+
+
+def with_fields(opt: BuildOptions | None = None, /, **fields) -> BuildOptions:
+    """`opt` (by default BuildOptions()) with `fields` set by the names the text forms use: a BuildOptions field, or
+    a launch's by its LAUNCH_NAMES name, which goes to the launch (`threads=256`, `early="o_proj_residual+lm_head"`:
+    a stage set as '+' text or a tuple of names)."""
+    opt = BuildOptions() if opt is None else opt
+    own_names = [f.name for f in dataclasses.fields(BuildOptions)]
+    if unknown := [k for k in fields if k not in own_names and k not in LAUNCH_NAMES]:
+        raise ValueError(f"{unknown[0]!r} is neither a BuildOptions field nor a launch's (those are: "
+                         f"{', '.join([*own_names, *LAUNCH_NAMES])})")
+    own = {k: v for k, v in fields.items() if k in own_names}
+    launch = {LAUNCH_NAMES[k]: _stage_set(v) if k in STAGE_SETS else v for k, v in fields.items() if k in LAUNCH_NAMES}
+    if launch:
+        own["launch"] = dataclasses.replace(own.get("launch", opt.launch), **launch)
+    return dataclasses.replace(opt, **own) if own else opt
+
+
 def option_from_text(field: str, text: str):
-    """The value of a BuildOptions field written on a command line (`opt.sampler=greedy`, `--set ptxas_opt=1`)."""
+    """The value of an option written on a command line (`opt.sampler=greedy`, `--set ptxas_opt=1`, `--set
+    early=o_proj_residual`): a BuildOptions field or a launch's (LAUNCH_NAMES), as with_fields takes it."""
     kinds = {f.name: type(f.default) for f in dataclasses.fields(BuildOptions)}
+    kinds.update({k: str if k in STAGE_SETS else type(getattr(plan.Launch(), v)) for k, v in LAUNCH_NAMES.items()})
     kind = kinds.get(field)
     if kind not in (int, bool, str):
         settable = ", ".join(k for k, t in kinds.items() if t in (int, bool, str))
@@ -164,9 +164,9 @@ def section_path(name: str, variant: str | None = None) -> Path:
 def defines(cfg: ModelConfig, opt: BuildOptions) -> dict[str, str]:
     """The #defines at the top of the source: the config's shapes and the build's switches."""
     d = dict(cfg.defines())
-    d.update(WB_THREADS=str(opt.threads), WB_TIMING=str(int(opt.timing)),
+    d.update(WB_THREADS=str(opt.launch.threads), WB_TIMING=str(int(opt.timing)),
              WB_TAPS=str(int(opt.taps)),
-             WB_SAMPLER_FULL=str(int(opt.sampler == "full")), WB_STREAM=str(int(opt.stream)))
+             WB_SAMPLER_FULL=str(int(opt.sampler == "full")), WB_STREAM=str(int(opt.launch.stream)))
     d.update({k: str(v) for k, v in opt.defines})
     if opt.hang:
         stage, layer, block = opt.hang
@@ -264,12 +264,12 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
     build_defines = defines(cfg, opt)
     bodies = []
     paste(_display(kernels / "portability.cuh"), read_source(kernels / "portability.cuh"))
-    launch = opt.launch
+    launch = opt.effective_launch()
     if (why := schedule.register_stages_problem(cfg, launch.register_stages)) is not None:
         raise ValueError(f"stream_register: {why}")
     # a default early stage with no grid barrier before it in this model (qkv when there is one layer) loads as
     # any stage does; one named on purpose is an error
-    if opt.early != DEFAULT_EARLY and (why := schedule.early_problem(cfg, launch.early)) is not None:
+    if opt.launch.early != DEFAULT_EARLY and (why := schedule.early_problem(cfg, launch.early)) is not None:
         raise ValueError(f"early: {why}")
     header = plan_header(cfg, launch)
     paste("<generated: plan header>", header)
@@ -291,7 +291,7 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
             cpp_text = read_source(cpp)
             bodies.append(PtxBody(name, _display(path), overrides[name] if name in overrides else read_source(path),
                                   cpp_params(cpp_text, f"stage_{name}"),
-                                  ptx_constants(body_constants, opt.launch.stage_threads)))
+                                  ptx_constants(body_constants, launch.stage_threads)))
             # the C++ section compiles (its helpers stay; its errors still show) with its stage renamed away, and
             # the stage becomes a stub that uses every parameter, so that the compiler keeps all of them in the
             # function whose body the .ptx replaces (it drops those a body leaves unused)
@@ -307,13 +307,21 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
     source = "\n".join(out) + "\n"
     flags = (() if opt.ptxas_opt == 3 else (f"--ptxas-options=-O{opt.ptxas_opt}",)) + \
         (() if opt.fast_compile == "0" else (f"-Ofc={opt.fast_compile}",))
-    from .units import units_problem
-    units = opt.threads if opt.units and units_problem(bool(bodies), opt.stream) is None else 0
+    units = launch.threads if opt.units and units_problem(bool(bodies), launch.stream) is None else 0
     key = hashlib.sha256((source + " ".join(flags) + "".join(b.display + b.text for b in bodies)
                           + (" units" if units else "")).encode()).hexdigest()[:16]
     return Assembled(source, pieces, key, flags, tuple(bodies), opt.ptxas_opt, units)
 
 
+def units_problem(ptx_bodies: bool, stream: bool) -> str | None:
+    """Why a build cannot be split into units (workbench.compiler.units), or None."""
+    if ptx_bodies:
+        return "a stage is written in PTX (its body is spliced into the whole module's PTX)"
+    if stream:
+        return "a stream build (its streamer and its stages share the ring's state across the stages)"
+    return None
+
+
 def smem_bytes(cfg: ModelConfig, opt: BuildOptions = BuildOptions()) -> int:
     """The dynamic shared memory the build is launched with (the plan's largest stage layout)."""
-    return schedule.smem_bytes(cfg, opt.launch)
+    return schedule.smem_bytes(cfg, opt.effective_launch())

@@ -22,8 +22,10 @@ import tempfile
 from pathlib import Path
 
 from .assemble import Assembled
+from .nvrtc import NVRTC_OPTIONS, CompileError, compile_error, nvrtc_program, parse_log
+from .ptx import ptxas_messages, splice
+from .units import link, split, units_linkable
 
-NVRTC_OPTIONS = ("-std=c++17", "-default-device", "--extra-device-vectorization", "-lineinfo")
 # The archs a build is made for and read back (registers, spills, shared memory), each tried. Before sm_80 ptxas
 # refuses the kernel's cp.async; sm_80 to sm_89 compile, but cuobjdump lists their resources in a form that
 # resource_usage does not read. clang-19 knows no gfx950, and gfx1100 lacks s_memrealtime (the timing clock).
@@ -31,73 +33,10 @@ CUDA_ARCHS = ("sm_90", "sm_90a", "sm_100", "sm_100a", "sm_103", "sm_103a", "sm_1
 HIP_ARCHS = ("gfx908", "gfx90a", "gfx940", "gfx941", "gfx942")
 
 
-class CompileError(RuntimeError):
-    """A kernel that did not compile; `.messages` are (file, line, severity, text, source line)."""
-
-    def __init__(self, messages: list, log: str):
-        self.messages, self.log = messages, log
-        lines = [f"{f}{f':{n}' if n else ''}: {sev}: {txt}" + (f"\n    {src.strip()}" if src else "")
-                 for f, n, sev, txt, src in messages
-                 if sev == "error"] or [log.strip()]
-        super().__init__("kernel did not compile:\n" + "\n".join(lines))
-
-
-_MSG = re.compile(r'^(?P<file>[^\s(][^(]*)\((?P<line>\d+)\): (?P<sev>error|warning|catastrophic error)[^:]*: (?P<text>.*)$')
-# clang: `file:line:col: error: text` (the file may itself contain ': ', as "<generated: Params, Stage>" does)
-_CLANG_MSG = re.compile(r'^(?P<file>.+?):(?P<line>\d+):(?P<col>\d+): (?P<sev>fatal error|error|warning): (?P<text>.*)$')
-
-
-def parse_log(log: str, asm: Assembled | None = None) -> list:
-    """NVRTC or clang messages → (file, line, severity, text, source line); files are repo-relative thanks to
-    #line, and the source line is taken from the text that was compiled (an unsaved edit), else from the file."""
-    from ..paths import ROOT as root
-    out = []
-    for line in log.splitlines():
-        m = _MSG.match(line.strip()) or _CLANG_MSG.match(line.strip())
-        if not m:
-            continue
-        f, n = m["file"], int(m["line"])
-        text = asm.text_of(f) if asm else None
-        if text is None and (root / f).is_file():
-            text = (root / f).read_text()
-        lines = (text or "").splitlines()
-        src = lines[n - 1] if 0 < n <= len(lines) else ""
-        out.append((f, n, "error" if "error" in m["sev"] else "warning", m["text"], src))
-    return out
-
-
-_SHARED_ARRAY = re.compile(r"__shared__[^;()]*\[")
-# ptxas's own words, and nvJitLink's when it links the units (workbench/compiler/units.py): "error   : Entry ..."
-_PTXAS_SHARED = re.compile(r"(?:ptxas )?error\s*: (?P<text>Entry function .* uses too much shared data.*)$", re.M)
-
-
-def resource_messages(log: str, asm: Assembled | None, where: str = "ptxas") -> list:
-    """ptxas's "uses too much shared data" names the kernel, not a line: point at every static `__shared__` array
-    in the sections (the dynamic shared memory is the plan's, sized by the header), so that the report lands at
-    the user's declaration. `where`: who said it (ptxas, or the link of the units)."""
-    m = _PTXAS_SHARED.search(log)
-    if not m or asm is None:
-        return []
-    out = [(where, 0, "error", m["text"].strip(), "")]
-    # the sections first: they are what a user edits; the library's own arrays (timing stamps) after
-    for _, path, text in sorted(asm.pieces, key=lambda piece: not piece[1].startswith("kernels/sections/")):
-        for n, line in enumerate(text.splitlines(), 1):
-            if _SHARED_ARRAY.search(line.split("//")[0]) and "extern" not in line:
-                out.append((path, n, "error", "static shared memory declared here counts against that limit",
-                            line))
-    return out
-
-
-def compile_error(log: str, asm: Assembled | None) -> CompileError:
-    """An NVRTC log as a CompileError: its messages at the sections' lines, ptxas's resource errors included."""
-    return CompileError(parse_log(log, asm) + resource_messages(log, asm), log)
-
-
 def compile_nvidia(asm: Assembled, arch: str = "sm_90", ptx_only: bool = False) -> tuple[bytes, str, str]:
     """One NVRTC compile without a driver → (cubin, PTX text, log); the cubin is made from exactly that PTX
     (`ptx_only`: no cubin, b""; NVRTC stops at PTX). Raises CompileError with mapped messages."""
     if asm.units and not ptx_only:
-        from .units import link, split, units_linkable
         if units_linkable():                   # else the whole build, as below
             return link(split(asm), arch, asm.units, whole=asm).cubin, "", ""
     # a build with PTX sections: NVRTC stops at PTX (a virtual architecture: its own ptxas would assemble a
@@ -117,64 +56,8 @@ def compile_nvidia(asm: Assembled, arch: str = "sm_90", ptx_only: bool = False) 
     return cubin, ptx, log
 
 
-def nvrtc_program(source: str, options: list[str], cubin: bool = True) -> tuple[bool, str, str, bytes]:
-    """One NVRTC program, no driver needed → (compiled, log, PTX, cubin or b""): through cuda-bindings, else through
-    CuPy's own binding (a GPU machine may have CuPy alone)."""
-    try:
-        from cuda.bindings import nvrtc
-    except ImportError:
-        return _nvrtc_cupy(source, options, cubin)
-
-    def check(res):
-        err = res[0] if isinstance(res, tuple) else res
-        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise RuntimeError(f"NVRTC call failed: {err}")
-        return res[1] if isinstance(res, tuple) and len(res) == 2 else res
-
-    def get(size_fn, fn, prog):
-        # a fresh, writable buffer: NVRTC writes into it. (Never `b" " * n`: for n == 1 CPython hands back its
-        # cached one-byte object, and NVRTC's write then changes b" " for the whole process.)
-        out = bytearray(check(size_fn(prog)))
-        check(fn(prog, out))
-        return bytes(out)
-
-    prog = check(nvrtc.nvrtcCreateProgram(source.encode(), b"monokernel.cu", 0, [], []))
-    try:
-        opts = [o.encode() for o in options]
-        res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        log = get(nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog, prog).decode(errors="replace")
-        log = log.rstrip("\x00 ")
-        if res[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            return False, log, "", b""
-        binary = get(nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN, prog) if cubin else b""
-        ptx = get(nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX, prog).decode(errors="replace").rstrip("\x00")
-        return True, log, ptx, binary
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-
-
-def _nvrtc_cupy(source: str, options: list[str], cubin: bool = True) -> tuple[bool, str, str, bytes]:
-    """NVRTC through CuPy's binding: PTX only (its getCUBIN drops the image's last byte, which cuobjdump then
-    refuses), which is what a build with PTX sections asks of NVRTC."""
-    if cubin:
-        raise FileNotFoundError("a cubin from NVRTC without a driver needs cuda-bindings (the cuda extra)")
-    from cupy_backends.cuda.libs import nvrtc
-    prog = nvrtc.createProgram(source, "monokernel.cu", [], [])
-    try:
-        try:
-            nvrtc.compileProgram(prog, list(options))
-        except nvrtc.NVRTCError:
-            return False, nvrtc.getProgramLog(prog).rstrip("\x00 "), "", b""
-        ptx = nvrtc.getPTX(prog)
-        ptx = (ptx.decode(errors="replace") if isinstance(ptx, bytes) else ptx).rstrip("\x00")
-        return True, nvrtc.getProgramLog(prog).rstrip("\x00 "), ptx, b""
-    finally:
-        nvrtc.destroyProgram(prog)
-
-
 def spliced_ptx(ptx: str, asm: Assembled) -> tuple[str, list]:
     """The module's PTX with the build's PTX sections in place → (ptx, spans: where each section's lines are)."""
-    from .ptx import splice
     try:
         return splice(ptx, asm.ptx_bodies)
     except ValueError as e:
@@ -184,7 +67,6 @@ def spliced_ptx(ptx: str, asm: Assembled) -> tuple[str, list]:
 def ptxas(ptx: str, asm: Assembled, spans: list, arch: str = "sm_90") -> tuple[bytes, str]:
     """Spliced PTX → (cubin, log) with ptxas at the build's -O level and with line info, as NVRTC runs it; a message
     about a line of a PTX section is raised (CompileError) at that line of its .ptx file."""
-    from .ptx import ptxas_messages
     with tempfile.TemporaryDirectory(prefix="wb-ptxas-") as d:
         src, out = Path(d) / "monokernel.ptx", Path(d) / "monokernel.cubin"
         src.write_text(ptx)

@@ -23,6 +23,8 @@ import dataclasses
 import os
 import re
 
+from ..plan import NV_WARP
+
 PREFIX = "ptx"
 
 
@@ -98,7 +100,6 @@ def header_constants(header: str) -> dict:
 def constants(defines: dict, stage_threads: int) -> tuple:
     """What a body may write by name: every #define of the build and the plan header's integer constants,
     WB_STAGE_THREADS (plan.Launch's) and WB_WARP (the lanes of a warp, as the C++ sections name them)."""
-    from ..plan import NV_WARP
     return (*((k, v) for k, v in defines.items()), ("WB_STAGE_THREADS", str(stage_threads)),
             ("WB_WARP", str(NV_WARP)))
 

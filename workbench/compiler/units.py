@@ -2,7 +2,7 @@
 compiled on its own and cached by its text, then linked. An edit of one section then recompiles that section's
 unit, and only it (NVRTC and ptxas on one stage, not on the whole kernel), while the link takes milliseconds.
 
-The price is the calling convention: a stage called across units saves the registers it uses, which round 3
+The price is the calling convention: a stage called across units saves the registers it uses, which the H200
 measured at 1.8× slower for the whole kernel. That is why only the verification build is ever built this way.
 Its values are what verification reads, and the code is the same code; its speed is never shown.
 
@@ -16,8 +16,8 @@ How the one source becomes units (`split`):
   and declared `extern` in the others, so every unit sees the one variable of its block.
 - Line counts are kept, so a compiler message still names the section file and its line.
 
-A build with stages written in PTX, or a stream build, is not split (`units_problem`). Nor is any build on a
-machine without nvJitLink. In those cases the whole build is compiled instead, as it always was.
+A build with stages written in PTX, or a stream build, is not split (assemble.units_problem). Nor is any build
+on a machine without nvJitLink. In those cases the whole build is compiled instead, as it always was.
 """
 from __future__ import annotations
 
@@ -27,10 +27,12 @@ import functools
 import hashlib
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .. import plan
 from .assemble import Assembled
+from .nvrtc import NVRTC_OPTIONS, CompileError, compile_error, nvrtc_program, resource_messages
 from .ptx import stage_signature
 
 DECODE_UNIT = "<decode step>"
@@ -41,15 +43,6 @@ _MARK = re.compile(r'^#line 1 "(.*)"$')
 class Unit:
     name: str                  # a stage, or DECODE_UNIT
     asm: Assembled             # its source and pieces: messages map to the section files as the whole build's do
-
-
-def units_problem(ptx_bodies: bool, stream: bool) -> str | None:
-    """Why a build cannot be split into units, or None."""
-    if ptx_bodies:
-        return "a stage is written in PTX (its body is spliced into the whole module's PTX)"
-    if stream:
-        return "a stream build (its streamer and its stages share the ring's state across the stages)"
-    return None
 
 
 def _prototype(stage: str, text: str) -> str:
@@ -130,7 +123,6 @@ def nvjitlink_problem() -> str | None:
 
 
 def _compile_unit(u: Unit, arch: str, registers: int) -> bytes:
-    from .compile import NVRTC_OPTIONS, compile_error, nvrtc_program
     ok, log, _, cubin = nvrtc_program(u.asm.source, [f"--gpu-architecture={arch}", "-rdc=true",
                                                      f"--maxrregcount={registers}", *NVRTC_OPTIONS, *u.asm.flags])
     if not ok:
@@ -143,11 +135,7 @@ def link(units: list[Unit], arch: str = "sm_90", threads: int = 512, whole=None)
     cubin. A compile error is raised (CompileError) at its section's line, as the whole build's would be; so is
     the link's, where it is a resource of the kernel as a whole (too much static shared memory): at the sections'
     declarations in `whole`, the Assembled the units were split from."""
-    import time
-
     from cuda.bindings import nvjitlink
-
-    from .compile import CompileError, resource_messages
     # each unit's functions get what the kernel's launch bounds give a thread: one block of `threads` per SM
     registers = min(255, 65536 // threads)
     keys = [(u.asm.key, arch, registers) for u in units]

@@ -23,10 +23,20 @@ import time
 import numpy as np
 
 from .. import paths
+from ..check.stops import verify_stops
+from ..check.verify import DEFAULT_RTOL, coverage, end_to_end, verify_stages
 from ..compiler import assemble as _asm
-from ..compiler.assemble import BuildOptions
-from ..compiler.compile import CompileError
+from ..compiler.compile import CompileError, compile_cubin, resource_usage
+from ..measure.bench import measure_ttft
+from ..measure.timing import stage_table
 from ..model.config import ModelConfig
+from ..model.weights import load_prepared
+from ..reference import forward
+from ..run.holder import WeightHolder, open_lent
+from ..run.runtime import KernelError, Monokernel, RegisteredMapped
+from ..run.worker import Worker, WorkerFailure, phase_setter
+from .records import format_compile_error
+from .sections import texts_of
 
 
 @dataclasses.dataclass
@@ -130,7 +140,6 @@ class CpuBackend:
         return self._p
 
     def build(self, builds: dict, overrides: dict, defer=()) -> float:
-        from ..compiler.compile import compile_cubin, resource_usage
         if self._deferred is not None:
             with contextlib.suppress(Exception):    # a round nobody finished: waited for, what it built kept
                 self.finish()
@@ -143,7 +152,7 @@ class CpuBackend:
                 try:
                     r = resource_usage(cubin)[0]
                     res = dict(registers=r.registers, local_bytes=r.stack, static_shared=r.shared,
-                               threads=builds[name].threads)
+                               threads=builds[name].launch.threads)
                 except Exception:                 # cuobjdump missing: resources are a nicety here
                     res = {}
                 hit = self._compiled[asm.key] = (cubin, res)
@@ -196,7 +205,6 @@ class CpuBackend:
         """The reference alone, on random tokens (what the GPU run would be compared with), when the model is small."""
         t0 = time.perf_counter()
         if self.cpu_reference:
-            from ..check.reference import forward
             rng = np.random.default_rng(self.verify_seed)
             tokens = rng.integers(0, self.cfg.vocab, 8)
             taps: dict = {}
@@ -212,7 +220,6 @@ class CpuBackend:
 
     def ab(self, a: dict, b: dict, overrides: dict, **kw) -> dict:
         """Both selections compiled (each build of each), no runs."""
-        from ..compiler.compile import compile_cubin
         out = {}
         for tag, builds in (("a", a), ("b", b)):
             try:
@@ -220,7 +227,6 @@ class CpuBackend:
                     compile_cubin(_asm.assemble(self.cfg, opt, overrides))
                 out[tag] = {"error": None}
             except (CompileError, ValueError, FileNotFoundError) as e:
-                from .records import format_compile_error
                 out[tag] = {"error": format_compile_error(e) if isinstance(e, CompileError) else str(e)}
         return out
 
@@ -247,7 +253,6 @@ class GpuBackend:
         self.kernels: dict = {}                # name → Monokernel
 
     def monokernel(self, opt, overrides, **kw):
-        from ..run.runtime import Monokernel
         return Monokernel(self.p, opt, overrides=overrides, mapped=self.mapped, on_phase=self.on_phase, **kw)
 
     def _ctx(self):
@@ -257,7 +262,6 @@ class GpuBackend:
         """Compile the builds; all or nothing: if one fails, the others go back to what they were. A build named in
         `defer` that only reloads (its kernel exists, with the same launch) compiles in the background, without
         telling the phase word: finish() waits for it, and until then its previous kernel stays in place."""
-        from .benchmark import texts_of
         self._settle()
         overrides = dict(overrides)
         before = {n: (mk.opt, texts_of(mk.asm)) for n, mk in self.kernels.items()}
@@ -367,14 +371,12 @@ class GpuBackend:
         """Stage-local verification of the debug build on every declared code path (and every sampler mode when
         `sampling`; every branch of the stop decision when `stops`), a second run of the first that must repeat
         it bit for bit, then the end-to-end check of that run."""
-        from ..check.verify import DEFAULT_RTOL, coverage, end_to_end, verify_stages
         mk = mk or self.kernels["debug"]
         t0 = time.perf_counter()
         with self._ctx():
             runs = coverage(self.cfg, mk.launch, sampling=sampling and mk.opt.sampler == "full", first=self.first_run)
             table, results = verify_stages(mk, runs=runs, seed=self.verify_seed, timeout_s=self.timeout_s)
             if stops and table.passed:
-                from ..check.stops import verify_stops
                 t_stops = time.perf_counter()
                 table.extra += verify_stops(mk, seed=self.verify_seed, timeout_s=self.timeout_s)
                 table.seconds["stop decision"] = time.perf_counter() - t_stops
@@ -414,7 +416,6 @@ class GpuBackend:
 
     def time(self, steps: int, prompt=None, mk=None) -> Timing:
         """A greedy run of the timed build (from `prompt`, default the BOS token) → tok/s, stages, tokens."""
-        from ..measure.timing import stage_table
         self._settle()                          # never a kernel whose module a background compile may swap
         mk = mk or self.kernels["timed"]
         prompt = list(prompt) if prompt else [self.cfg.bos_token_id if self.cfg.bos_token_id is not None else 1]
@@ -427,7 +428,6 @@ class GpuBackend:
 
     def ttft(self, prompt_len: int, repeats: int = 3) -> FirstToken:
         """Time to first token of a random prompt of prompt_len tokens through the timed build (FirstToken)."""
-        from ..measure.bench import measure_ttft
         if not 2 <= prompt_len <= self.cfg.max_seq:
             raise ValueError(f"a prompt of {prompt_len} tokens: from 2 (the last is the kernel's) to the context's "
                              f"{self.cfg.max_seq}")
@@ -444,9 +444,6 @@ class GpuBackend:
            verify: bool = True) -> dict:
         """Build both selections (a and b: {"debug": opt, "timed": opt}), verify each with its debug build, and
         time both timed builds in `repeats` interleaved runs of `tokens` greedy steps."""
-        from ..measure.timing import stage_table
-        from ..run.runtime import KernelError
-        from .records import format_compile_error
         out = {"a": {}, "b": {}}
         kernels = {}
         self._settle()
@@ -480,7 +477,6 @@ class GpuBackend:
         """tok/s of each build in `builds` ({name: BuildOptions}), `repeats` interleaved runs of `tokens` greedy
         steps; a build with timing stores every step's stamps. The build named "timing" is also run storing none:
         what the compiled-in instrumentation costs by itself."""
-        from ..run.runtime import KernelError
         self._settle()
         with self._ctx():
             kernels = {k: self.monokernel(o, dict(overrides), max_steps=tokens + 8) for k, o in builds.items()}
@@ -498,7 +494,6 @@ class GpuBackend:
         fails there is left out, its error kept), then `repeats` rounds of `tokens` greedy steps from the BOS token
         run every kernel in turn, so that drifting clocks hit all alike. → ({name: [tok/s]}, {name: its last
         Result}, {name: error})."""
-        from ..run.runtime import KernelError
         tok = self.cfg.bos_token_id if self.cfg.bos_token_id is not None else 1
         errors = {}
         for name, (mk, _) in spec.items():
@@ -527,18 +522,13 @@ class GpuService:
     block the caller watches, and it says what it is doing (compiling, running a kernel) through the phase word."""
 
     def __init__(self, buf, header, n_words, words, cfg: ModelConfig, lent=None, spec=None, backend_kw=None):
-        from ..run.runtime import RegisteredMapped
-        from ..run.worker import phase_setter
         set_phase = phase_setter(words)
         set_phase("loading")
         self.mapped = RegisteredMapped(buf, n_words, offset_words=header)
         if lent is not None:
-            from ..run.holder import open_lent
             loader = lambda: open_lent(lent)                      # noqa: E731
         else:
             import cupy
-
-            from ..model.weights import load_prepared
             model, weights, seed, max_seq = spec
             loader = lambda: load_prepared(model, weights, seed=seed, xp=cupy, max_seq=max_seq, progress=False)  # noqa: E731
         self.backend = GpuBackend(cfg, loader=loader, mapped=self.mapped, on_phase=set_phase, **(backend_kw or {}))
@@ -563,7 +553,6 @@ class GpuService:
         return self._info()
 
     def _info(self, skip=()) -> dict:
-        from .benchmark import texts_of
         return {n: (mk.asm.key, mk.resources(), texts_of(mk.asm)) for n, mk in self.backend.kernels.items()
                 if n not in skip}
 
@@ -582,8 +571,6 @@ class WorkerBackend:
     def __init__(self, cfg: ModelConfig, *, model: str, weights=None, seed: int = 0, max_seq=None,
                  parallel: bool | None = None, timeout_s: float = 1.0, verify_seed: int = 0, hang_s: float = 2.0,
                  compile_s: float | None = None, holder: bool = True):
-        from ..run.holder import WeightHolder
-        from ..run.worker import Worker
         self.cfg = cfg
         self.parallel = default_parallel() if parallel is None else parallel
         t0 = time.perf_counter()
@@ -603,7 +590,6 @@ class WorkerBackend:
         self._restore = False                  # a new worker is starting: load the good builds before the next call
 
     def _call(self, method, *args, **kw):
-        from ..run.worker import WorkerFailure
         if self._restore:
             self._restored()
         try:
@@ -650,7 +636,6 @@ class WorkerBackend:
         return wall
 
     def finish(self) -> float:
-        from ..run.worker import WorkerFailure
         if not self._deferred:
             return float("nan")
         self._deferred = None

@@ -1,4 +1,4 @@
-"""Measuring the loop on a GPU (the device suite calls loop_benchmark), and the helpers it shares with the loop."""
+"""Measuring the loop on a GPU (the device suite calls loop_benchmark)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,21 +13,7 @@ import numpy as np
 from .. import plan
 from .records import ReloadRecord
 from .sections import _atomic_write, display_path, section_file
-
-
-def texts_of(asm) -> dict:
-    """{section: text} of an assembled source: enough overrides to rebuild exactly it (portability.cuh aside). A
-    stage written in PTX is its .ptx body (what an override of it replaces; its C++ declaration is read from disk)."""
-    out = {}
-    for _, path, text in asm.pieces:
-        if path.startswith("<"):
-            continue
-        stem = Path(path).stem.split("@")[0]
-        if stem in plan.FILES:
-            out[stem] = text
-    for b in asm.ptx_bodies:
-        out[b.section] = b.text
-    return out
+from .session import Workbench
 
 
 def wrong_rope(text: str) -> str:
@@ -76,7 +62,6 @@ def loop_benchmark(model: str = "llama-3.2-1b", *, sections: tuple = EDIT_SECTIO
     (wrong_rope, as a variant) → the first failing stage; and the tok/s of the plain build against the timing build
     and the taps build (instrumentation overhead). Restores every file it touched; its edit history goes to a
     temporary folder. Returns a dict (JSON-ready)."""
-    from .session import Workbench
     out: dict = {"model": model}
     hist = Path(tempfile.mkdtemp(prefix="wb-loop-history-"))
     originals = {name: section_file(name).read_bytes() for name in sections}

@@ -16,6 +16,8 @@ import shlex
 
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
+from . import sections, session
+
 
 class _Usage(Exception):
     pass
@@ -38,7 +40,6 @@ def _parser(prog: str) -> _Parser:
 def _target(prog: str, line: str):
     """The magic's arguments and the section file they name; _Usage on bad input (unbalanced quotes, unknown
     section)."""
-    from . import sections, session
     try:
         args = _parser(prog).parse_args(shlex.split(line))
         return args, sections.section_file(args.name, args.variant)
@@ -60,7 +61,6 @@ class WorkbenchMagics(Magics):
     @cell_magic
     def section(self, line: str, cell: str):
         """%%section NAME [--variant V] [--no-reload]: the cell becomes the section file; then reload."""
-        from . import sections, session
         target = _target_or_report("%%section", line, "nothing was written")
         if target is None:
             return
@@ -98,7 +98,6 @@ class WorkbenchMagics(Magics):
     @line_magic
     def wb_undo(self, line: str):
         """%wb_undo NAME [--variant V] [--no-reload]: restore the section's previous version; then reload."""
-        from . import sections, session
         target = _target_or_report("%wb_undo", line)
         if target is None:
             return

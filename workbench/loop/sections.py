@@ -13,6 +13,8 @@ changed since: its text is kept as <timestamp>.refused.cuh beside the history an
 Files are bytes: read and written with no newline translation (a CRLF file stays CRLF, undo gives back the very
 bytes), and compared exactly. They must be UTF-8 text: a file on disk, a history entry or an edit's text that is not
 UTF-8 or holds a NUL byte is refused with a SourceError naming it and the offset, before anything is written.
+
+`texts_of` reads back the section texts a build was assembled from: what the loop keeps to rebuild it exactly.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-from .. import paths
+from .. import paths, plan
 from ..compiler.assemble import decode_source, section_path
 from ..errors import SourceError
 
@@ -268,3 +270,18 @@ def undo_section(section: str, variant: str | None = None, *, history_dir: Path 
             _atomic_write(path, restored)
         entry.unlink()
         return entry
+
+
+def texts_of(asm) -> dict:
+    """{section: text} of an assembled source: enough overrides to rebuild exactly it (portability.cuh aside). A
+    stage written in PTX is its .ptx body (what an override of it replaces; its C++ declaration is read from disk)."""
+    out = {}
+    for _, path, text in asm.pieces:
+        if path.startswith("<"):
+            continue
+        stem = Path(path).stem.split("@")[0]
+        if stem in plan.FILES:
+            out[stem] = text
+    for b in asm.ptx_bodies:
+        out[b.section] = b.text
+    return out

@@ -34,15 +34,20 @@ from pathlib import Path
 from typing import Callable
 
 from .. import paths, plan
-from ..compiler.assemble import BuildOptions, section_path
+from ..check.stage_check import Failure
+from ..compiler.assemble import BuildOptions, section_path, with_fields
 from ..compiler.compile import CompileError
+from ..measure.timing import format_table
 from ..model.config import get_config
+from ..model.weights import load_prepared
+from ..run.runtime import KernelError, Sampling
 from ..run.worker import WorkerFailure
 from .backends import CpuBackend, GpuBackend, WorkerBackend
 from .records import (ASSEMBLE_ERROR, COMPILE_ERROR, NO_GPU, OK, RUN_ERROR, VERIFY_FAILED, WORKER_FAILURES, ABRecord,
                       ReloadRecord, format_compile_error)
-from .sections import (display_path, section_file, section_history, undo_section,  # noqa: F401 (the loop's API)
-                       write_section)
+from .sections import (checked_history_dir, display_path, section_file, section_history,  # noqa: F401 (the loop's API)
+                       undo_section, write_section)
+from .watch import Watcher
 
 # ---- the active workbench (what the %%section magic talks to) ----------------------------------------------------
 _ACTIVE: "Workbench | None" = None
@@ -98,11 +103,12 @@ class Workbench:
     when the machine has ≥ 4 cores). cpu_reference: in CPU mode, also run the CPU reference on every reload
     (default: for models under 0.5 GB). history_dir: where edits keep earlier versions (default kernels/.history).
     watch: start the file watcher. activate: become the workbench the %%section magic uses. build: reload once now
-    (record trigger "initial"). build_options: further BuildOptions fields for every build (e.g.
-    {"attn_min_chunk": 64}). verify_fast_compile: NVRTC's fast-compile level (-Ofc) for the verification (taps)
-    build: "min" (default) halves its compile and with it the loop's, at no cost to what verification sees (values,
-    compared with tolerances); its speed, a quarter lower, is never measured. "0" compiles it like the timed build,
-    which always is. isolate: run the GPU side in a worker process (default), so that a hang or a fault is
+    (record trigger "initial"). build_options: further options for every build, BuildOptions fields or launch
+    fields by the names with_fields takes (e.g. {"attn_min_chunk": 64}, {"early": "o_proj_residual"}).
+    verify_fast_compile: NVRTC's fast-compile level (-Ofc) for the verification (taps) build: "min" (default)
+    halves its compile and with it the loop's, at no cost to what verification sees (values, compared with
+    tolerances); its speed, a quarter lower, is never measured. "0" compiles it like the timed build, which always
+    is. isolate: run the GPU side in a worker process (default), so that a hang or a fault is
     reported and the worker replaced while this process lives on; hang_s: how long a kernel may show no progress
     before it counts as hung (its own barriers time out after half of that and name the straggler);
     compile_limit_s: a compile running longer than this is a compiler hang, and its worker is replaced (default:
@@ -124,7 +130,6 @@ class Workbench:
         global _ACTIVE
         if device not in ("auto", "gpu", "cpu"):
             raise ValueError(f"device must be auto, gpu or cpu, got {device!r}")
-        from ..run.runtime import Sampling
         Sampling.check_seed(seed, "seed")                   # refused here, not masked or failed on in a worker
         Sampling.check_seed(verify_seed, "verify_seed")
         if device == "auto":
@@ -132,14 +137,13 @@ class Workbench:
         self.model, self.weights_path, self.seed = model, weights, seed
         self.cfg = get_config(model, max_seq=max_seq)
         self.threads = threads
-        self.build_options = dict(build_options or {})      # more BuildOptions fields for every build
+        self.build_options = dict(build_options or {})      # more options for every build (with_fields)
         self.verify_fast_compile = verify_fast_compile
         self.verify_units = verify_units
         self.variants = norm_variants(variants)
         self.overrides: dict[str, str] = dict(overrides or {})
         self.verify_seed = verify_seed
         self.time_steps, self.timeout_s = time_steps, timeout_s
-        from .sections import checked_history_dir
         self.history_dir = checked_history_dir(history_dir)     # a file there is refused now, not at the first edit
         self.progress = progress
         self.history: list[ReloadRecord] = []
@@ -185,7 +189,6 @@ class Workbench:
     # -- model and builds ------------------------------------------------------------------------------------------
     def _load(self, xp):
         """The prepared weights, where the backend runs (cupy on the GPU, numpy on the CPU)."""
-        from ..model.weights import load_prepared
         return load_prepared(self.model, self.weights_path, seed=self.seed, xp=xp, max_seq=self.cfg.max_seq,
                              progress=self.progress)
 
@@ -213,9 +216,9 @@ class Workbench:
     def options(self, which: str, variants=None) -> BuildOptions:
         v = self.variants if variants is None else norm_variants(variants)
         fast = {"fast_compile": self.verify_fast_compile, "units": self.verify_units} if which == "debug" else {}
-        return BuildOptions(**{"sampler": self._sampler(v), **fast, **self.build_options, "threads": self.threads,
-                               "taps": which == "debug", "timing": which == "timed",
-                               "variants": tuple(sorted(v.items()))})
+        return with_fields(**{"sampler": self._sampler(v), **fast, **self.build_options, "threads": self.threads,
+                              "taps": which == "debug", "timing": which == "timed",
+                              "variants": tuple(sorted(v.items()))})
 
     def _builds(self, variants=None) -> dict:
         return {name: self.options(name, variants) for name in ("debug", "timed")}
@@ -334,7 +337,6 @@ class Workbench:
             return self.backend.verify(sampling=sampling, stops=stops)
 
     def _verify_into(self, rec: ReloadRecord, sampling: bool, stops: bool = False):
-        from ..run.runtime import KernelError
         t0 = time.perf_counter()
         try:
             v = self.backend.verify(sampling=sampling, stops=stops)
@@ -344,7 +346,6 @@ class Workbench:
             rec.verify_s = time.perf_counter() - t0
             where = getattr(e, "where", None)
             if where is not None:                       # the kernel named the stage itself (a weight-stream report)
-                from ..check.stage_check import Failure
                 rec.failure = Failure(where[0], "-", where[1], where[2], -1, float("nan"), str(e))
             return None
         rec.verify_s = v.seconds
@@ -369,8 +370,6 @@ class Workbench:
             return self.backend.ttft(prompt_len, repeats)
 
     def _time_into(self, rec: ReloadRecord, v):
-        from ..measure.timing import format_table
-        from ..run.runtime import KernelError
         t0 = time.perf_counter()
         try:
             tm = self.backend.time(self.time_steps, v.prompt if v is not None else None)
@@ -450,7 +449,6 @@ class Workbench:
     # -- watching --------------------------------------------------------------------------------------------------
     def watch(self, interval_s: float = 0.2, debounce_s: float = 0.3):
         """Reload whenever a file of the current build changes on disk (saved from JupyterLab's editor, say)."""
-        from .watch import Watcher
         if self._watcher is not None and self._watcher.running:
             return self._watcher
         self._watcher = Watcher(self._on_files_changed, interval_s=interval_s, debounce_s=debounce_s)

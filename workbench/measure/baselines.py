@@ -11,6 +11,8 @@ import time
 
 import numpy as np
 
+from ..model.weights import expected_shapes, rope_tables
+
 _READ_SRC = r"""
 extern "C" __global__ void stream_read(const uint4* __restrict__ p, unsigned long long n16, unsigned int* out) {
     unsigned int acc = 0;
@@ -56,8 +58,6 @@ def tensors_from_weights(w, device="cpu", dtype=None) -> dict:
     """Weights (numpy or cupy; bf16 bits or floats) → torch tensors by HF name on `device` (the PyTorch baselines
     and the HF comparisons run on these)."""
     import torch
-
-    from ..model.weights import expected_shapes
     dtype = dtype or torch.float32
     names = dict.fromkeys([*expected_shapes(w.cfg), *(k for k in ("lm_head.weight",) if k in w.tensors)])
     return {name: _to_torch(w.tensors[name]).to(device=device, dtype=dtype) for name in names}
@@ -81,8 +81,6 @@ def gpt_fast_model(cfg, tensors: dict, device, max_seq: int):
     import torch
     import torch.nn.functional as F
     from torch import nn
-
-    from ..model.weights import rope_tables
 
     class Layer(nn.Module):
         def __init__(self, i):

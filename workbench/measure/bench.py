@@ -19,6 +19,13 @@ import time
 
 import numpy as np
 
+from ..check.verify import verify
+from ..compiler.assemble import with_fields
+from ..model.config import get_config
+from ..model.weights import prepare, random_weights
+from ..run.runtime import Monokernel
+from .baselines import gpt_fast_model, gpt_fast_tok_per_s, stream_read_tbps, tensors_from_weights
+
 
 @dataclasses.dataclass
 class Row:
@@ -105,15 +112,9 @@ def _median_runs(fn, repeats):
 def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 5, positions=None,
               torch_paths: bool = True, hf: bool = True, verify_first: bool = True, seed: int = 0,
               ttft=(), compiled: bool = True, options=(), log=print) -> dict:
-    """`options`: (field, value) pairs of the kernel's BuildOptions (e.g. ("early", "o_proj_residual"))."""
+    """`options`: (field, value) pairs of the kernel's options, a BuildOptions field or a launch's (with_fields; e.g.
+    ("early", "o_proj_residual"))."""
     import cupy as cp
-
-    from ..compiler.assemble import BuildOptions
-    from .baselines import stream_read_tbps
-    from ..model.config import get_config
-    from ..model.weights import prepare, random_weights
-    from ..run.runtime import Monokernel
-    from ..check.verify import verify
 
     cfg = get_config(model)
     positions = tuple(positions or bench_positions(model))
@@ -125,7 +126,7 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
     p = prepare(w, xp=cp, progress=False)
     out = {"model": cfg.name, "device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
            "tokens": tokens, "repeats": repeats, "rows": []}
-    mk = Monokernel(p, BuildOptions(**dict(options)), max_steps=max_pos)
+    mk = Monokernel(p, with_fields(**dict(options)), max_steps=max_pos)
     out["kernel"] = mk.resources()
     out["options"] = {k: str(v) for k, v in dict(options).items()}
     if verify_first:
@@ -176,9 +177,6 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
 
     if torch_paths:
         import torch
-
-        from .baselines import gpt_fast_model, gpt_fast_tok_per_s
-        from .baselines import tensors_from_weights
         t = tensors_from_weights(w, torch.device("cuda"), torch.bfloat16)
         gf = gpt_fast_model(cfg, t, torch.device("cuda"), max_pos) if compiled else None
         for pos in positions if compiled else ():

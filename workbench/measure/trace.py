@@ -40,7 +40,8 @@ import numpy as np
 from ..errors import UsageError, UserError
 from ..model.config import PRESETS, ModelConfig, RopeScaling
 from ..paths import FIXTURES
-from .timing import StageRow, critical_table, first_step_label, format_critical, slot_names, stage_table
+from .timing import (StageRow, critical_table, first_step_label, format_critical, format_table, slot_names,
+                     stage_table)
 
 FORMAT = "workbench-timing-trace/2"
 FORMAT_V1 = "workbench-timing-trace/1"      # the older slot layout: see convert_v1
@@ -516,7 +517,6 @@ def main(argv=None) -> int:
 
 def _main(argv=None) -> int:
     import argparse
-    from .timing import format_table
 
     ap = argparse.ArgumentParser(prog="python -m workbench.measure.trace",
                                  description="timing traces: pack, convert, info, perfetto")

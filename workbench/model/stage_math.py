@@ -3,7 +3,7 @@
 Each function is plain array code that works on numpy or cupy arrays alike (the module is taken from the
 arguments), in whatever float dtype it is given, over a leading batch axis of positions (one row per decode step,
 or a whole teacher-forced sequence). Weights are in Hugging Face's layout ([out, in]); the kernel's prepared
-layout (folded gains, paired rows) is mapped back to it by the caller (workbench.check.reference).
+layout (folded gains, paired rows) is mapped back to it by the caller (workbench.reference).
 
 The `*_io` functions bind that math to the plan's buffers: each takes a `StageIO` (where the stage's inputs come
 from: the kernel's own taps when checking the kernel stage by stage, or the running state of the reference

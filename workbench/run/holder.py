@@ -11,6 +11,8 @@ import dataclasses
 
 import numpy as np
 
+from ..model.weights import Prepared, load_prepared
+
 from .worker import Worker
 
 
@@ -39,7 +41,6 @@ class _HolderService:
     def _load(self):
         import cupy
 
-        from ..model.weights import load_prepared
         model, weights, seed, max_seq = self.spec
         self.p = load_prepared(model, weights, seed=seed, xp=cupy, max_seq=max_seq, progress=False)
         self.sums = {k: _checksum(v) for k, v in self.p.arrays().items()}
@@ -85,7 +86,6 @@ def open_lent(lent: Lent):
     """The lent weights as a Prepared whose arrays live in the holder's allocations (this process maps them)."""
     import cupy
 
-    from ..model.weights import Prepared
     rt = cupy.cuda.runtime
     arrays = {}
     for name, (handle, shape, dtype) in lent.arrays.items():

@@ -2,8 +2,8 @@
 layer by layer, in the plan's order. On an NVIDIA GPU each stage runs on the prefill's own path
 (workbench.run.prefill_gpu): bf16 products on the tensor cores between fused row-wise kernels, with causal
 attention in one flash-style kernel, straight from and into the monokernel's bf16 cache. Elsewhere (the CPU, AMD,
-fp64, or a plan with a layer stage that path lacks) the plan's own stage math runs (workbench.check.reference.
-run_stage, one row per token) on whatever array module holds the prepared weights. Rows go in chunks, which bound
+fp64, or a plan with a layer stage that path lacks) the plan's own stage math runs (workbench.reference.run_stage,
+one row per token) on whatever array module holds the prepared weights. Rows go in chunks, which bound
 the activations' memory for long prompts. The keys and values land in the monokernel's cache ([L, Hkv, max_seq,
 hd], bf16 bits), so the kernel continues at the position after the prompt and never replays it.
 
@@ -11,22 +11,25 @@ hd], bf16 bits), so the kernel continues at the position after the prompt and ne
     mk.generate(prompt[-1:], max_new, pos0=len(prompt) - 1)
 
 The last prompt token is left to the kernel: its first step samples the first new token with the kernel's own
-sampler, so a prefilled run and a replayed one choose alike. check_prefill compares the cache and the last
-logits with an unchunked fp64 run of the same math on the same weights.
+sampler, so a prefilled run and a replayed one choose alike. workbench.check.prefill compares the cache and the
+last logits with an unchunked fp64 run of the same math on the same weights.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import itertools
-import math
 import operator
 import time
 
 import numpy as np
 
 from .. import plan, schedule
+from ..errors import GpuMemoryError
+from ..model import stage_math as S
 from ..model.weights import Prepared, to_bf16, to_f32
+from ..reference import KVCache, run_stage, view
+from . import prefill_gpu as G
 
 # Rows per chunk: each projection is a [rows, K] × [K, N] product, large enough to run cuBLAS near its peak, and a
 # chunk's activations stay a few hundred MB for the 8B.
@@ -50,9 +53,8 @@ def prefill_bytes(cfg, n_ctx: int, chunk: int, dtype=np.float32, gpu: bool = Fal
     and nothing else, since it reads the weights and writes the cache as they are. The interpreter's instead: its
     own cache of the context in `dtype`, one chunk's activations, one layer's weights in `dtype` (the view converts
     a layer at a time), the embedding and the LM head converted whole, the bf16 write's temporaries, and
-    attention's score block (stages.SCORE_ELEMENTS: the product's output, softmaxed in place, and the product's
+    attention's score block (stage_math.SCORE_ELEMENTS: the product's output, softmaxed in place, and the product's
     workspace)."""
-    from ..model.stage_math import SCORE_ELEMENTS
     rows = n_ctx if rows is None else rows
     if gpu:
         return 2 * rows * cfg.hidden * 4 + 2 * chunk * (4 * cfg.qkv_rows + 8 * cfg.q_dim + 12 * cfg.intermediate
@@ -64,13 +66,17 @@ def prefill_bytes(cfg, n_ctx: int, chunk: int, dtype=np.float32, gpu: bool = Fal
     layer = (cfg.qkv_rows * cfg.hidden + cfg.hidden * cfg.q_dim + 3 * cfg.intermediate * cfg.hidden) * item
     tables = 2 * cfg.vocab * cfg.hidden * item          # the embedding and the LM head, converted whole
     one_layer = 2 * cfg.n_kv_heads * n_ctx * cfg.head_dim * 4   # the bf16 write's temporaries, a layer at a time
-    return cache + residual + activations + layer + tables + one_layer + 2 * SCORE_ELEMENTS * item
+    return cache + residual + activations + layer + tables + one_layer + 2 * S.SCORE_ELEMENTS * item
+
+
+def free_device_bytes(cp) -> int:
+    """What the current GPU can still give this process: the driver's free memory and CuPy's cached free blocks."""
+    return cp.cuda.runtime.memGetInfo()[0] + cp.get_default_memory_pool().free_bytes()
 
 
 def _memory_problem(cfg, n_ctx, rows, chunk, dtype, xp, gpu: bool) -> str | None:
     if not hasattr(xp, "cuda"):
         return None
-    from .runtime import free_device_bytes
     free = free_device_bytes(xp)
     need = prefill_bytes(cfg, n_ctx, chunk, dtype, gpu, rows)
     if need <= free:
@@ -112,7 +118,6 @@ def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int 
     gets the seconds of each stage over all layers and chunks (and on the interpreter's path, of converting the
     weights and of writing the cache), the GPU synchronised around each, which costs a little. Raises ValueError
     for an empty prompt, tokens outside the vocabulary, or positions past the cache."""
-    from . import prefill_gpu as G
     cfg, xp = p.cfg, p.xp
     tokens = xp.asarray(tokens).reshape(-1)
     n = int(tokens.size)
@@ -138,7 +143,6 @@ def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int 
     gpu = gpu and G.flash_supported(cfg, xp, dtype) and G.covers(cfg)
     problem = _memory_problem(cfg, end, n, min(chunk, n), dtype, xp, gpu)
     if problem:
-        from ..errors import GpuMemoryError
         raise GpuMemoryError(problem)
     t0 = time.perf_counter()
     positions = xp.arange(pos0, end, dtype=xp.int64)
@@ -201,10 +205,8 @@ def _layers(cfg, xp, n: int, chunk: int, run, clock, before_layer=None):
 
 
 def _prefill_gpu(p: Prepared, tokens, positions, k_cache, v_cache, chunk: int, clock):
-    """The prefill's own path (prefill_gpu): each stage's implementation found by its reference binding; a token
-    stage without one (the sampler) runs its reference's math on the last row's logits."""
-    from ..check.reference import run_stage, view
-    from . import prefill_gpu as G
+    """The prefill's own path (prefill_gpu): each stage's implementation found by the stage's name; a token stage
+    without one (the sampler) runs its reference's math on the last row's logits."""
     layer_kernels = G.module(G.layer_source())
     layout = G.FLASH_LAYOUT                             # the kernel and the grid it is launched with, together
     attend = (G.module(G.flash_source(p.cfg.head_dim, layout)).get_function("prefill_attention"), layout)
@@ -213,7 +215,7 @@ def _prefill_gpu(p: Prepared, tokens, positions, k_cache, v_cache, chunk: int, c
     declared = {s.name: {u.buffer for u in s.writes if u.active(p.cfg)} for s in plan.STAGES}
 
     def run(name, layer, st, a, b):
-        impl = G.IMPLEMENTS.get(plan.stage(name).reference)
+        impl = G.IMPLEMENTS.get(name)
         if impl is None:
             run_stage(w, name, layer, st, None, positions[a:b], tokens[a:b], True)
             return
@@ -229,7 +231,6 @@ def _prefill_interpreted(p: Prepared, tokens, positions, k_cache, v_cache, chunk
     """The plan's own stage math (run_stage) on a weight view in `dtype`, over its own cache of the context in
     `dtype` (bf16 values, as the kernel's are: run_stage rounds what it stores), written into the kernel's cache
     at the end."""
-    from ..check.reference import KVCache, run_stage, view
     cfg, xp = p.cfg, p.xp
     pos0, end = int(positions[0]), int(positions[-1]) + 1
     ctx = dataclasses.replace(p, cfg=dataclasses.replace(cfg, max_seq=end))
@@ -251,56 +252,3 @@ def _prefill_interpreted(p: Prepared, tokens, positions, k_cache, v_cache, chunk
             k_cache[layer, :, pos0:end] = to_bf16(work.k[layer, :, pos0:end], xp)
             v_cache[layer, :, pos0:end] = to_bf16(work.v[layer, :, pos0:end], xp)
     return logits
-
-
-@dataclasses.dataclass
-class PrefillCheck:
-    """The prefill's cache and last logits against an unchunked fp64 run of the same math."""
-    k_rel: list                # [L] relative L2 error of each layer's keys (the prefilled positions)
-    v_rel: list
-    logits_rel: float
-    finite: bool
-    rtol: float
-
-    @property
-    def passed(self) -> bool:
-        worst = max(self.k_rel + self.v_rel + [self.logits_rel])
-        return self.finite and worst <= self.rtol
-
-    def summary(self) -> str:
-        if not self.finite:
-            return "prefill: FAILED: NaN or inf in the cache or the logits"
-        lk, lv = int(np.argmax(self.k_rel)), int(np.argmax(self.v_rel))
-        verdict = "passed" if self.passed else "FAILED"
-        return (f"prefill {verdict}: worst rel err keys {self.k_rel[lk]:.1e} (layer {lk}), values {self.v_rel[lv]:.1e} "
-                f"(layer {lv}), last logits {self.logits_rel:.1e} (tol {self.rtol:.0e})")
-
-
-def check_prefill(p: Prepared, tokens, pre: Prefilled, k_cache, v_cache, rtol: float | None = None) -> PrefillCheck:
-    """Compare what prefill wrote (positions 0 .. pre.n - 1, from pos0 = 0) and its last logits with one unchunked
-    fp64 forward of the same tokens on the same weights. The tolerance is the end-to-end one (verify.DEFAULT_RTOL):
-    the prefill computes in fp32 and rounds every layer's keys and values to bf16, as the decode path does, and a
-    rounding that falls the other way in one layer moves every later one a little; a wrong stage, chunk or layout
-    is off by far more (a wrong row is off by its own size)."""
-    from ..check.reference import KVCache, forward
-    from ..check.verify import DEFAULT_RTOL
-    if pre.pos0 != 0:
-        raise ValueError("check_prefill checks a prefill from position 0")
-    rtol = DEFAULT_RTOL if rtol is None else rtol
-    cfg, xp = p.cfg, p.xp
-    ctx = dataclasses.replace(p, cfg=dataclasses.replace(cfg, max_seq=pre.n))
-    ref = KVCache.empty(ctx.cfg, np.float64, xp)
-    want = forward(ctx, xp.asarray(tokens).reshape(-1)[:pre.n], cache=ref, kv_bf16=True, dtype=np.float64,
-                   logit_rows=[pre.n - 1])[0]
-
-    def rel(a, b, m=xp):
-        a, b = a.astype(m.float64), b.astype(m.float64)
-        return float(m.linalg.norm(a - b) / max(float(m.linalg.norm(b)), 1e-300))
-    k = to_f32(k_cache[:, :, :pre.n], xp)
-    v = to_f32(v_cache[:, :, :pre.n], xp)
-    finite = bool(xp.isfinite(k).all()) and bool(xp.isfinite(v).all()) and bool(np.isfinite(pre.logits).all())
-    k_rel = [rel(k[l], ref.k[l]) if finite else math.inf for l in range(cfg.n_layers)]
-    v_rel = [rel(v[l], ref.v[l]) if finite else math.inf for l in range(cfg.n_layers)]
-    want = want.get() if hasattr(want, "get") else np.asarray(want)
-    logits_rel = rel(np.asarray(pre.logits), want, np) if finite else math.inf
-    return PrefillCheck(k_rel, v_rel, logits_rel, finite, rtol)

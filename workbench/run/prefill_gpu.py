@@ -4,10 +4,10 @@ bf16 products on the tensor cores (cuBLAS gemmEx, fp32 accumulation) between fus
 reads the prepared weights as they are (bf16, the kernel's row order: nothing converted to fp32) and writes the
 kernel's bf16 cache directly, which attention then reads.
 
-A stage is found by its reference binding in the plan (IMPLEMENTS), as the interpreter finds its math, so the plan
-stays the one declaration of the step. Where the plan has a layer stage this module has no implementation of, the
-prefill takes the interpreter's path instead (`covers`); a token stage without one (the sampler) runs the
-reference's math on its rows.
+A stage's implementation is found by the stage's name (IMPLEMENTS; the stages without one are IMPLEMENTS_EXEMPT,
+each with the reason, and tests/test_stage_tables.py holds both to the plan's stages). Where the plan has a layer
+stage this module has no implementation of, the prefill takes the interpreter's path instead (`covers`); a token
+stage without one (the sampler) runs the reference's math on its rows.
 
 Each implementation computes its stage reference's math (workbench/model/stage_math.py) in fp32, to within fp32's
 rounding (the kernels' comments argue it), takes the stage's inputs from the chunk's state by the plan's buffer
@@ -22,7 +22,7 @@ import functools
 
 import numpy as np
 
-from ..model import stage_math as S
+from .. import paths, plan, schedule
 from ..model.weights import Prepared, to_f32
 
 ATTN_THREADS = 128           # four warps of 16 query rows, and so 64 rows a block: the kernel's static_asserts
@@ -32,7 +32,6 @@ LAYER_THREADS = 256          # the row-wise kernels' blocks (a multiple of the w
 
 def _kernels_dir():
     """The kernels in use, or the shipped ones for a workspace copied before the prefill's kernels existed."""
-    from .. import paths
     k = paths.kernels_dir()
     return k if (k / "prefill" / "layer.cuh").is_file() else paths.template_dir()
 
@@ -51,7 +50,7 @@ class FlashLayout:
         return ((n + ATTN_ROWS - 1) // ATTN_ROWS, n_heads)
 
 
-# measured on the H200 (scripts/ab_prefill_attention.py, NOTES.md round 12): the keys by ldmatrix 3-5% faster at 4k
+# measured on the H200 (scripts/ab_prefill_attention.py): the keys by ldmatrix 3-5% faster at 4k
 # and 32k; rows per kv head 1-15% slower (more blocks on the diagonal's long tail than tiles saved)
 FLASH_LAYOUT = FlashLayout(k_ldmatrix=True)
 
@@ -292,17 +291,21 @@ def lm_head(io: PrefillIO, st: dict) -> dict:
     return {"logits": project(norm_split(io, st["x"]), io.p.lm_head)}
 
 
-# the plan's stage references → their implementation here
-IMPLEMENTS = {S.embedding_io: embedding, S.qkv_rope_append_io: qkv_rope_append, S.attention_decode_io: attention,
-              S.o_proj_residual_io: o_proj_residual, S.gate_up_silu_io: gate_up_silu,
-              S.down_residual_io: down_residual, S.lm_head_io: lm_head}
+# the plan's stages → their implementation here, each of its stage's reference math
+IMPLEMENTS = {"embedding": embedding, "qkv_rope_append": qkv_rope_append, "attention_decode": attention,
+              "o_proj_residual": o_proj_residual, "gate_up_silu": gate_up_silu, "down_residual": down_residual,
+              "lm_head": lm_head}
+# the plan's stages without one, and why
+IMPLEMENTS_EXEMPT = {
+    "sampling": "a token stage, run on the last row alone: its reference's math runs there instead",
+    "publish": "no math of its own (the plan binds it no reference): no prefill path runs it",
+}
 
 
 def covers(cfg) -> bool:
     """Whether every layer stage of the plan (for this config) has an implementation here: then the path runs,
     its split activations (hmlp) read only by its own stages."""
-    from .. import plan, schedule
-    return all(plan.stage(name).reference in IMPLEMENTS
+    return all(name in IMPLEMENTS
                for name, layer in schedule.execution(cfg) if layer >= 0 and plan.stage(name).reference is not None)
 
 

@@ -16,21 +16,20 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .. import abi, plan, schedule
-from ..compiler.assemble import Assembled, BuildOptions, Params, assemble
-from ..compiler.compile import NVRTC_OPTIONS, compile_error
+from ..compiler.assemble import Assembled, BuildOptions, Params, assemble, with_fields
+from ..compiler.compile import NVRTC_OPTIONS, CompileError, compile_error, compile_nvidia
 from ..compiler.units import units_linkable
-from ..model.weights import Prepared
+from ..errors import GpuMemoryError, UsageError
+from ..model.weights import Prepared, to_bf16
+from .prefill import PREFILL_CHUNK, free_device_bytes, prefill
 
 STATUS = {name: i for i, name in enumerate(abi.STATUS_WORDS)}
 ERROR = {name: i for i, name in enumerate(abi.ERRORS)}
-M_STATUS, M_ABORT, M_N_OUT, M_PROGRESS, M_WHERE, M_TOKENS = (
-    abi.mapped_offset(n) for n in ("status", "host_abort", "n_out", "progress", "where", "tokens_out"))
+M_STATUS, M_ABORT, M_N_OUT, M_PROGRESS, M_TOKENS = (
+    abi.mapped_offset(n) for n in ("status", "host_abort", "n_out", "progress", "tokens_out"))
 _ALLOC_LOCK = threading.Lock()
 
 
-def free_device_bytes(cp) -> int:
-    """What the current GPU can still give this process: the driver's free memory and CuPy's cached free blocks."""
-    return cp.cuda.runtime.memGetInfo()[0] + cp.get_default_memory_pool().free_bytes()
 _NP_DTYPES = {"f32": np.float32, "bf16": np.uint16, "i32": np.int32, "u32": np.uint32, "u64": np.uint64,
               "fixed": np.int64}
 BF16_NAN = 0x7FC0
@@ -108,7 +107,6 @@ class Sampling:
     @staticmethod
     def check_seed(seed, name: str = "seed"):
         """Raise UsageError, naming `name`, for a seed that seed_problem refuses."""
-        from ..errors import UsageError
         if (why := Sampling.seed_problem(seed)) is not None:
             raise UsageError(f"{name} {why}")
 
@@ -209,6 +207,100 @@ class RegisteredMapped:
         self.words = self._buf = None
 
 
+# ---- the control fields of the ABI (abi.CONTROL), each as this runtime fills it -----------------------------------
+# A pointer into the mapped host block (abi.MAPPED), a device buffer of this runtime (DEVICE_CONTROL), or a scalar
+# of the call (SCALAR_CONTROL). _check_control runs at import: a field the ABI gains that none of these fills stops
+# the import, named, rather than reaching the kernel as a 0.
+_C_DTYPES = {"int": np.int32, "u32": np.uint32, "u64": np.uint64, "float": np.float32}
+_ALLOCATED_KINDS = ("activation", "cache", "scratch")   # the plan's buffers a Monokernel allocates (weights and
+                                                        # tables come prepared)
+# field: (elements, fill when allocated (None: uninitialised), zeroed before every run: a synchronisation word, which
+# a run that stopped mid-count would leave counting from where it was); in allocation order
+DEVICE_CONTROL = {
+    "logits_hist": (lambda mk: (mk.max_record, mk.cfg.vocab), None, False),
+    # indexed by step; one more than the steps, since the step after the last opens with an embedding
+    "rec_slot": (lambda mk: mk.max_steps + 1, -1, False),
+    "tap_slot": (lambda mk: mk.max_steps + 1, -1, False),
+    "bar_count": (lambda mk: 1, 0, True),
+    "arrive": (lambda mk: mk.grid, 0, True),
+    # the where-words kept on the device in place of the mapped block's (Monokernel(where_in_device=True))
+    "where": (lambda mk: mk.grid, 0, True),
+    "dev_flags": (lambda mk: len(abi.DEV_FLAGS), 0, True),
+    "tokens_in": (lambda mk: mk.max_steps + 1, 0, False),
+    "eos": (lambda mk: max(1, len(mk.cfg.eos_token_ids)) + 8, 0, False),
+    # grown to what a call keeps (Monokernel._fit_buffers)
+    "draws": (lambda mk: 1, 0, False),
+    "timing": (lambda mk: 1, 0, False),
+    "taps": (lambda mk: 1, 0, False),
+}
+_ATTR = {"where": "where_dev"}      # the attribute of a device buffer whose field the mapped block also has
+
+
+def _dtype(field: str):
+    return _C_DTYPES.get(dict(abi.CONTROL).get(field, "?").removeprefix("const ").removesuffix("*"))
+
+
+@dataclasses.dataclass
+class _Request:
+    """One call of stream_tokens, checked: what the kernel is told, and what its results are read back by."""
+    prompt: list[int]
+    max_new: int
+    sampling: Sampling
+    pos0: int
+    eos: list[int]
+    record: list[int]               # sorted
+    n_draws: int
+    timing_steps: int               # 0 unless the build stamps timing
+    tap_steps: list[int]            # sorted
+    n_steps: int                    # the call's decode steps: prompt + generated − 1
+    k_steps: int                    # the kernel's limits: the call's own, or its kernel_limits
+    k_new: int
+    timeout_s: float
+    poison_kv: bool
+    stop_requested: bool
+    n_slots: int                    # the step's barrier slots (the timing stamps' rows)
+    tap_floats: int                 # the floats of one tapped step
+
+
+# what each scalar of abi.CONTROL is, of the kernel and the checked call
+SCALAR_CONTROL: dict[str, Callable[["Monokernel", _Request], object]] = {
+    "seed": lambda mk, r: r.sampling.seed,          # in [0, 2**64): Sampling.check
+    "timeout_ns": lambda mk, r: int(r.timeout_s * 1e9),
+    "n_in": lambda mk, r: len(r.prompt),
+    "n_steps": lambda mk, r: r.k_steps,
+    "max_new": lambda mk, r: r.k_new,
+    "pos0": lambda mk, r: r.pos0,
+    "n_eos": lambda mk, r: len(r.eos),
+    "top_k": lambda mk, r: r.sampling.top_k,
+    "n_draws": lambda mk, r: r.n_draws,
+    "attn_max_splits": lambda mk, r: mk.attn_max_splits,
+    "timing_steps": lambda mk, r: r.timing_steps,
+    "temperature": lambda mk, r: r.sampling.temperature,
+    "top_p": lambda mk, r: r.sampling.top_p,
+}
+
+
+def _check_control():
+    """RuntimeError, naming the field, unless each field of the Params is filled one of the ways above."""
+    types, mapped = dict(abi.CONTROL), {name for name, _ in abi.MAPPED}
+    for name, ctype in abi.CONTROL:
+        if not (name in mapped or name in DEVICE_CONTROL if ctype.endswith("*") else name in SCALAR_CONTROL):
+            raise RuntimeError(f"abi.CONTROL's {ctype} {name!r} is filled by nothing in the runtime (the mapped "
+                               f"block, DEVICE_CONTROL or SCALAR_CONTROL)")
+    for name in (*DEVICE_CONTROL, *SCALAR_CONTROL):
+        if name not in types or types[name].endswith("*") != (name in DEVICE_CONTROL) or \
+                (name in DEVICE_CONTROL and _dtype(name) is None):
+            raise RuntimeError(f"the runtime fills {name!r}, which abi.CONTROL has as {types.get(name)}")
+    for name, _ in abi.params_fields():
+        if name in plan.BUFFERS and (name in types or plan.BUFFERS[name].kind not in
+                                     ("weight", "table", *_ALLOCATED_KINDS)):
+            raise RuntimeError(f"the plan's buffer {name!r} ({plan.BUFFERS[name].kind}) is neither prepared nor "
+                               f"allocated by the runtime, or is also a control field")
+
+
+_check_control()
+
+
 class Monokernel:
     """A compiled monokernel bound to prepared weights on the GPU."""
 
@@ -228,7 +320,7 @@ class Monokernel:
         self.n_sm = dev.attributes["MultiProcessorCount"]
         # one block per SM: all resident, so grid barriers cannot deadlock; the build is specialised to that grid
         self.grid = self.n_sm
-        self.opt = dataclasses.replace(options, grid=self.grid)
+        self.opt = with_fields(options, grid=self.grid)
         self.module = self.fn = None
         self._install(self.opt, overrides)
         self.max_steps = max_steps or self.cfg.max_seq
@@ -246,7 +338,6 @@ class Monokernel:
             free = free_device_bytes(cupy)
             problem = schedule.memory_problem(self.cfg, free, self.launch, weights_resident=True)
             if problem:                               # one line, not an allocator's traceback
-                from ..errors import GpuMemoryError
                 raise GpuMemoryError(problem)
             self._alloc()
 
@@ -255,7 +346,7 @@ class Monokernel:
         """Assemble and compile; only when that succeeds does the new module replace the loaded one. phase=False:
         the compile does not tell the watching parent (it runs in the background while another kernel runs, and
         the phase word is that kernel's)."""
-        options = dataclasses.replace(options, grid=self.grid)
+        options = with_fields(options, grid=self.grid)
         asm = assemble(self.cfg, options, overrides)
         t0 = time.perf_counter()
         say = self.on_phase if phase else (lambda *a, **k: None)
@@ -265,11 +356,11 @@ class Monokernel:
         finally:
             say("checking")
         compile_s = time.perf_counter() - t0
-        smem = schedule.smem_bytes(self.cfg, options.launch)
+        smem = schedule.smem_bytes(self.cfg, options.effective_launch())
         fn.max_dynamic_shared_size_bytes = smem
-        occ = self.cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, options.threads, smem)
+        occ = self.cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, options.launch.threads, smem)
         if occ < 1:
-            raise KernelError(f"kernel cannot be resident: {options.threads} threads, {smem} B shared memory")
+            raise KernelError(f"kernel cannot be resident: {options.launch.threads} threads, {smem} B shared memory")
         if getattr(self, "fn", None) is not None and not self.same_launch(options):
             raise ValueError("the launch (threads per block, attention's split size) cannot change on reload: the "
                              "buffers are sized for it; build a new Monokernel")
@@ -284,7 +375,7 @@ class Monokernel:
 
     @property
     def launch(self) -> plan.Launch:
-        return self.opt.launch
+        return self.opt.effective_launch()
 
     @property
     def attn_max_splits(self) -> int:
@@ -292,7 +383,7 @@ class Monokernel:
 
     def same_launch(self, options: BuildOptions) -> bool:
         """Whether a build with `options` fits this kernel's buffers (so that reload can take it)."""
-        return dataclasses.replace(options, grid=self.grid).launch == self.launch
+        return with_fields(options, grid=self.grid).effective_launch() == self.launch
 
     def reload(self, options: BuildOptions | None = None, overrides: dict[str, str] | None = None, *,
                phase: bool = True) -> float:
@@ -322,7 +413,6 @@ class Monokernel:
         import os
         import tempfile
 
-        from ..compiler.compile import CompileError, compile_nvidia
         cp = self.cp
         arch = f"sm_{cp.cuda.Device().compute_capability}"
         try:
@@ -349,14 +439,14 @@ class Monokernel:
     def resources(self) -> dict:
         a = self.fn.attributes
         return dict(registers=a["num_regs"], local_bytes=a["local_size_bytes"], static_shared=a["shared_size_bytes"],
-                    dynamic_shared=self.smem, threads=self.opt.threads, blocks=self.grid)
+                    dynamic_shared=self.smem, threads=self.launch.threads, blocks=self.grid)
 
     def _alloc(self):
         """Every activation, cache and scratch buffer of the plan, at the plan's shapes; then the control words."""
         cp, cfg = self.cp, self.cfg
         self.buffers = {}
         for b in plan.BUFFERS.values():
-            if b.kind in ("activation", "cache", "scratch"):
+            if b.kind in _ALLOCATED_KINDS:
                 shape = b.shape(cfg, self.launch)
                 make = cp.zeros if b.kind in ("cache", "scratch") else cp.empty
                 if b.kind == "cache":
@@ -369,20 +459,10 @@ class Monokernel:
                     self.buffers[b.name] = make(shape, _NP_DTYPES[b.dtype])
         for name, arr in self.buffers.items():
             setattr(self, name, arr)
-        i32, u32 = cp.int32, cp.uint32
-        self.logits_hist = cp.empty((self.max_record, cfg.vocab), cp.float32)
-        # indexed by step; one more than the steps, since the step after the last opens with an embedding
-        self.rec_slot = cp.full(self.max_steps + 1, -1, i32)
-        self.tap_slot = cp.full(self.max_steps + 1, -1, i32)
-        self.bar_count = cp.zeros(1, u32)
-        self.arrive = cp.zeros(self.grid, u32)
-        self.where_dev = cp.zeros(self.grid, u32)
-        self.dev_flags = cp.zeros(len(abi.DEV_FLAGS), i32)
-        self.tokens_in = cp.zeros(self.max_steps + 1, i32)
-        self.eos = cp.zeros(max(1, len(cfg.eos_token_ids)) + 8, i32)
-        self.draws = cp.zeros(1, i32)
-        self.timing = cp.zeros(1, cp.uint64)
-        self.taps = cp.zeros(1, cp.float32)
+        for name, (shape, fill, _) in DEVICE_CONTROL.items():
+            n, dtype = shape(self), _dtype(name)
+            buf = cp.empty(n, dtype) if fill is None else cp.full(n, fill, dtype)
+            setattr(self, _ATTR.get(name, name), buf)
         self.mapped = self._external_mapped or _Mapped(abi.mapped_words(self.max_steps + 1))
         self.params_dev = cp.empty(ctypes.sizeof(Params), cp.uint8)
         self.stream = cp.cuda.Stream(non_blocking=True)
@@ -395,7 +475,6 @@ class Monokernel:
         if not 0 <= upto <= self.cfg.max_seq:
             raise ValueError(f"cannot fill {upto} positions of a {self.cfg.max_seq}-position cache")
         rng = cp.random.default_rng(seed)
-        from ..model.weights import to_bf16
         for cache in (self.k_cache, self.v_cache):
             for layer in range(self.cfg.n_layers):
                 cache[layer, :, :upto] = to_bf16(rng.standard_normal(cache[layer, :, :upto].shape, dtype=cp.float32), cp)
@@ -405,30 +484,10 @@ class Monokernel:
         pos0..: afterwards the kernel continues from the position after them (generate(..., pos0=...)) without
         replaying them. `options`: prefill's (gpu, tf32, timings). → prefill.Prefilled (its last token's
         logits, the seconds it took)."""
-        from .prefill import PREFILL_CHUNK, prefill
         return prefill(self.p, tokens, self.k_cache, self.v_cache, pos0=pos0, chunk=chunk or PREFILL_CHUNK,
                        **options)
 
     # -- run -----------------------------------------------------------------------------------------------------
-    def _params(self, n_in, n_steps, max_new, pos0, sampling: Sampling, eos, n_draws, timing_steps, timeout_s):
-        p, m = self.p, self.mapped
-        P = Params()
-        for name, _ in abi.params_fields():
-            b = plan.BUFFERS.get(name)
-            if b is not None and b.kind in ("weight", "table"):
-                setattr(P, name, getattr(p, name).data.ptr)
-            elif b is not None or name in ("logits_hist", "rec_slot", "bar_count", "arrive", "dev_flags",
-                                           "tokens_in", "eos", "draws", "timing", "taps", "tap_slot"):
-                setattr(P, name, getattr(self, name).data.ptr)
-        P.status, P.host_abort, P.n_out, P.progress, P.tokens_out = (m.ptr(M_STATUS), m.ptr(M_ABORT), m.ptr(M_N_OUT),
-                                                                     m.ptr(M_PROGRESS), m.ptr(M_TOKENS))
-        P.where = self.where_dev.data.ptr if self.where_in_device else m.ptr(M_WHERE)
-        P.seed, P.timeout_ns = sampling.seed, int(timeout_s * 1e9)     # in [0, 2**64): Sampling.check
-        P.n_in, P.n_steps, P.max_new, P.pos0, P.n_eos = n_in, n_steps, max_new, pos0, len(eos)
-        P.top_k, P.n_draws, P.attn_max_splits, P.timing_steps = sampling.top_k, n_draws, self.attn_max_splits, timing_steps
-        P.temperature, P.top_p = sampling.temperature, sampling.top_p
-        return P
-
     def stream_tokens(self, prompt: list[int], max_new: int, sampling: Sampling = Sampling(), *, pos0: int = 0,
                       eos: list[int] | None = None, record: list[int] | None = None, n_draws: int = 0,
                       timing_steps: int = 0, tap_steps: list[int] | None = None, timeout_s: float = 5.0,
@@ -446,7 +505,27 @@ class Monokernel:
         that each of the kernel's stop rules can be the one that ends a run (workbench.check.stops).
         `stop_requested`: the host's abort word is set before the launch (as `request_stop` sets it during a run),
         so the kernel ends at the first step that reads it, with KernelAborted."""
-        cp, cfg = self.cp, self.cfg
+        req = self._check_request(prompt, max_new, sampling, pos0=pos0, eos=eos, record=record, n_draws=n_draws,
+                                  timing_steps=timing_steps, tap_steps=tap_steps, kernel_limits=kernel_limits,
+                                  timeout_s=timeout_s, poison_kv=poison_kv, stop_requested=stop_requested)
+        self._fit_buffers(req)
+        self._prepare(req)
+        start, end = self._launch(req)
+        aborted_by_host = yield from self._watch(on_token, on_poll, poll_interval_s, host_timeout_s)
+        self.last = self._collect(req, start, end)
+        try:
+            self._raise_on_status(aborted_by_host, host_timeout_s)
+        except KernelError as e:
+            e.result = self.last        # what ran before the stop (its taps say which stage went wrong first)
+            raise
+        return self.last
+
+    def _check_request(self, prompt, max_new: int, sampling: Sampling, *, pos0: int, eos, record, n_draws: int,
+                       timing_steps: int, tap_steps, kernel_limits, timeout_s: float, poison_kv: bool,
+                       stop_requested: bool) -> _Request:
+        """stream_tokens' arguments checked against the model and this kernel (ValueError saying what is wrong),
+        before anything touches the device."""
+        cfg = self.cfg
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("the prompt needs at least one token")
@@ -478,71 +557,130 @@ class Monokernel:
             raise ValueError("too many EOS ids")
         if n_draws < 0:
             raise ValueError("n_draws must be ≥ 0")
-        if n_draws and self.draws.size < n_draws * max(1, len(record)):
-            self.draws = cp.zeros(n_draws * max(1, len(record)), cp.int32)
-        n_slots = schedule.n_slots(cfg)
-        if self.opt.timing and timing_steps:
-            need = timing_steps * n_slots * self.grid * 2
-            if self.timing.size < need:
-                self.timing = cp.zeros(need, cp.uint64)
-        elif not self.opt.timing:
-            timing_steps = 0
         tap_steps = sorted(set(tap_steps or []))
         if tap_steps and not self.opt.taps:
             raise ValueError("tap_steps needs a build with BuildOptions(taps=True)")
         if tap_steps and not (0 <= tap_steps[0] and tap_steps[-1] < n_steps):
             raise ValueError(f"tap steps must be in [0, {n_steps})")
-        tap_floats = schedule.tap_step_floats(cfg, self.launch)
-        if tap_steps and self.taps.size < len(tap_steps) * tap_floats:
-            self.taps = cp.zeros(len(tap_steps) * tap_floats, cp.float32)
-        self.timing_steps = timing_steps
+        return _Request(prompt, max_new, sampling, pos0, eos, record, n_draws, timing_steps if self.opt.timing else 0,
+                        tap_steps, n_steps, k_steps, k_new, timeout_s, poison_kv, stop_requested,
+                        schedule.n_slots(cfg), schedule.tap_step_floats(cfg, self.launch))
 
+    def _fit_buffers(self, req: _Request):
+        """The buffers a call sizes (draws, timing stamps, taps) grown to what it keeps; timing_snapshot reads
+        this call's timing_steps from here on."""
+        if req.n_draws:
+            self._grow("draws", req.n_draws * max(1, len(req.record)))
+        if req.timing_steps:
+            self._grow("timing", req.timing_steps * req.n_slots * self.grid * 2)
+        if req.tap_steps:
+            self._grow("taps", len(req.tap_steps) * req.tap_floats)
+        self.timing_steps = req.timing_steps
+
+    def _grow(self, name: str, size: int):
+        """A control buffer of DEVICE_CONTROL replaced by a zeroed one of `size` elements when it holds fewer."""
+        if getattr(self, name).size < size:
+            setattr(self, name, self.cp.zeros(size, _dtype(name)))
+
+    def _prepare(self, req: _Request):
+        """Everything the launch reads, on the device before it: the call's inputs, the debug buffers, the control
+        words and counters reset, what the run must write poisoned, and the Params."""
         # Our stream does not synchronise with the legacy default stream, where the weights were generated or
         # prepared (or edited since): without this the kernel can start reading weights that are still being
         # written. Found by a run whose module came from CuPy's cache, so no compile time hid the race.
-        cp.cuda.Device().synchronize()
+        self.cp.cuda.Device().synchronize()
         with self.stream:
-            self.tokens_in[:len(prompt)].set(np.asarray(prompt, np.int32), stream=self.stream)
-            if eos:
-                self.eos[:len(eos)].set(np.asarray(eos, np.int32), stream=self.stream)
-            self.rec_slot.fill(-1)
-            self.tap_slot.fill(-1)
-            if tap_steps:
-                self.tap_slot[cp.asarray(tap_steps)] = cp.arange(len(tap_steps), dtype=cp.int32)
-                self.taps[:len(tap_steps) * tap_floats].fill(cp.nan)       # poison
-            if record:
-                self.rec_slot[cp.asarray(record)] = cp.arange(len(record), dtype=cp.int32)
-                self.logits_hist[:len(record)].fill(cp.nan)          # poison: an unwritten logit cannot pass
-            if n_draws:
-                self.draws[:n_draws * max(1, len(record))].fill(-1)
-            # the control words, and the plan's arrival counters (its u32 scratch), which the last arrival resets:
-            # a run that stopped mid-stage must not leave the next one counting from where it was
-            counters = [self.buffers[n] for n, b in plan.BUFFERS.items() if b.kind == "scratch" and b.dtype == "u32"]
-            for buf in (self.bar_count, self.arrive, self.where_dev, self.dev_flags, *counters):
-                buf.fill(0)
-            for name, b in plan.BUFFERS.items():                      # poison: what a step must write, as NaN
-                if b.kind == "activation":
-                    poison_activation(self.buffers[name], b.dtype)
-            if poison_kv:
-                for cache in (self.k_cache, self.v_cache):
-                    cache[:, :, pos0:pos0 + n_steps].fill(BF16_NAN)
-            if timing_steps:
-                self.timing[:timing_steps * n_slots * self.grid * 2].fill(0)
-            P = self._params(len(prompt), k_steps, k_new, pos0, sampling, eos, n_draws, timing_steps, timeout_s)
-            self.params_dev.set(np.frombuffer(bytes(P), np.uint8), stream=self.stream)
+            self._write_inputs(req)
+            self._prepare_debug(req)
+            self._reset_control()
+            self._poison_outputs(req)
+            if req.timing_steps:
+                self.timing[:req.timing_steps * req.n_slots * self.grid * 2].fill(0)
+            self.params_dev.set(np.frombuffer(bytes(self._params(req)), np.uint8), stream=self.stream)
             self.stream.synchronize()
+
+    def _write_inputs(self, req: _Request):
+        self.tokens_in[:len(req.prompt)].set(np.asarray(req.prompt, np.int32), stream=self.stream)
+        if req.eos:
+            self.eos[:len(req.eos)].set(np.asarray(req.eos, np.int32), stream=self.stream)
+
+    def _prepare_debug(self, req: _Request):
+        """The slot of each tapped and recorded step (-1: none), their buffers poisoned (an unwritten tap or logit
+        cannot pass for one the kernel wrote), and the draws cleared."""
+        cp = self.cp
+        self.rec_slot.fill(-1)
+        self.tap_slot.fill(-1)
+        if req.tap_steps:
+            self.tap_slot[cp.asarray(req.tap_steps)] = cp.arange(len(req.tap_steps), dtype=cp.int32)
+            self.taps[:len(req.tap_steps) * req.tap_floats].fill(cp.nan)
+        if req.record:
+            self.rec_slot[cp.asarray(req.record)] = cp.arange(len(req.record), dtype=cp.int32)
+            self.logits_hist[:len(req.record)].fill(cp.nan)
+        if req.n_draws:
+            self.draws[:req.n_draws * max(1, len(req.record))].fill(-1)
+
+    def _reset_control(self):
+        """The synchronisation words of DEVICE_CONTROL and the plan's arrival counters (its u32 scratch, which the
+        last arrival resets) zeroed: a run that stopped mid-stage must not leave the next one counting from where
+        it was."""
+        words = [getattr(self, _ATTR.get(n, n)) for n, (_, _, per_run) in DEVICE_CONTROL.items() if per_run]
+        counters = [self.buffers[n] for n, b in plan.BUFFERS.items() if b.kind == "scratch" and b.dtype == "u32"]
+        for buf in (*words, *counters):
+            buf.fill(0)
+
+    def _poison_outputs(self, req: _Request):
+        """What a step must write, as NaN: every activation of the plan, and (poison_kv) the cache rows this run
+        appends."""
+        for name, b in plan.BUFFERS.items():
+            if b.kind == "activation":
+                poison_activation(self.buffers[name], b.dtype)
+        if req.poison_kv:
+            for cache in (self.k_cache, self.v_cache):
+                cache[:, :, req.pos0:req.pos0 + req.n_steps].fill(BF16_NAN)
+
+    def _params(self, req: _Request) -> Params:
+        """The kernel's Params, field by field of abi.params_fields: the plan's buffers, then the control fields."""
+        P = Params()
+        for name, _ in abi.params_fields():
+            if name not in plan.BUFFERS:
+                value = self._control_value(name, req)
+            elif plan.BUFFERS[name].kind in ("weight", "table"):
+                value = getattr(self.p, name).data.ptr
+            else:
+                value = self.buffers[name].data.ptr
+            setattr(P, name, value)
+        return P
+
+    def _control_value(self, name: str, req: _Request):
+        """A field of abi.CONTROL: a scalar of the call, a pointer into the mapped block, or one to a device buffer
+        (the where-words' too, when this kernel keeps them on the device)."""
+        if name in SCALAR_CONTROL:
+            return SCALAR_CONTROL[name](self, req)
+        if name not in DEVICE_CONTROL or (name == "where" and not self.where_in_device):
+            return self.mapped.ptr(abi.mapped_offset(name))
+        return getattr(self, _ATTR.get(name, name)).data.ptr
+
+    def _launch(self, req: _Request):
+        """The mapped block cleared (its abort word set for a stop requested before the launch), the watching parent
+        told, and the kernel launched between two events. → (start, end)"""
         w = self.mapped.words
         w[:] = 0
-        if stop_requested:
+        if req.stop_requested:
             w[M_ABORT] = 1
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        self.on_phase("running", max(timeout_s, 0.0), self.grid)
+        start, end = self.cp.cuda.Event(), self.cp.cuda.Event()
+        self.on_phase("running", max(req.timeout_s, 0.0), self.grid)
         start.record(self.stream)
         # cooperative launch: the driver refuses (rather than deadlocks) a grid that cannot be resident at once
-        self.fn.kernel((self.grid,), (self.opt.threads,), (self.params_dev,), shared_mem=self.smem,
+        self.fn.kernel((self.grid,), (self.launch.threads,), (self.params_dev,), shared_mem=self.smem,
                        stream=self.stream, enable_cooperative_groups=True)
         end.record(self.stream)
+        return start, end
 
+    def _watch(self, on_token, on_poll, poll_interval_s: float, host_timeout_s: float):
+        """Yield each token as the kernel publishes it, until the stream is done, calling on_poll every
+        poll_interval_s. The host's watchdog: a heartbeat still for host_timeout_s sets the abort word; still as
+        long again, KernelError. Returns whether the watchdog set the abort word."""
+        w = self.mapped.words
         seen, last_progress, last_change, aborted_by_host = 0, -1, time.monotonic(), False
         next_poll = time.monotonic() + poll_interval_s
         while True:
@@ -555,7 +693,7 @@ class Monokernel:
                     on_token(tok)
                 yield tok
             if done:
-                break
+                return aborted_by_host
             prog = int(w[M_PROGRESS])
             now = time.monotonic()
             if on_poll is not None and now >= next_poll:
@@ -570,28 +708,27 @@ class Monokernel:
                 raise KernelError("the kernel ignores the abort flag: a wait that is not bounded (a spin that never "
                                   "checks the flag); the GPU context cannot be recovered in this process")
             time.sleep(0.0002 if seen else 0.001)
-        self.stream.synchronize()                           # raises on CUDA errors (illegal address, ...)
+
+    def _collect(self, req: _Request, start, end) -> Result:
+        """The finished run read back, once the stream has raised what CUDA reports (an illegal address, ...)."""
+        cp, w = self.cp, self.mapped.words
+        self.stream.synchronize()
         self.on_phase("checking")
         kernel_ms = cp.cuda.get_elapsed_time(start, end)
         steps = int(w[M_PROGRESS])
         toks = [int(t) for t in w[M_TOKENS:M_TOKENS + int(w[M_N_OUT])]]
+        record, n_draws, tap_steps, tap_floats = req.record, req.n_draws, req.tap_steps, req.tap_floats
         logits = self.logits_hist[:len(record)].get() if record else None
         draws = self.draws[:n_draws * len(record)].get().reshape(len(record), n_draws) if n_draws and record else None
         timing = None
-        if timing_steps:
-            ts = min(timing_steps, steps)
-            timing = self.timing[:ts * n_slots * self.grid * 2].get().reshape(ts, n_slots, self.grid, 2)
+        if req.timing_steps:
+            ts = min(req.timing_steps, steps)
+            timing = self.timing[:ts * req.n_slots * self.grid * 2].get().reshape(ts, req.n_slots, self.grid, 2)
         # a copy: the next run reuses the buffer, and a verification checks many runs together
         taps = self.taps[:len(tap_steps) * tap_floats].reshape(len(tap_steps), tap_floats).copy() if tap_steps else None
-        fed = (prompt + toks)[:steps]
-        self.last = Result(toks, steps, kernel_ms, logits, record, draws, timing, taps, tap_steps, pos0, fed, prompt,
-                           max_new, eos)
-        try:
-            self._raise_on_status(aborted_by_host, host_timeout_s)
-        except KernelError as e:
-            e.result = self.last        # what ran before the stop (its taps say which stage went wrong first)
-            raise
-        return self.last
+        fed = (req.prompt + toks)[:steps]
+        return Result(toks, steps, kernel_ms, logits, record, draws, timing, taps, tap_steps, req.pos0, fed,
+                      req.prompt, req.max_new, req.eos)
 
     def timing_snapshot(self) -> np.ndarray | None:
         """The timing stamps so far, copied on a side stream while the kernel may still be running (stamps not yet

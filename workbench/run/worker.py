@@ -35,7 +35,10 @@ from multiprocessing import get_context, shared_memory
 
 import numpy as np
 
-from .. import abi
+from .. import abi, errors
+from ..compiler.compile import CompileError
+from . import runtime as R
+from .runtime import KernelHang
 
 W_PHASE, W_GRID, W_TIMEOUT_MS = 0, 1, 2
 HEADER = 16                              # worker words before the kernel's mapped block
@@ -134,7 +137,6 @@ def summarize_blocks(blocks: list[BlockState], limit: int = 6) -> str:
 
 def _describe(e: BaseException) -> tuple:
     """A picklable account of an exception raised in the worker."""
-    from ..compiler.compile import CompileError
     if isinstance(e, CompileError):
         return ("CompileError", str(e), {"messages": e.messages, "log": e.log})
     code = getattr(e, "status", None)
@@ -153,12 +155,9 @@ def _describe(e: BaseException) -> tuple:
 
 def _rebuild(desc: tuple) -> BaseException:
     """The exception of `_describe` on this side: the workbench's own classes come back as themselves."""
-    from ..compiler.compile import CompileError
-    from . import runtime as R
     name, message, extra = desc[0], desc[1], desc[2]
     if name == "CompileError":
         return CompileError(extra["messages"], extra["log"])
-    from .. import errors
     mine = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.UserError)]
     cls = {c.__name__: c for c in (*mine, R.KernelError, R.KernelHang, R.KernelAborted, R.NonFiniteLogits, R.StreamMismatch,
                                    ValueError, TypeError, KeyError, FileNotFoundError)}.get(name)
@@ -436,7 +435,6 @@ class Worker:
                         raise self._failure("fault", f"the kernel faulted: {STICKY.get(code, code)} "
                                                      f"({payload[1]})", t0)
                     e = _rebuild(payload)
-                    from .runtime import KernelHang
                     if isinstance(e, KernelHang):         # its own barrier timed out and named the straggler
                         raise self._failure("hang", str(e), t0, kill=False) from None
                     if aborted_at is not None:            # we stopped it for want of progress: a hang it survived

@@ -18,7 +18,7 @@ import dataclasses
 import numpy as np
 
 from .. import plan, schedule
-from ..check.reference import _IO, KVCache, _integers, store_kv, view
+from ..reference import _IO, KVCache, _integers, store_kv, view
 from .shard import SPLIT_ACTIVATIONS, Sharding
 
 

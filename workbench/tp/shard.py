@@ -93,7 +93,6 @@ class Sharding:
 
     def describe(self) -> str:
         """What each rank holds and what a token exchanges: the `plan --gpus N` table."""
-        from .. import schedule
         c = self.cfg
         lines = [f"{c.name} over {self.ranks} GPUs (Megatron-style: heads, then the MLP's columns and rows, the LM "
                  f"head by vocabulary)",
@@ -101,7 +100,7 @@ class Sharding:
         for r in range(self.ranks):
             rc = self.rank_config(r)
             q, kv, f, v = self.q_heads(r), self.kv_heads(r), self.ffn(r), self.vocab(r)
-            gb = (schedule.weight_bytes_per_token(rc) + c.vocab * c.hidden * 2) / 1e9
+            gb = (rc.weight_bytes_per_token() + c.vocab * c.hidden * 2) / 1e9
             lines.append(f"{r:4d} {q.start:4d}–{q.stop - 1:<4d} {kv.start:4d}–{kv.stop - 1:<4d} "
                          f"{f.start:6d}–{f.stop - 1:<6d} {v.start:7d}–{v.stop - 1:<7d} {gb:10.2f}")
         lines.append(f"per token: {2 * c.n_layers} all-reduces of the residual ({self.all_reduce_bytes()} B of fp32 "

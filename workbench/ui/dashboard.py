@@ -43,6 +43,7 @@ from ..model.config import ModelConfig
 from ..measure.timing import StageRow, first_step_label, label_stages, slot_names
 from ..measure.trace import (Trace, complete_steps, intervals, load_trace, names_at, recording_meta, roofline_tok_s,
                              save_trace, slots_from_meta, source_title, stage_rows, step_ns)
+from ..run.worker import BlockState
 
 # colours by the stage's position in the plan (category10 without its grey, which is the wait's)
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf",
@@ -256,7 +257,6 @@ def block_cells(blocks) -> list[dict]:
     """Blocks (workbench.run.worker.BlockState, or mappings of its fields) → one cell each: its label, colour and
     text (the BlockState's own). A block still inside its stage that stopped moving is a suspect (the section it is
     in hangs or faulted, or it never reached the barrier); one waiting at the barrier only waits for the suspects."""
-    from ..run.worker import BlockState
     out = []
     for b in blocks:
         b = BlockState(**b) if isinstance(b, Mapping) else b

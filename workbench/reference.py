@@ -24,10 +24,10 @@ import functools
 
 import numpy as np
 
-from .. import plan, schedule
-from ..model.config import ModelConfig
-from ..model.weights import Prepared, Weights, layer_names, qkv_row_order, rope_tables, to_f32
-from ..model import stage_math as S
+from . import plan, schedule
+from .model import stage_math as S
+from .model.config import ModelConfig
+from .model.weights import Prepared, Weights, layer_names, qkv_row_order, rope_tables, to_f32
 
 
 def round_bf16(a):

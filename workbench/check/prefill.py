@@ -1,0 +1,83 @@
+"""The batched prefill (workbench.run.prefill) checked: what it wrote into the kernel's cache and its last logits
+against one unchunked fp64 run of the same math on the same weights (`check_prefill`), and the kernel continued
+from its cache end to end against the reference over the whole sequence (`verify_after_prefill`)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from ..model.weights import Prepared, to_f32
+from ..reference import KVCache, forward
+from ..run.prefill import Prefilled
+from ..run.runtime import Monokernel, Result, Sampling
+from .verify import DEFAULT_RTOL, VerifyReport, end_to_end, recorded_steps
+
+
+@dataclasses.dataclass
+class PrefillCheck:
+    """The prefill's cache and last logits against an unchunked fp64 run of the same math."""
+    k_rel: list                # [L] relative L2 error of each layer's keys (the prefilled positions)
+    v_rel: list
+    logits_rel: float
+    finite: bool
+    rtol: float
+
+    @property
+    def passed(self) -> bool:
+        worst = max(self.k_rel + self.v_rel + [self.logits_rel])
+        return self.finite and worst <= self.rtol
+
+    def summary(self) -> str:
+        if not self.finite:
+            return "prefill: FAILED: NaN or inf in the cache or the logits"
+        lk, lv = int(np.argmax(self.k_rel)), int(np.argmax(self.v_rel))
+        verdict = "passed" if self.passed else "FAILED"
+        return (f"prefill {verdict}: worst rel err keys {self.k_rel[lk]:.1e} (layer {lk}), values {self.v_rel[lv]:.1e} "
+                f"(layer {lv}), last logits {self.logits_rel:.1e} (tol {self.rtol:.0e})")
+
+
+def check_prefill(p: Prepared, tokens, pre: Prefilled, k_cache, v_cache, rtol: float | None = None) -> PrefillCheck:
+    """Compare what prefill wrote (positions 0 .. pre.n - 1, from pos0 = 0) and its last logits with one unchunked
+    fp64 forward of the same tokens on the same weights. The tolerance is the end-to-end one (verify.DEFAULT_RTOL):
+    the prefill computes in fp32 and rounds every layer's keys and values to bf16, as the decode path does, and a
+    rounding that falls the other way in one layer moves every later one a little; a wrong stage, chunk or layout
+    is off by far more (a wrong row is off by its own size)."""
+    if pre.pos0 != 0:
+        raise ValueError("check_prefill checks a prefill from position 0")
+    rtol = DEFAULT_RTOL if rtol is None else rtol
+    cfg, xp = p.cfg, p.xp
+    ctx = dataclasses.replace(p, cfg=dataclasses.replace(cfg, max_seq=pre.n))
+    ref = KVCache.empty(ctx.cfg, np.float64, xp)
+    want = forward(ctx, xp.asarray(tokens).reshape(-1)[:pre.n], cache=ref, kv_bf16=True, dtype=np.float64,
+                   logit_rows=[pre.n - 1])[0]
+
+    def rel(a, b, m=xp):
+        a, b = a.astype(m.float64), b.astype(m.float64)
+        return float(m.linalg.norm(a - b) / max(float(m.linalg.norm(b)), 1e-300))
+    k = to_f32(k_cache[:, :, :pre.n], xp)
+    v = to_f32(v_cache[:, :, :pre.n], xp)
+    finite = bool(xp.isfinite(k).all()) and bool(xp.isfinite(v).all()) and bool(np.isfinite(pre.logits).all())
+    k_rel = [rel(k[l], ref.k[l]) if finite else math.inf for l in range(cfg.n_layers)]
+    v_rel = [rel(v[l], ref.v[l]) if finite else math.inf for l in range(cfg.n_layers)]
+    want = want.get() if hasattr(want, "get") else np.asarray(want)
+    logits_rel = rel(np.asarray(pre.logits), want, np) if finite else math.inf
+    return PrefillCheck(k_rel, v_rel, logits_rel, finite, rtol)
+
+
+def verify_after_prefill(mk: Monokernel, *, prompt_len: int, max_new: int = 16, seed: int = 0,
+                         rtol: float = DEFAULT_RTOL, chunk: int | None = None):
+    """A random prompt's first prompt_len − 1 tokens prefilled into the kernel's cache (run.prefill), checked
+    against the fp64 math; then the kernel from the last prompt token at the position after them, greedy, its
+    recorded logits against the reference teacher-forced over the whole sequence → (PrefillCheck, VerifyReport)."""
+    if prompt_len < 2:
+        raise ValueError("a prefill needs a prompt of at least 2 tokens (the last is the kernel's)")
+    cfg = mk.cfg
+    prompt = np.random.default_rng(seed).integers(0, cfg.vocab, prompt_len).tolist()
+    pre = mk.prefill(prompt[:-1], chunk=chunk)
+    pc = check_prefill(mk.p, prompt[:-1], pre, mk.k_cache, mk.v_cache)
+    record = recorded_steps(max_new, mk.max_record)
+    res: Result = mk.generate(prompt[-1:], max_new, Sampling(), eos=[], pos0=prompt_len - 1, record=record)
+    checks = end_to_end(mk.p, res, 1, rtol, context=prompt[:-1])
+    return pc, VerifyReport(cfg.name, seed, prompt_len, len(res.tokens), rtol, checks, res.tok_per_s)
