@@ -149,14 +149,15 @@ def test_the_prefills_kernels_compile_for_every_presets_head_dim():
 
 
 def test_a_layer_stage_the_gpu_path_lacks_sends_the_prefill_the_interpreters_way(monkeypatch):
-    """prefill_gpu implements the plan's stages by name; a plan whose layer stage has no implementation there is
-    not half run on that path."""
+    """prefill_gpu implements the plan's stages through their math; a plan whose layer stage has no implementation
+    there is not half run on that path."""
+    from workbench.model import stage_math as ref
     from workbench.run import prefill_gpu as G
     cfg = get_config("tiny")
-    monkeypatch.delitem(G.IMPLEMENTS, "gate_up_silu")
+    monkeypatch.delitem(G.IMPLEMENTS, ref.gate_up_silu_io)
     assert not G.covers(cfg)
     monkeypatch.undo()
-    monkeypatch.delitem(G.IMPLEMENTS, "lm_head")                     # a token stage: its reference runs instead
+    monkeypatch.delitem(G.IMPLEMENTS, ref.lm_head_io)                # a token stage: its reference runs instead
     assert G.covers(cfg)
 
 

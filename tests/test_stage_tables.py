@@ -1,9 +1,10 @@
-"""The tables outside the plan that hold something per stage, keyed by the plan's stage names and held to them:
-the prefill's GPU implementations (run/prefill_gpu.IMPLEMENTS), the mutants by the section each edits
-(check/mutants.MUTANTS) and the failure injections likewise (check/failures.INJECTIONS). Every key is a stage of the
-plan (a table of edits may also name a library file); every stage is covered, or declared exempt with the reason in
-the table's <TABLE>_EXEMPT. A stage added to the plan fails here, by name, until each table has an entry for it or
-says why not. `pytest -v` lists each table's stages, one test apiece named covered or exempt."""
+"""The tables outside the plan that hold something per stage, keyed by the plan's stage names and held to them: the
+prefill's GPU implementations (run/prefill_gpu.IMPLEMENTS, found through each stage's math), the mutants by the
+section each edits (check/mutants.MUTANTS) and the failure injections likewise (check/failures.INJECTIONS). Every
+key is a stage of the plan (a table of edits may also name a library file); every stage is covered, or declared
+exempt with the reason in the table's <TABLE>_EXEMPT. A stage added to the plan fails here, by name, until each
+table has an entry for it or says why not. `pytest -v` lists each table's stages, one test apiece named covered or
+exempt."""
 from __future__ import annotations
 
 import pytest
@@ -16,7 +17,8 @@ from workbench.run import prefill_gpu
 def _tables() -> dict:
     """{table: (the stages or files it keys, its exemptions {stage: reason}, the library files it may also key)}"""
     return {
-        "IMPLEMENTS": (set(prefill_gpu.IMPLEMENTS), prefill_gpu.IMPLEMENTS_EXEMPT, ()),
+        "IMPLEMENTS": ({s.name for s in plan.STAGES if prefill_gpu.implementation(s)}, prefill_gpu.IMPLEMENTS_EXEMPT,
+                       ()),
         "MUTANTS": ({m.section for m in mutants.MUTANTS}, mutants.MUTANTS_EXEMPT, plan.LIBRARY),
         "INJECTIONS": ({i.section for i in failures.INJECTIONS}, failures.INJECTIONS_EXEMPT, plan.LIBRARY),
     }

@@ -511,6 +511,37 @@ def lm_head_io(io: StageIO) -> dict:
     return {"logits": lm_head(io.act("x"), io.weight("lm_head"), io.weight("final_norm"), io.eps)}
 
 
+class _Within:
+    """A fused stage's view for one of its parts: what the earlier parts wrote, else the stage's own inputs (every
+    other attribute is the stage's: not a StageIO subclass, whose class defaults would shadow them)."""
+
+    def __init__(self, io: StageIO, written: dict):
+        self._io, self._written = io, written
+
+    def __getattr__(self, name):
+        return getattr(self._io, name)
+
+    def act(self, buffer):
+        return self._written[buffer] if buffer in self._written else self._io.act(buffer)
+
+
+
+def composed(*parts, gives: tuple[str, ...]):
+    """The math of a stage made of others (a fusion: say gate_up_silu_io then down_residual_io, giving "x"): each
+    part reads what the earlier ones wrote, and the stage gives only `gives`, its buffers in the plan (what passes
+    between the parts, hmlp there, is no buffer of the fused stage). `parts` and `gives` stay readable, so a path
+    that implements the parts one by one (the prefill's GPU path) runs the fused stage without an entry of its own
+    (DESIGN.md, fusing two stages)."""
+    def math(io: StageIO) -> dict:
+        written: dict = {}
+        for part in parts:
+            written.update(part(_Within(io, written)))
+        return {b: written[b] for b in gives}
+    math.parts, math.gives = parts, tuple(gives)
+    math.__name__ = "+".join(p.__name__ for p in parts)
+    return math
+
+
 def sampling_io(io: StageIO) -> dict:
     """The greedy choice; the sampler's other modes are checked draw by draw (check_draw)."""
     return {"sampled": greedy(io.act("logits"))}

@@ -205,7 +205,7 @@ def _layers(cfg, xp, n: int, chunk: int, run, clock, before_layer=None):
 
 
 def _prefill_gpu(p: Prepared, tokens, positions, k_cache, v_cache, chunk: int, clock):
-    """The prefill's own path (prefill_gpu): each stage's implementation found by the stage's name; a token stage
+    """The prefill's own path (prefill_gpu): each stage's implementation found through its math; a token stage
     without one (the sampler) runs its reference's math on the last row's logits."""
     layer_kernels = G.module(G.layer_source())
     layout = G.FLASH_LAYOUT                             # the kernel and the grid it is launched with, together
@@ -215,7 +215,7 @@ def _prefill_gpu(p: Prepared, tokens, positions, k_cache, v_cache, chunk: int, c
     declared = {s.name: {u.buffer for u in s.writes if u.active(p.cfg)} for s in plan.STAGES}
 
     def run(name, layer, st, a, b):
-        impl = G.IMPLEMENTS.get(name)
+        impl = G.implementation(plan.stage(name))
         if impl is None:
             run_stage(w, name, layer, st, None, positions[a:b], tokens[a:b], True)
             return

@@ -4,10 +4,12 @@ bf16 products on the tensor cores (cuBLAS gemmEx, fp32 accumulation) between fus
 reads the prepared weights as they are (bf16, the kernel's row order: nothing converted to fp32) and writes the
 kernel's bf16 cache directly, which attention then reads.
 
-A stage's implementation is found by the stage's name (IMPLEMENTS; the stages without one are IMPLEMENTS_EXEMPT,
-each with the reason, and tests/test_stage_tables.py holds both to the plan's stages). Where the plan has a layer
-stage this module has no implementation of, the prefill takes the interpreter's path instead (`covers`); a token
-stage without one (the sampler) runs the reference's math on its rows.
+A stage's implementation is found through the math the plan binds it: IMPLEMENTS is keyed by the stage math's `*_io`
+functions, and a fused stage's math (stage_math.composed) runs its parts' implementations in order
+(`implementation`). The stages without one are IMPLEMENTS_EXEMPT, each with the reason, and
+tests/test_stage_tables.py holds both to the plan's stages. Where the plan has a layer stage this module has no
+implementation of, the prefill takes the interpreter's path instead (`covers`); a token stage without one (the
+sampler) runs the reference's math on its rows.
 
 Each implementation computes its stage reference's math (workbench/model/stage_math.py) in fp32, to within fp32's
 rounding (the kernels' comments argue it), takes the stage's inputs from the chunk's state by the plan's buffer
@@ -23,6 +25,7 @@ import functools
 import numpy as np
 
 from .. import paths, plan, schedule
+from ..model import stage_math as ref
 from ..model.weights import Prepared, to_f32
 
 ATTN_THREADS = 128           # four warps of 16 query rows, and so 64 rows a block: the kernel's static_asserts
@@ -291,10 +294,10 @@ def lm_head(io: PrefillIO, st: dict) -> dict:
     return {"logits": project(norm_split(io, st["x"]), io.p.lm_head)}
 
 
-# the plan's stages → their implementation here, each of its stage's reference math
-IMPLEMENTS = {"embedding": embedding, "qkv_rope_append": qkv_rope_append, "attention_decode": attention,
-              "o_proj_residual": o_proj_residual, "gate_up_silu": gate_up_silu, "down_residual": down_residual,
-              "lm_head": lm_head}
+# the stage math (model/stage_math.py) → its implementation here
+IMPLEMENTS = {ref.embedding_io: embedding, ref.qkv_rope_append_io: qkv_rope_append, ref.attention_decode_io: attention,
+              ref.o_proj_residual_io: o_proj_residual, ref.gate_up_silu_io: gate_up_silu,
+              ref.down_residual_io: down_residual, ref.lm_head_io: lm_head}
 # the plan's stages without one, and why
 IMPLEMENTS_EXEMPT = {
     "sampling": "a token stage, run on the last row alone: its reference's math runs there instead",
@@ -302,10 +305,29 @@ IMPLEMENTS_EXEMPT = {
 }
 
 
+def implementation(stage: plan.Stage):
+    """The stage's implementation here, `(PrefillIO, state) → {buffer: value}`: its math's, or for a fused stage's
+    math its parts' in order, each reading what the earlier ones wrote, giving the fused stage's own buffers.
+    None where any is missing."""
+    parts = getattr(stage.reference, "parts", (stage.reference,))
+    impls = [IMPLEMENTS.get(p) for p in parts]
+    if None in impls:
+        return None
+    if len(impls) == 1:
+        return impls[0]
+
+    def fused(io, st: dict) -> dict:
+        written: dict = {}
+        for impl in impls:
+            written.update(impl(io, {**st, **written}))
+        return {b: written[b] for b in stage.reference.gives}
+    return fused
+
+
 def covers(cfg) -> bool:
     """Whether every layer stage of the plan (for this config) has an implementation here: then the path runs,
     its split activations (hmlp) read only by its own stages."""
-    return all(name in IMPLEMENTS
+    return all(implementation(plan.stage(name)) is not None
                for name, layer in schedule.execution(cfg) if layer >= 0 and plan.stage(name).reference is not None)
 
 

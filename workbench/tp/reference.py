@@ -2,8 +2,8 @@
 weights (shard.Sharding), with the exchanges the ranks' kernels must make, at the points the plan's data flow
 puts them:
 
-* a stage that reads a split activation (shard.SPLIT_ACTIVATIONS) and updates a whole buffer it also reads (the
-  residual x) computes a partial sum on each rank, and the update is their sum: an all-reduce;
+* a stage that reads a weight split by its input columns (shard.splits_inputs: Wo, Wd) and updates a whole buffer
+  it also reads (the residual x) computes a partial sum on each rank, and the update is their sum: an all-reduce;
 * the LM head's vocabulary slices are joined (the logits in vocabulary order), and the greedy token is the best
   of the ranks' own (value, index) pairs, the first index on a tie (merge_argmax), as one kernel's argmax is.
 
@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import plan, schedule
 from ..reference import _IO, KVCache, _integers, store_kv, view
-from .shard import SPLIT_ACTIVATIONS, Sharding
+from .shard import Sharding, splits_inputs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,15 +31,13 @@ class Exchange:
 
 
 def reduction(stage: plan.Stage) -> str | None:
-    """The buffer whose update is an all-reduce of partials: written and read by the stage, which also reads a split
-    activation (the residual projections); None for stages that need no exchange."""
+    """The buffer whose update is an all-reduce of partials: written and read by the stage, which also reads a weight
+    split by its inputs (the residual projections, or a stage fused with one); None for stages that need no
+    exchange."""
     reads = {u.buffer for u in stage.reads}
     writes = {u.buffer for u in stage.writes}
-    if reads & SPLIT_ACTIVATIONS:
-        both = [b for b in writes & reads if b not in SPLIT_ACTIVATIONS]
-        if both:
-            return both[0]
-    return None
+    both = sorted(writes & reads)
+    return both[0] if both and any(splits_inputs(b) for b in reads) else None
 
 
 class _RankIO(_IO):

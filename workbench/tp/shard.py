@@ -15,8 +15,23 @@ import dataclasses
 from ..errors import ConfigError
 from ..model.config import ModelConfig
 
-# activations that are split across ranks (by query head, or by the intermediate dimension); the rest are whole
-SPLIT_ACTIVATIONS = frozenset({"q", "o", "hmlp"})
+# tensor → (split by its "rows" (outputs) or its "cols" (inputs), the Sharding method giving rank r's range, whether
+# that range counts heads of head_dim rows); a product with a tensor split by its inputs is a partial sum on each
+# rank (splits_inputs)
+SPLITS = {"wq": ("rows", "q_heads", True), "bq": ("rows", "q_heads", True),
+          "wk": ("rows", "kv_heads", True), "wv": ("rows", "kv_heads", True),
+          "bk": ("rows", "kv_heads", True), "bv": ("rows", "kv_heads", True),
+          "wo": ("cols", "q_heads", True), "wg": ("rows", "ffn", False), "wu": ("rows", "ffn", False),
+          "wd": ("cols", "ffn", False), "lm_head": ("rows", "vocab", False)}
+# on every rank: the embedding, the norms' gains, Qwen3's per-head q/k gains (the same for every head)
+WHOLE = frozenset({"embed", "attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm"})
+
+
+def splits_inputs(tensor: str) -> bool:
+    """Whether a rank holds only some of the tensor's input columns: its product is that rank's partial sum. The
+    plan's weight buffers that are one tensor carry its name (wo, wd); its paired ones (wqkv, wgu) are split by
+    rows."""
+    return SPLITS.get(tensor, ("rows",))[0] == "cols"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,24 +83,14 @@ class Sharding:
     # -- slicing HF-layout tensors ([out, in]) ---------------------------------------------------------------------
     def weight(self, name: str, tensor, r: int):
         """Rank r's slice of a layer or model tensor named as reference views name them."""
-        hd = self.cfg.head_dim
-        rows = lambda rg, unit=1: tensor[rg.start * unit:rg.stop * unit]          # noqa: E731
-        cols = lambda rg, unit=1: tensor[:, rg.start * unit:rg.stop * unit]       # noqa: E731
-        if name in ("wq", "bq"):
-            return rows(self.q_heads(r), hd)
-        if name in ("wk", "wv", "bk", "bv"):
-            return rows(self.kv_heads(r), hd)
-        if name == "wo":
-            return cols(self.q_heads(r), hd)
-        if name in ("wg", "wu"):
-            return rows(self.ffn(r))
-        if name == "wd":
-            return cols(self.ffn(r))
-        if name == "lm_head":
-            return rows(self.vocab(r))
-        if name in ("embed", "attn_norm", "mlp_norm", "final_norm", "q_norm", "k_norm"):
+        if name in WHOLE:
             return tensor
-        raise KeyError(f"no sharding rule for the tensor {name!r}")
+        if name not in SPLITS:
+            raise KeyError(f"no sharding rule for the tensor {name!r}")
+        axis, share, per_head = SPLITS[name]
+        rg, unit = getattr(self, share)(r), self.cfg.head_dim if per_head else 1
+        part = slice(rg.start * unit, rg.stop * unit)
+        return tensor[part] if axis == "rows" else tensor[:, part]
 
     def all_reduce_bytes(self, dtype_bytes: int = 4) -> int:
         """Bytes one rank's partial sum of the residual holds (each all-reduce exchanges one such vector)."""
