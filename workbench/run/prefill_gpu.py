@@ -277,7 +277,6 @@ def o_proj_residual(io: PrefillIO, st: dict) -> dict:
 
 def gate_up_silu(io: PrefillIO, st: dict) -> dict:
     """hmlp, kept split for the down product that reads it (no other stage does: see covers)."""
-    cp = _cp()
     gu = project(norm_split(io, st["h"]), io.p.wgu[io.layer])       # [rows, 2F]: gate j, up j interleaved
     rows, f = gu.shape[0], gu.shape[1] // 2
     h = Split.empty((rows, f))
