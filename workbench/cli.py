@@ -29,7 +29,9 @@ from .compiler.compile import CUDA_ARCHS, HIP_ARCHS, CompileError
 from .compiler.header import decode_step, write_step_files
 from .errors import GpuMemoryError, NoDeviceError, UsageError, UserError
 from .measure.bench import bench_positions, cache_positions, ttft_lengths
+from .measure import simulate
 from .measure.bench import main as bench_main
+from .measure.trace import load_trace
 from .model import weights
 from .model.config import DEFAULT_MODEL, PRESETS, ModelConfig, get_config, local_folder
 from .paths import ROOT, write_problem
@@ -688,6 +690,38 @@ def cmd_bench(args) -> int:
                       args.ttft, args.no_compile, options=args.set)
 
 
+def cmd_simulate(args) -> int:
+    traces = [load_trace(path) for path in args.fit]
+    checks = [load_trace(path) for path in args.check]
+    hbm = args.hbm_tbps or traces[0].roofline_tbps
+    costs = simulate.calibrate(traces, hbm_tbps=hbm, sm_gbps=args.sm_gbps)
+    print(f"fitted on {', '.join(t.label for t in traces)} (HBM {hbm:.2f} TB/s shared, one SM at most "
+          f"{args.sm_gbps:.0f} GB/s)")
+    for tr in traces:
+        print("\n" + simulate.compare(tr, costs))
+    for tr in checks:
+        print("\nnot fitted on: " + simulate.compare(tr, costs))
+    if args.design:
+        print("\n" + simulate.predict(traces[0].cfg, costs, ["today", *args.design],
+                                      args.positions or sorted({t.pos0 for t in traces + checks})))
+    return 0
+
+
+def _check_simulate(args):
+    for path in args.fit + args.check:
+        if not Path(path).is_file():
+            raise UsageError(f"no trace at {path}")
+    for text in args.design:
+        try:
+            simulate.parse_design(text)
+        except (ValueError, TypeError) as e:
+            raise UsageError(f"--design {text}: {e}") from None
+    models = {load_trace(p).meta.get("model") for p in args.fit + args.check}
+    if len(models) > 1:
+        raise UsageError(f"the traces are of several models ({', '.join(sorted(map(str, models)))}): calibrate on "
+                         "one model's")
+
+
 def _in_process_arg(p):
     p.add_argument("--in-process", action="store_true",
                    help="run the kernel in this process (default: in a worker process that owns the GPU, so that a "
@@ -794,6 +828,19 @@ def _parser() -> argparse.ArgumentParser:
                     help="a BuildOptions or launch field of the kernel benched, e.g. --set early=o_proj_residual "
                          "(repeatable)")
     _in_process_arg(be)
+    si = sub.add_parser("simulate", help="the schedule simulator, calibrated on timing traces (no GPU): per-slot "
+                                         "check, and designs priced before they are built")
+    si.add_argument("fit", nargs="+", help="timing traces (.npz, a timing build's: bench/record) to calibrate on")
+    si.add_argument("--check", nargs="*", default=[], help="traces not fitted on: the simulator's check")
+    si.add_argument("--hbm-tbps", type=float, help="HBM's streaming read shared by all SMs (default: the first "
+                                                   "trace's same-run figure)")
+    si.add_argument("--sm-gbps", type=float, default=simulate.SM_GBPS,
+                    help="one SM's streaming read alone (default: measured on the H200 by scripts/sm_bandwidth.py)")
+    si.add_argument("--design", action="append", default=[], metavar="NAME:FIELD=VALUE,...",
+                    help="a design to price against today's: fields of simulate.Design (early_bytes, handoff) or of "
+                         "the plan's Launch (attn_min_chunk, attn_single, early, ...); repeatable")
+    si.add_argument("--positions", type=positive_int, nargs="+", help="positions to price designs at (default: "
+                                                                      "the traces')")
     return ap
 
 
@@ -950,7 +997,8 @@ def _in_worker(args) -> int:
 
 COMMANDS = {"generate": (cmd_generate, _check_generate, True), "verify": (cmd_verify, _check_verify, True),
             "build": (cmd_build, _check_build, False), "bench": (cmd_bench, _check_bench, True),
-            "plan": (cmd_plan, _check_plan, False), "sanitize": (cmd_sanitize, _check_sanitize, False)}
+            "plan": (cmd_plan, _check_plan, False), "sanitize": (cmd_sanitize, _check_sanitize, False),
+            "simulate": (cmd_simulate, _check_simulate, False)}
 BUG = "this is a bug in the workbench: please report it, with the traceback above and the command line"
 
 

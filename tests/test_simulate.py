@@ -1,0 +1,118 @@
+"""The schedule simulator (workbench.measure.simulate) and the work lists it runs (workbench.worklists): every unit
+of every stage dealt once and its bytes counted once; the fluid model's arithmetic on cases worked by hand; the
+calibration reproducing the trace it was fitted on; designs parsed and priced; the CLI's one-line refusals."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from workbench import plan, schedule
+from workbench.cli import main
+from workbench.measure import simulate as S
+from workbench.measure import trace as T
+from workbench.model.config import get_config
+from workbench.worklists import attention_split, work_lists
+
+MODELS = ("llama-3.2-1b", "llama-3.1-8b", "qwen3-0.6b")
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("pos", [0, 127, 481, 4095, 8000])
+def test_every_unit_is_dealt_once_and_every_byte_counted_once(model, pos):
+    cfg = get_config(model)
+    launch = plan.Launch()
+    lists = work_lists(cfg, launch, pos)
+    units, nbytes = {}, {}
+    for items in lists:
+        for it in items:
+            units[it.stage, it.layer] = units.get((it.stage, it.layer), 0) + it.units
+            nbytes[it.stage, it.layer] = nbytes.get((it.stage, it.layer), 0) + it.bytes
+    for name, layer in schedule.execution(cfg):
+        st = plan.stage(name)
+        if name == S.ATTENTION:                      # one unit a kv head, each split over S blocks
+            s, _ = attention_split(cfg, launch, pos)
+            assert units[name, layer] == cfg.n_kv_heads * s
+        else:
+            assert units[name, layer] == st.units(cfg, launch), name
+        want = schedule.stage_bytes(cfg, name, pos)
+        assert abs(nbytes[name, layer] - want) <= st.units(cfg, launch), (name, nbytes[name, layer], want)
+    # each block's list runs in decode order
+    order = {e: i for i, e in enumerate(schedule.execution(cfg))}
+    for items in lists:
+        keys = [order[it.stage, it.layer] for it in items]
+        assert keys == sorted(keys)
+
+
+def test_attention_splits_as_the_section_does():
+    cfg, launch = get_config("llama-3.2-1b"), plan.Launch()
+    single = launch.attn_single_positions(cfg)
+    assert attention_split(cfg, launch, single - 1) == (1, single)
+    s, chunk = attention_split(cfg, launch, single)
+    assert s == 3 and chunk * s >= single + 1                                  # n > single: ceil(n / chunk) splits
+    assert attention_split(cfg, launch, 100_000)[0] == launch.max_splits(cfg)
+
+
+def test_the_fluid_model_shares_hbm_and_caps_an_sm():
+    c = S.Costs(hbm_tbps=1.0, sm_gbps=100.0)                         # 1e6 bytes/µs shared, 1e5 a block at most
+    one, _ = S._share(np.zeros(1), np.array([1e6]), np.zeros(1), c)
+    assert one[0] == pytest.approx(10.0)                              # alone: the SM's own limit
+    many, _ = S._share(np.zeros(20), np.full(20, 1e6), np.zeros(20), c)
+    assert many == pytest.approx(np.full(20, 20.0))                   # 20 blocks: 5e4 each, HBM-bound
+    # a late starter streams alone at first, then shares; a block with nothing to stream arrives at its start
+    arr, landed = S._share(np.array([0.0, 5.0, 2.0]), np.array([1e6, 1e6, 0.0]), np.array([0.0, 0.0, 3e5]), c)
+    assert arr[2] == 2.0 and landed[2] == pytest.approx(5.0)           # 3e5 bytes at 1e5/µs from 2 µs
+    assert arr[0] == pytest.approx(10.0) and arr[1] == pytest.approx(15.0)
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    return T.load_recorded(0)
+
+
+@pytest.fixture(scope="module")
+def costs(recorded):
+    return S.calibrate([recorded], hbm_tbps=recorded.roofline_tbps, sm_gbps=S.SM_GBPS)
+
+
+def test_calibration_reproduces_the_trace_it_was_fitted_on(recorded, costs):
+    sim = S.simulate(recorded.cfg, costs, recorded.pos0 + recorded.stamps.shape[0] // 2 + 1)
+    assert sim.us_per_token == pytest.approx(S.measured_us(recorded), rel=0.02)
+    assert set(costs.fixed_us) == set(dict(recorded.slot_names))
+    # and the simulation is a function of its inputs: the same bits twice
+    again = S.simulate(recorded.cfg, costs, recorded.pos0 + recorded.stamps.shape[0] // 2 + 1)
+    assert np.array_equal(sim.boundary_us, again.boundary_us)
+
+
+def test_measured_spans_sum_to_the_steps(recorded):
+    spans = S.measured_spans(recorded)
+    leave = recorded.stamps[..., 1].astype(np.float64).mean(axis=2) / 1e3
+    np.testing.assert_allclose(spans.sum(axis=1), leave[1:, -1] - leave[:-1, -1], rtol=1e-9)
+
+
+def test_designs_are_parsed_and_priced(recorded, costs):
+    name, design, launch = S.parse_design("ring:early_bytes=200000,handoff=flag,attn_min_chunk=32,early=lm_head")
+    assert (name, design) == ("ring", S.Design(early_bytes=200_000, handoff="flag"))
+    assert launch == {"attn_min_chunk": 32, "early": ("lm_head",)}
+    with pytest.raises(ValueError, match="no field 'bogus'"):
+        S.parse_design("x:bogus=1")
+    cfg = recorded.cfg
+    today = S.simulate(cfg, costs, 128).us_per_token
+    # more bytes loaded while waiting, and no spread of departures, can only help in this model
+    assert S.simulate(cfg, costs, 128, design=S.Design(early_bytes=200_000)).us_per_token < today
+    assert S.simulate(cfg, costs, 128, design=S.Design(handoff="flag")).us_per_token < today
+    assert S.simulate(cfg, costs, 128, dataclasses.replace(plan.Launch(), early=()), S.Design()).us_per_token > 0
+    table = S.predict(cfg, costs, ["today", "flag:handoff=flag"], [128])
+    assert "flag" in table and "+0.0%" in table
+
+
+def test_the_cli_prices_designs_and_refuses_bad_input_in_one_line(capsys, tmp_path):
+    trace = str(T.recorded_path(0))
+    assert main(["simulate", trace, "--design", "flag:handoff=flag", "--positions", "128"]) == 0
+    out = capsys.readouterr().out
+    assert "simulated against the trace" in out and "flag" in out
+    assert main(["simulate", str(tmp_path / "none.npz")]) == 2
+    assert main(["simulate", trace, "--design", "x:nope=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(line.startswith("error: ") for line in err)
