@@ -55,8 +55,9 @@ class Costs:
 class Design:
     """What a schedule changes that the simulator can price (the plan's Launch carries the rest: attention's
     splits, the grid, the early stages).
-    early_bytes: what a block may load of its next stage's weights while it waits at a barrier (None: the early
-    loads of today, schedule.EARLY_LOADS per thread; a shared-memory ring holds more).
+    early_bytes: what a block may hold of weights loaded ahead (None: the early loads of today, schedule.EARLY_LOADS
+    per thread of the next stage, where that stage is one of Launch.early; a number: a shared-memory ring of that
+    many bytes, filled while the block waits with the weights of its next items in decode order, across stages).
     handoff: "barrier" (blocks leave over the trace's spread of departures, label by label) or "flag" (every
     block sees its producers counter_us after the last of them arrived: no spread; what per-block flags or
     data-as-flag would give if nothing else queued the polls)."""
@@ -103,9 +104,7 @@ def _programs(cfg: ModelConfig, costs: Costs, pos: int, launch: plan.Launch, des
     split head (−1: none), as [slots] of ([blocks] arrays..., label, heads)."""
     lists = work_lists(cfg, launch, pos)
     grid = launch.grid
-    early_cap = launch.stage_threads * schedule.EARLY_LOADS * 16 if launch.early and not launch.stream else 0
-    if design.early_bytes is not None:
-        early_cap = design.early_bytes
+    ring = design.early_bytes is not None
     out = []
     for sl in schedule.slots(cfg):
         lat, nbytes, early = np.zeros(grid), np.zeros(grid), np.zeros(grid)
@@ -118,8 +117,10 @@ def _programs(cfg: ModelConfig, costs: Costs, pos: int, launch: plan.Launch, des
             busy[b] = True
             lat[b] = costs.fixed_us.get(sl.label, 0.0) + sum(_item_latency(it, costs) for it in mine)
             nbytes[b] = sum(it.bytes for it in mine)
-            if mine[0].stage in launch.early and sl.index > 0:
-                early[b] = min(early_cap, mine[0].bytes)
+            if ring:                             # any weights of the slot, whatever the stage
+                early[b] = sum(it.weight_bytes for it in mine)
+            elif mine[0].stage in launch.early and sl.index > 0:
+                early[b] = mine[0].bytes
             split = [it for it in mine if it.merges]
             if split:
                 heads[b] = b // split[0].merges
@@ -135,16 +136,27 @@ def simulate(cfg: ModelConfig, costs: Costs, pos: int = 0, launch: plan.Launch =
     design), pays its latency, then streams what it has not loaded early; a block that has arrived at a barrier it
     owes to an early stage loads that stage's first bytes while it waits. All streams share HBM (see _share)."""
     progs = _programs(cfg, costs, pos, launch, design)
-    grid = launch.grid
-    boundary = np.zeros(len(progs))
-    starts = np.zeros((len(progs), grid))
-    arrive = np.full((len(progs), grid), np.nan)
+    grid, n = launch.grid, len(progs)
+    if design.early_bytes is None:                # today: the next stage's first loads, EARLY_LOADS a thread
+        cap, ahead = (launch.stage_threads * schedule.EARLY_LOADS * 16 if launch.early and not launch.stream
+                      else 0), 1
+    else:
+        cap, ahead = design.early_bytes, n
+    boundary = np.zeros(n)
+    starts = np.zeros((n, grid))
+    arrive = np.full((n, grid), np.nan)
     start = np.zeros(grid)                        # when each block leaves the previous barrier
-    preloaded = np.zeros(grid)                    # bytes of this slot already loaded early
+    held = np.zeros((n, grid))                    # bytes of each slot a block has loaded ahead
     for s, (lat, nbytes, early, busy, label, heads) in enumerate(progs):
-        nxt_early = progs[s + 1][2] if s + 1 < len(progs) else np.zeros(grid)
-        main = np.maximum(nbytes - preloaded, 0.0)
-        t_arrive, landed = _share(start + lat * busy, main, nxt_early, costs)
+        main = np.maximum(nbytes - held[s], 0.0)
+        held[s] = 0.0
+        # what each block asks for while it waits after this slot: its next slots' loadable bytes, in order
+        want = np.zeros((n, grid))
+        room = np.maximum(cap - held.sum(axis=0), 0.0)
+        for s2 in range(s + 1, min(n, s + 1 + ahead)):
+            want[s2] = np.minimum(np.maximum(progs[s2][2] - held[s2], 0.0), room)
+            room -= want[s2]
+        t_arrive, landed = _share(start + lat * busy, main, want.sum(axis=0), costs)
         for g in np.unique(heads[heads >= 0]):      # the last block of a split head folds the partials in
             mine = np.flatnonzero(heads == g)
             t_arrive[mine[np.argmax(t_arrive[mine])]] += costs.merge_us
@@ -156,10 +168,14 @@ def simulate(cfg: ModelConfig, costs: Costs, pos: int = 0, launch: plan.Launch =
         dep = np.random.default_rng(10_000 + s).permutation(np.linspace(first, last, grid))
         start = float(np.nanmax(t_arrive)) + dep
         boundary[s] = float(start.mean())
-        # what landed of the next slot's early bytes by each block's departure (the rest it streams as its own)
+        # what landed by each block's departure, given to its next slots in order (the rest they stream as theirs)
         own = np.where(np.isnan(t_arrive), start, t_arrive)
         took = np.maximum(landed - own, 1e-9)
-        preloaded = nxt_early * np.clip((start - own) / took, 0.0, 1.0)
+        got = want.sum(axis=0) * np.clip((start - own) / took, 0.0, 1.0)
+        for s2 in range(s + 1, n):
+            part = np.minimum(want[s2], got)
+            held[s2] += part
+            got -= part
     return Timeline([p[4] for p in progs], boundary, starts, arrive)
 
 
