@@ -105,15 +105,16 @@ def _programs(cfg: ModelConfig, costs: Costs, pos: int, launch: plan.Launch, des
     lists = work_lists(cfg, launch, pos)
     grid = launch.grid
     ring = design.early_bytes is not None
+    by_slot: dict = {}
+    for b, items in enumerate(lists):
+        for it in items:
+            by_slot.setdefault(it.slot, {}).setdefault(b, []).append(it)
     out = []
     for sl in schedule.slots(cfg):
         lat, nbytes, early = np.zeros(grid), np.zeros(grid), np.zeros(grid)
         busy = np.zeros(grid, dtype=bool)
         heads = np.full(grid, -1)                # a split kv head's blocks: its last one merges
-        for b, items in enumerate(lists):
-            mine = [it for it in items if it.slot == sl.index]
-            if not mine:
-                continue
+        for b, mine in by_slot.get(sl.index, {}).items():
             busy[b] = True
             lat[b] = costs.fixed_us.get(sl.label, 0.0) + sum(_item_latency(it, costs) for it in mine)
             nbytes[b] = sum(it.bytes for it in mine)
