@@ -103,10 +103,5 @@ CONTROL = (
 
 def params_fields() -> list[tuple[str, str]]:
     """(field, C type) of the kernel's Params: every buffer of the step (weights and tables const), then CONTROL."""
-    out = []
-    for b in plan.BUFFERS.values():
-        if b.kind == "value":
-            continue
-        const = "const " if b.kind in ("weight", "table") else ""
-        out.append((b.name, f"{const}{b.ctype}*"))
-    return out + list(CONTROL)
+    return [(b.name, f"{'const ' if b.kind in ('weight', 'table') else ''}{b.ctype}*")
+            for b in plan.BUFFERS.values() if b.kind != "value"] + list(CONTROL)
