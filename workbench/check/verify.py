@@ -68,10 +68,7 @@ def coverage(cfg: ModelConfig, launch: plan.Launch, *, thorough: bool = False, s
     one run per sampler mode where there is room between them."""
     runs = [Run(0, first[0], first[1], why="prompt and generation from position 0")]
     used = set(runs[0].positions)
-    want = set()
-    for st in plan.STAGES:
-        if st.paths is not None:
-            want |= set(st.paths(cfg, launch, thorough))
+    want = {p for st in plan.STAGES if st.paths is not None for p in st.paths(cfg, launch, thorough)}
     want = sorted(p for p in want if p not in used and p < cfg.max_seq)
     group: list[int] = []
     for p in want + [None]:
@@ -213,8 +210,7 @@ class VerifyReport:
 def reference_logits(p: Prepared, tokens: list[int], rows: list[int] | None = None, dtype=np.float32) -> np.ndarray:
     """Logits of the reference interpreter for the positions `rows` of teacher-forcing `tokens` from 0, from the
     kernel's own prepared weights (on their device), with bf16 keys and values as the kernel's cache has them."""
-    xp = p.xp
-    out = forward(p, xp.asarray(tokens), kv_bf16=True, dtype=dtype, logit_rows=rows)
+    out = forward(p, p.xp.asarray(tokens), kv_bf16=True, dtype=dtype, logit_rows=rows)
     return out.get() if hasattr(out, "get") else np.asarray(out)
 
 
@@ -278,8 +274,7 @@ def verify(mk: Monokernel, *, prompt_len: int = 8, max_new: int = 24, seed: int 
         b = mk.generate(prompt, max_new, sampling, eos=[], record=record)
         if a.tokens != b.tokens or a.logits.tobytes() != b.logits.tobytes():
             repeats.append(name)
-    return VerifyReport(cfg.name, seed, prompt_len, len(res.tokens), rtol, checks, res.tok_per_s, repeats,
-                        len(modes))
+    return VerifyReport(cfg.name, seed, prompt_len, len(res.tokens), rtol, checks, res.tok_per_s, repeats, len(modes))
 
 
 # ---- the sampler's distribution (many draws at one position) ---------------------------------------------------------
