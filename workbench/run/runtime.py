@@ -7,6 +7,7 @@ in an error or a hang leaves nothing behind that disturbs the next.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import threading
@@ -166,10 +167,8 @@ class _Mapped:
         return self.dev + 4 * offset_words
 
     def __del__(self):
-        try:
+        with contextlib.suppress(Exception):
             self._rt.freeHost(self.host)
-        except Exception:
-            pass
 
 
 class RegisteredMapped:
@@ -199,10 +198,8 @@ class RegisteredMapped:
 
     def close(self):
         if self.host:
-            try:
+            with contextlib.suppress(Exception):
                 self._rt.hostUnregister(self.host)
-            except Exception:
-                pass
             self.host = 0
         self.words = self._buf = None
 
@@ -402,8 +399,7 @@ class Monokernel:
             fn = mod.get_function("wb_generate")
             fn.kernel                       # compile now, inside the try
         except cp.cuda.compiler.CompileException as e:
-            log = str(e)
-            raise compile_error(log, asm) from None
+            raise compile_error(str(e), asm) from None
         return mod, fn
 
     def _load_spliced(self, asm: Assembled):
@@ -484,8 +480,7 @@ class Monokernel:
         pos0..: afterwards the kernel continues from the position after them (generate(..., pos0=...)) without
         replaying them. `options`: prefill's (gpu, tf32, timings). → prefill.Prefilled (its last token's
         logits, the seconds it took)."""
-        return prefill(self.p, tokens, self.k_cache, self.v_cache, pos0=pos0, chunk=chunk or PREFILL_CHUNK,
-                       **options)
+        return prefill(self.p, tokens, self.k_cache, self.v_cache, pos0=pos0, chunk=chunk or PREFILL_CHUNK, **options)
 
     # -- run -----------------------------------------------------------------------------------------------------
     def stream_tokens(self, prompt: list[int], max_new: int, sampling: Sampling = Sampling(), *, pos0: int = 0,
@@ -590,7 +585,9 @@ class Monokernel:
         # written. Found by a run whose module came from CuPy's cache, so no compile time hid the race.
         self.cp.cuda.Device().synchronize()
         with self.stream:
-            self._write_inputs(req)
+            self.tokens_in[:len(req.prompt)].set(np.asarray(req.prompt, np.int32), stream=self.stream)
+            if req.eos:
+                self.eos[:len(req.eos)].set(np.asarray(req.eos, np.int32), stream=self.stream)
             self._prepare_debug(req)
             self._reset_control()
             self._poison_outputs(req)
@@ -598,11 +595,6 @@ class Monokernel:
                 self.timing[:req.timing_steps * req.n_slots * self.grid * 2].fill(0)
             self.params_dev.set(np.frombuffer(bytes(self._params(req)), np.uint8), stream=self.stream)
             self.stream.synchronize()
-
-    def _write_inputs(self, req: _Request):
-        self.tokens_in[:len(req.prompt)].set(np.asarray(req.prompt, np.int32), stream=self.stream)
-        if req.eos:
-            self.eos[:len(req.eos)].set(np.asarray(req.eos, np.int32), stream=self.stream)
 
     def _prepare_debug(self, req: _Request):
         """The slot of each tapped and recorded step (-1: none), their buffers poisoned (an unwritten tap or logit
