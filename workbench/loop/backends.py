@@ -172,8 +172,7 @@ class CpuBackend:
                 d.abandoned = True
                 self._deferred = d
             raise errors[0]
-        for name, key, (cubin, res) in (r for r, _ in results):
-            self.cubins[name] = (key, cubin, res)
+        self.cubins.update((name, (key, cubin, res)) for (name, key, (cubin, res)), _ in results)
         self._deferred = d
         return wall
 
@@ -191,8 +190,7 @@ class CpuBackend:
         if errors:
             self.cubins = d.undo                # the whole round goes back
             raise errors[0]
-        for name, key, (cubin, res) in (r for r, _ in results):
-            self.cubins[name] = (key, cubin, res)
+        self.cubins.update((name, (key, cubin, res)) for (name, key, (cubin, res)), _ in results)
         return wall
 
     def key(self, name):

@@ -80,8 +80,7 @@ class ReloadRecord:
         if math.isfinite(self.timed_compile_s):
             parts[0] += f" (the timed build {self.timed_compile_s:.2f} s, beside verification)"
         if self.status == NO_GPU:
-            r = self.resources or {}
-            if r:
+            if r := self.resources:
                 parts.append(f"{r.get('registers')} registers, {r.get('local_bytes', 0)} B local")
             if not math.isnan(self.verify_s):
                 parts.append(f"CPU reference {self.verify_s:.2f} s")
@@ -179,12 +178,11 @@ class ABRecord:
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        rows = _rows
         return {"a": [list(v) for v in self.a], "b": [list(v) for v in self.b], "a_tok_s": self.a_tok_s,
                 "b_tok_s": self.b_tok_s, "a_runs": list(self.a_runs), "b_runs": list(self.b_runs),
                 "speedup": self.speedup, "a_passed": self.a_passed, "b_passed": self.b_passed,
                 "a_failure": self.a_failure, "b_failure": self.b_failure, "a_error": self.a_error,
-                "b_error": self.b_error, "a_timing": rows(self.a_timing), "b_timing": rows(self.b_timing),
+                "b_error": self.b_error, "a_timing": _rows(self.a_timing), "b_timing": _rows(self.b_timing),
                 "a_stages": self.a_stages.to_dict(json_safe=True) if self.a_stages is not None else None,
                 "b_stages": self.b_stages.to_dict(json_safe=True) if self.b_stages is not None else None,
                 "report": self.report()}
@@ -193,5 +191,3 @@ class ABRecord:
 def _rows(timing) -> list | None:
     """[StageRow] → plain dicts."""
     return [{**dataclasses.asdict(r), "spread": list(r.spread)} for r in timing] if timing else None
-
-

@@ -104,11 +104,6 @@ def ttft_hf(model, prompt_ids) -> float:
     return time.perf_counter() - t0
 
 
-def _median_runs(fn, repeats):
-    runs = [fn() for _ in range(repeats)]
-    return float(np.median(runs)), (float(min(runs)), float(max(runs)))
-
-
 def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 5, positions=None,
               torch_paths: bool = True, hf: bool = True, verify_first: bool = True, seed: int = 0,
               ttft=(), compiled: bool = True, options=(), log=print) -> dict:
@@ -156,8 +151,8 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
     for pos in positions:
         add("roofline (streaming read)", pos, roof_tps(pos), (roof_tps(pos), roof_tps(pos)))
         mk.generate([1], 4, eos=[], pos0=pos)                              # warm
-        tps, spread = _median_runs(lambda: mk.generate([1], tokens, eos=[], pos0=pos).tok_per_s, repeats)
-        add("monokernel", pos, tps, spread)
+        runs = [mk.generate([1], tokens, eos=[], pos0=pos).tok_per_s for _ in range(repeats)]
+        add("monokernel", pos, float(np.median(runs)), (float(min(runs)), float(max(runs))))
 
     out["ttft"] = []
 

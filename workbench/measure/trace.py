@@ -28,6 +28,8 @@ importers accept: "traceEvents" first, no arrays inside events, ASCII text.
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -172,12 +174,6 @@ def source_title(meta: dict) -> str:
     return ", ".join(parts)
 
 
-def config_to_meta(cfg: ModelConfig) -> dict:
-    d = dataclasses.asdict(cfg)
-    d["eos_token_ids"] = list(cfg.eos_token_ids)
-    return d
-
-
 def config_from_meta(meta: dict) -> ModelConfig:
     d = meta.get("config")
     if d:
@@ -212,9 +208,9 @@ def recording_meta(cfg: ModelConfig, *, position: int = 0, tok_s: float | None =
             device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
         except Exception:
             device = "unknown device"
-    meta = dict(format=FORMAT, recorded=recorded, device=device,
-                date=date or datetime.date.today().isoformat(), commit=commit or git_commit(),
-                model=cfg.name, config=config_to_meta(cfg), position=int(position),
+    meta = dict(format=FORMAT, recorded=recorded, device=device, date=date or datetime.date.today().isoformat(),
+                commit=commit or git_commit(), model=cfg.name,
+                config={**dataclasses.asdict(cfg), "eos_token_ids": list(cfg.eos_token_ids)}, position=int(position),
                 tok_s=None if tok_s is None else float(tok_s),
                 roofline_tbps=None if roofline_tbps is None else float(roofline_tbps), slots=slots_meta(cfg))
     meta.update(extra)
@@ -247,10 +243,8 @@ def save_trace(path, stamps: np.ndarray, meta: dict) -> Path:
     base, delta = encode(stamps)
     meta = dict(meta, format=FORMAT)
     if not meta.get("slots"):
-        try:
+        with contextlib.suppress(ValueError, TypeError):    # no config to derive it from: the reader assumes the plan's
             meta["slots"] = slots_meta(config_from_meta(meta))
-        except (ValueError, TypeError):
-            pass                                    # no config to derive it from: the reader assumes the plan's
     got = slots_from_meta(meta)
     if got is not None and len(got[0]) != delta.shape[1]:
         raise UserError(f"stamps have {delta.shape[1]} slots per step, the layout {len(got[0])} "
@@ -334,8 +328,7 @@ def complete_steps(stamps: np.ndarray) -> int:
     t = np.asarray(stamps)
     if t.ndim != 4 or t.shape[0] == 0:
         return 0
-    ok = (t > 0).all(axis=(1, 2, 3))
-    bad = np.flatnonzero(~ok)
+    bad = np.flatnonzero(~(t > 0).all(axis=(1, 2, 3)))
     return int(bad[0]) if bad.size else int(t.shape[0])
 
 
@@ -472,9 +465,7 @@ def write_perfetto(path, trace_json: dict) -> Path:
     """Write the JSON (traceEvents first: older importers ignore everything after an unknown top-level key)."""
     path = Path(path)
     with open(path, "w", encoding="ascii") as f:
-        json.dump({"traceEvents": trace_json["traceEvents"], **{k: v for k, v in trace_json.items()
-                                                                 if k != "traceEvents"}},
-                  f, separators=(",", ":"), ensure_ascii=True)
+        json.dump({"traceEvents": trace_json["traceEvents"], **trace_json}, f, separators=(",", ":"), ensure_ascii=True)
     return path
 
 
@@ -516,8 +507,6 @@ def main(argv=None) -> int:
 
 
 def _main(argv=None) -> int:
-    import argparse
-
     ap = argparse.ArgumentParser(prog="python -m workbench.measure.trace",
                                  description="timing traces: pack, convert, info, perfetto")
     sub = ap.add_subparsers(dest="cmd", required=True)

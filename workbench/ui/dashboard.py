@@ -59,14 +59,10 @@ GRID_HOVER = ("grid: %{customdata[0]} %{customdata[1]}<br>%{customdata[2]:.2f} �
               "to %{customdata[4]:.2f} µs<extra></extra>")
 
 
-def work_hover(label: str) -> str:
-    return (f"block %{{y}}<br>{label} %{{customdata[0]}}<br>work %{{customdata[1]:.2f}} µs, "
-            "from %{customdata[2]:.2f} µs to %{customdata[3]:.2f} µs<extra></extra>")
-
-
-def wait_hover(label: str) -> str:
-    return (f"block %{{y}}<br>wait after {label} %{{customdata[0]}}<br>wait %{{customdata[1]:.2f}} µs, "
-            "from %{customdata[2]:.2f} µs to %{customdata[3]:.2f} µs<extra></extra>")
+def block_hover(label: str, part: str = "work") -> str:
+    """A block's work or wait bar: customdata [layer text, length, start, end]."""
+    return (f"block %{{y}}<br>{'wait after ' if part == 'wait' else ''}{label} %{{customdata[0]}}<br>{part} "
+            "%{customdata[1]:.2f} µs, from %{customdata[2]:.2f} µs to %{customdata[3]:.2f} µs<extra></extra>")
 
 
 def short_name(stage: str) -> str:
@@ -389,9 +385,20 @@ def _rows_of(x, cfg: ModelConfig | None = None, pos0: int = 0) -> tuple[list[Sta
     return rows, "run"
 
 
+class _Shown:
+    """A panel set that shows itself (its `widget`) in a notebook."""
+
+    def show(self):
+        from IPython.display import display
+        display(self.widget)
+
+    def _ipython_display_(self):
+        self.show()
+
+
 # -- A/B -----------------------------------------------------------------------------------------------------------
 
-class ABView:
+class ABView(_Shown):
     """Two runs' per-stage times side by side (grouped bars, p10–p90 error bars) and a table of the differences."""
 
     def __init__(self, a=None, b=None, labels: tuple[str, str] | None = None, title: str | None = None):
@@ -472,17 +479,10 @@ class ABView:
         _synced(self.fig)
         return self._box
 
-    def show(self):
-        from IPython.display import display
-        display(self.widget)
-
-    def _ipython_display_(self):
-        self.show()
-
 
 # -- the dashboard -------------------------------------------------------------------------------------------------
 
-class Dashboard:
+class Dashboard(_Shown):
     """Live or recorded timing dashboard; see the module docstring. `figures` maps panel names to FigureWidgets."""
 
     def __init__(self, cfg: ModelConfig | None = None, *, roofline_tbps: float | None = None,
@@ -582,12 +582,12 @@ class Dashboard:
             for label in labels:
                 fig.add_bar(name=label, orientation="h", y=[], x=[], base=[], marker_color=color_of(label),
                             customdata=[], legendgroup=label, width=0.9, marker_line_width=0,
-                            hovertemplate=work_hover(label))
+                            hovertemplate=block_hover(label))
                 self._gantt_stage_traces[label] = len(fig.data) - 1
             for k, label in enumerate(labels):
                 fig.add_bar(name=WAIT_TRACE, orientation="h", y=[], x=[], base=[], marker_color=WAIT_COLOR,
                             customdata=[], width=0.9, marker_line_width=0, legendgroup="wait", showlegend=k == 0,
-                            hovertemplate=wait_hover(label))
+                            hovertemplate=block_hover(label, "wait"))
                 self._gantt_wait_traces[label] = len(fig.data) - 1
         self._gantt_labels = labels
         self._gantt_key = None
@@ -743,13 +743,6 @@ class Dashboard:
         _synced(*self.figures.values(), self.ab.fig)
         return self._box
 
-    def show(self):
-        from IPython.display import display
-        display(self.widget)
-
-    def _ipython_display_(self):
-        self.show()
-
     # -- drawing -------------------------------------------------------------------------------------------------
     @property
     def title(self) -> str:
@@ -859,7 +852,7 @@ class Dashboard:
         r3 = lambda a: np.round(np.asarray(a, dtype=float), 3)
 
         def hover(layers, start, dur):
-            """customdata: [layer text, length, start, end] per bar (see work_hover)."""
+            """customdata: [layer text, length, start, end] per bar (see block_hover)."""
             return [[_layer_text(l), float(x), float(s0), float(e)]
                     for l, x, s0, e in zip(layers, r3(dur), r3(start), r3(np.asarray(start) + np.asarray(dur)))]
 
