@@ -53,10 +53,9 @@ def where_layout() -> list[tuple[str, int, int]]:
 
 
 def where(stage_index: int, layer: int, step: int, waiting: bool = False) -> int:
-    v = 0
-    for (_, shift, bits), val in zip(where_layout(), (stage_index, layer + 1, step, int(waiting))):
-        v |= (val & ((1 << bits) - 1)) << shift
-    return v
+    """The where word of a block (its fields do not overlap: their sum is their bitwise or)."""
+    return sum((val & ((1 << bits) - 1)) << shift
+               for (_, shift, bits), val in zip(where_layout(), (stage_index, layer + 1, step, int(waiting))))
 
 
 def decode_where(w: int) -> tuple[str, int, int, bool] | None:

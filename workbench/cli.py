@@ -43,7 +43,6 @@ from .tp.shard import Sharding
 
 # -- argument types: argparse reports an ArgumentTypeError as "argument --x: <message>" ---------------------------
 
-
 def _number(text: str, kind):
     try:
         return kind(text)
@@ -158,7 +157,6 @@ def arch_arg(text: str) -> str:
 
 
 # -- output paths: checked before the run, since a run takes minutes and writes only at its end --------------------
-
 
 def _probe(folder: Path) -> str | None:
     """Why no file can be made in `folder` (paths.write_problem: by making one), as an output check says it."""
@@ -287,7 +285,6 @@ def _model_args(p: argparse.ArgumentParser):
 
 
 # -- checks that need the config: before any weight is read and before the GPU is touched ---------------------------
-
 
 def _config(model: str, max_seq: int | None) -> ModelConfig:
     """The model's config at the asked KV-cache length, which may not pass the positions it was trained for."""
@@ -615,8 +612,7 @@ def cmd_verify(args) -> int:
     if args.sampling:
         # the stage-local check's modes, with seeds of their own (draws independent of the ones it checked)
         for i, mode in enumerate(SAMPLER_MODES):
-            s = dataclasses.replace(mode, seed=i + 1)
-            rep = verify_sampling(mk, s, draws=args.draws or 20000)
+            rep = verify_sampling(mk, dataclasses.replace(mode, seed=i + 1), draws=args.draws or 20000)
             print(rep.summary())
             ok &= rep.passed
     print("verify:", "PASS" if ok else "FAIL")
@@ -660,7 +656,6 @@ def cmd_build(args) -> int:
         if log.strip():
             print(log.strip(), file=sys.stderr)
         dyn = smem_bytes(cfg, opt)
-        bad = False
         for r in res:
             if target == "cuda":
                 print(f"{cfg.name} {arch} {r.kernel}: {r.registers} registers, {r.stack} B local (spills), "
@@ -672,8 +667,7 @@ def cmd_build(args) -> int:
                 if r.lds + dyn > 65536:
                     print(f"{cfg.name}: {r.lds + dyn} B of LDS exceeds the 64 KiB a {arch} workgroup can have",
                           file=sys.stderr)
-            bad |= r.spills
-        if bad:
+        if any(r.spills for r in res):
             print(f"{cfg.name} {arch}: {'local memory' if target == 'cuda' else 'scratch'} in use: registers spill",
                   file=sys.stderr)
             failed |= args.no_spills

@@ -69,9 +69,7 @@ def kernels_dir() -> Path:
         return _override
     if env := os.environ.get(ENV_KERNELS):
         return _fill(Path(env).expanduser().resolve())
-    if source_checkout():
-        return ROOT / "kernels"
-    return _fill(user_workspace())
+    return ROOT / "kernels" if source_checkout() else _fill(user_workspace())
 
 
 def require_sources() -> Path:

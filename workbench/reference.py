@@ -213,8 +213,7 @@ def run_stage(w, stage_name: str, layer: int, state: dict, cache: KVCache, posit
               hook=None) -> dict:
     """One stage of the plan on the rows of `state` (fed tokens at positions): its reference math on a weight
     view, its keys and values stored into the cache, its outputs put into state and returned by buffer."""
-    io = _IO(w, w.cfg, state, cache, positions, tokens, layer, w.xp, w.dtype)
-    res = plan.stage(stage_name).reference(io)
+    res = plan.stage(stage_name).reference(_IO(w, w.cfg, state, cache, positions, tokens, layer, w.xp, w.dtype))
     if hook is not None:
         res = hook(stage_name, layer, res)
     for buf, val in list(res.items()):

@@ -175,9 +175,7 @@ def tap_size(cfg: ModelConfig, buffer: str, launch: plan.Launch = plan.Launch())
     b = plan.BUFFERS[buffer]
     if b.kind == "cache":
         return cfg.kv_dim                   # the row appended at pos: [Hkv, hd]
-    if b.kind == "value":
-        return 1
-    return b.value_elements(cfg, launch)            # a fixed-point buffer is tapped as the value it holds
+    return 1 if b.kind == "value" else b.value_elements(cfg, launch)   # a fixed-point buffer: the value it holds
 
 
 def taps(cfg: ModelConfig, launch: plan.Launch = plan.Launch()) -> tuple:

@@ -158,14 +158,12 @@ CLANG_NAMES = ("clang-19", "clang-20", "clang-21", "clang")
 
 def clang_path() -> str:
     """The clang for the HIP path: $WB_CLANG, else the first of CLANG_NAMES on PATH."""
-    env = os.environ.get("WB_CLANG")
-    if env:
+    if env := os.environ.get("WB_CLANG"):
         found = shutil.which(env)
         if not found:
             raise FileNotFoundError(f"WB_CLANG={env!r} is not an executable")
         return found
-    for name in CLANG_NAMES:
-        found = shutil.which(name)
+    for found in map(shutil.which, CLANG_NAMES):
         if found:
             return found
     raise FileNotFoundError("clang not found (the AMD build needs clang >= 17 with the AMDGPU target): "
@@ -179,8 +177,7 @@ def llvm_tool(name: str) -> str:
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
     m = re.search(r"-(\d+)$", Path(clang_path()).name)
-    for cand in ([f"{name}-{m[1]}"] if m else []) + [name]:
-        found = shutil.which(cand)
+    for found in map(shutil.which, ([f"{name}-{m[1]}"] if m else []) + [name]):
         if found:
             return found
     raise FileNotFoundError(f"{name} not found: apt-get install llvm-19")
@@ -474,8 +471,7 @@ def machine_listing(asm: Assembled, kind: str, arch: str | None = None) -> list:
         return listing_ptx(compile_ptx(asm, arch or "sm_90")[0])
     if kind == "sass":
         cubin, ptx, _ = compile_nvidia(asm, arch or "sm_90")
-        lst = listing_sass(disassemble(cubin, ptx_lines=True), ptx)
-        return lst or listing_sass(disassemble(cubin, inline=True))
+        return listing_sass(disassemble(cubin, ptx_lines=True), ptx) or listing_sass(disassemble(cubin, inline=True))
     if kind == "amdgcn":
         try:
             obj, _ = hip_code_object(asm, arch or "gfx942", debug=True)

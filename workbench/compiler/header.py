@@ -76,8 +76,7 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
         out.append(f"constexpr int WB_TAP_{_upper(t.stage)}_{_upper(t.buffer)} = {t.offset}, "
                    f"WB_TAP_{_upper(t.stage)}_{_upper(t.buffer)}_N = {t.size};")
     # shared memory
-    regions = schedule.smem_regions(cfg, launch)
-    for st, regs in regions.items():
+    for st, regs in schedule.smem_regions(cfg, launch).items():
         for r, (off, n) in regs.items():
             out.append(f"constexpr int WB_SMEM_{_upper(st)}_{_upper(r)} = {off}, "
                        f"WB_SMEM_{_upper(st)}_{_upper(r)}_FLOATS = {n};")
@@ -190,9 +189,7 @@ def _arg(use: plan.Use, layer: str) -> str:
     b = plan.BUFFERS[use.buffer]
     if b.kind == "value":
         return f"s.{b.name}"
-    if b.per_layer:
-        return f"P->{b.name} + {layer} * WB_PER_LAYER_{_upper(b.name)}"
-    return f"P->{b.name}"
+    return f"P->{b.name} + {layer} * WB_PER_LAYER_{_upper(b.name)}" if b.per_layer else f"P->{b.name}"
 
 
 def stage_call(st: plan.Stage, layer: str = "layer") -> str:
@@ -206,8 +203,7 @@ def stage_call(st: plan.Stage, layer: str = "layer") -> str:
         if b.kind == "value":
             result = f"s.{b.name}"
             continue
-        a = _arg(u, layer)
-        outs.append(a + (" /* += */" if st.reads_buffer(u.buffer) else ""))
+        outs.append(_arg(u, layer) + (" /* += */" if st.reads_buffer(u.buffer) else ""))
     args = ins + list(st.extra_args)
     call = f"stage_{st.name}(" + ", ".join(args) + (", /* → */ " if outs and args else "/* → */ " if outs else "") \
         + ", ".join(outs) + ")"

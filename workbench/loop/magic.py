@@ -60,10 +60,8 @@ class WorkbenchMagics(Magics):
         wb = session.active()
         shown = sections.display_path(path)
         try:
-            if wb is not None:
-                entry = wb.edit(args.name, cell, args.variant)
-            else:
-                entry = sections.write_section(args.name, cell, args.variant)
+            entry = (wb.edit(args.name, cell, args.variant) if wb is not None
+                     else sections.write_section(args.name, cell, args.variant))
         except Exception as e:                   # noqa: BLE001 - reported, never raised into the notebook
             print(f"✗ could not write {shown}: {type(e).__name__}: {e}\n"
                   f"  the file on disk is unchanged; your text is still in this cell")

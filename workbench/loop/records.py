@@ -10,9 +10,7 @@ from ..compiler.compile import CompileError
 def format_compile_error(e: CompileError, limit: int = 12) -> str:
     """file:line: error: text, each followed by the numbered source line; warnings left out."""
     out = []
-    for f, n, sev, text, src in e.messages:
-        if sev != "error":
-            continue
+    for f, n, _, text, src in [m for m in e.messages if m[2] == "error"]:
         out.append(f"{f}{f':{n}' if n else ''}: error: {text}")
         if src:
             out.append(f"  {n:5d} | {src.rstrip()}")
@@ -120,15 +118,12 @@ class ReloadRecord:
                                            "first_failure", "error", "key", "tokens_ok", "sampler", "end_to_end")}
         d.update({k: num(getattr(self, k)) for k in ("compile_s", "verify_s", "time_s", "total_s", "tok_per_s",
                                                      "verdict_s", "timed_compile_s")})
-        d["variants"] = [list(v) for v in self.variants]
-        d["messages"] = [list(m) for m in self.messages]
-        d["resources"] = dict(self.resources) if self.resources else None
-        d["blocks"] = [dataclasses.asdict(b) for b in self.blocks] if self.blocks else None
-        d["detect_s"], d["restart_s"] = self.detect_s, self.restart_s
-        d["stages"] = self.stages.to_dict(json_safe=True) if self.stages is not None else None
-        d["timing"] = _rows(self.timing)
-        d["timing_text"] = self.timing_text
-        d["report"] = self.report()
+        d.update(variants=[list(v) for v in self.variants], messages=[list(m) for m in self.messages],
+                 resources=dict(self.resources) if self.resources else None,
+                 blocks=[dataclasses.asdict(b) for b in self.blocks] if self.blocks else None,
+                 detect_s=self.detect_s, restart_s=self.restart_s,
+                 stages=self.stages.to_dict(json_safe=True) if self.stages is not None else None,
+                 timing=_rows(self.timing), timing_text=self.timing_text, report=self.report())
         return d
 
 

@@ -138,8 +138,7 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
     log(f"streaming read: {roof['tbps']:.2f} TB/s")
 
     def roof_tps(pos):
-        mid = pos + tokens // 2
-        return roof["tbps"] * 1e12 / (wbytes + cfg.kv_bytes_per_token(mid))
+        return roof["tbps"] * 1e12 / (wbytes + cfg.kv_bytes_per_token(pos + tokens // 2))
 
     def add(path, pos, tps, spread, note=""):
         row = Row(path, pos, 1e6 / tps, tps, spread, 100 * tps / roof_tps(pos), note,

@@ -169,10 +169,7 @@ def boundary_table(cfg: ModelConfig, t: np.ndarray, skip_first: int = 1,
     arrive, leave, release, prev = _releases(t)
     last_in = arrive.max(axis=2)
     parts = (arrive.min(axis=2) - prev, last_in - prev, leave.min(axis=2) - last_in, release - last_in)
-    rows = []
-    for label, idx in labels:
-        rows.append(BoundaryRow(label, *(float(p[skip_first:, idx].mean() / 1e3) for p in parts)))
-    return rows
+    return [BoundaryRow(label, *(float(p[skip_first:, idx].mean() / 1e3) for p in parts)) for label, idx in labels]
 
 
 def format_boundaries(rows: list[BoundaryRow]) -> str:

@@ -74,9 +74,7 @@ def slots_from_meta(meta: dict) -> tuple[list[tuple[str, int]], str] | None:
 
 def names_at(names: list[tuple[str, int]], step0_label: str, step: int) -> list[tuple[str, int]]:
     """The slot names of one step: at step 0, slot 0 holds only its own stages."""
-    if step == 0 and names:
-        return [(step0_label, names[0][1])] + list(names[1:])
-    return list(names)
+    return [(step0_label, names[0][1])] + list(names[1:]) if step == 0 and names else list(names)
 
 
 def _layout(cfg: ModelConfig, meta: dict | None) -> tuple[list[tuple[str, int]], str]:
@@ -138,8 +136,7 @@ class Trace:
     def label(self) -> str:
         """Short name of the run: model and position (and variant, when the metadata has one)."""
         m = self.meta
-        extra = f", {m['variant']}" if m.get("variant") else ""
-        return f"{m.get('model', '?')} pos {self.pos0:,}{extra}"
+        return f"{m.get('model', '?')} pos {self.pos0:,}" + (f", {m['variant']}" if m.get("variant") else "")
 
     @property
     def complete_steps(self) -> int:
@@ -165,8 +162,7 @@ class Trace:
 
 def source_title(meta: dict) -> str:
     """"recorded on NVIDIA H200, 2026-11-30, commit 9967ec4" for a recording; "live on …" otherwise."""
-    where = meta.get("device") or "unknown device"
-    parts = [f"{'recorded' if meta.get('recorded') else 'live'} on {where}"]
+    parts = [f"{'recorded' if meta.get('recorded') else 'live'} on {meta.get('device') or 'unknown device'}"]
     if meta.get("date"):
         parts.append(str(meta["date"]))
     if meta.get("commit"):
@@ -227,8 +223,7 @@ def encode(stamps: np.ndarray) -> tuple[int, np.ndarray]:
     written = t > 0
     base = int(t[written].min()) if written.any() else 0
     delta = np.where(written, t.astype(np.int64) - base, -1)
-    dtype = np.int32 if delta.max(initial=0) < 2**31 - 1 else np.int64
-    return base, delta.astype(dtype)
+    return base, delta.astype(np.int32 if delta.max(initial=0) < 2**31 - 1 else np.int64)
 
 
 def decode(base: int, delta: np.ndarray) -> np.ndarray:
@@ -388,8 +383,7 @@ def intervals(stamps: np.ndarray) -> Intervals:
     if t.shape[0]:
         first = arrive[0, 0][arrive[0, 0] > 0]
         start[0, 0] = first.min() if first.size else 0   # the kernel's start is not stamped: the first arrival
-    known = written & (start > 0)
-    return Intervals(start, arrive, leave, known)
+    return Intervals(start, arrive, leave, written & (start > 0))
 
 
 # -- Perfetto / Chrome trace JSON ---------------------------------------------------------------------------------
@@ -451,9 +445,8 @@ def to_perfetto(stamps: np.ndarray, cfg: ModelConfig, *, pos0: int = 0, meta: di
                                dur=dur(lv - ar), args=dict(a, part="wait")))
             if grid_track and iv.known[s, k].all():
                 st = iv.start[s, k].max() if not (s == 0 and k == 0) else iv.start[0, 0, 0]
-                rel = iv.leave[s, k].max()
                 ev.append(dict(name=stage, cat="grid", ph="X", pid=pid, tid=grid_tid, ts=us(st),
-                               dur=dur(rel - st), args=dict(common)))
+                               dur=dur(iv.leave[s, k].max() - st), args=dict(common)))
     other = {"generator": "workbench.trace", "model": cfg.name, "position": pos0, "base_ns": str(base)}
     for k, v in (meta or {}).items():
         if isinstance(v, (str, int, float, bool)) and k not in other:
@@ -474,9 +467,7 @@ def _span(xs) -> str:
     xs = sorted(xs)
     if len(xs) == 1:
         return str(xs[0])
-    if xs == list(range(xs[0], xs[-1] + 1)):
-        return f"{xs[0]}–{xs[-1]}"
-    return ", ".join(map(str, xs))
+    return f"{xs[0]}–{xs[-1]}" if xs == list(range(xs[0], xs[-1] + 1)) else ", ".join(map(str, xs))
 
 
 def _ascii(s: str) -> str:

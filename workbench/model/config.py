@@ -551,12 +551,8 @@ class ModelConfig:
                  intermediate_size=self.intermediate, vocab_size=self.vocab, rms_norm_eps=self.rms_eps,
                  rope_theta=self.rope_theta, tie_word_embeddings=self.tie_embeddings, hidden_act="silu",
                  max_position_embeddings=self.max_seq)
-        if family == "llama":
-            d.update(attention_bias=False, mlp_bias=False)
-        elif family == "qwen3":
-            d.update(attention_bias=False, use_sliding_window=False)
-        else:
-            d.update(use_sliding_window=False)
+        d.update({"llama": dict(attention_bias=False, mlp_bias=False), "qwen2": dict(use_sliding_window=False),
+                  "qwen3": dict(attention_bias=False, use_sliding_window=False)}[family])
         if self.rope_scaling:
             r = self.rope_scaling
             d["rope_scaling"] = dict(rope_type="llama3", factor=r.factor, low_freq_factor=r.low_freq_factor,

@@ -19,12 +19,9 @@ from .safetensors_io import SafetensorsFile, WeightsError, bf16_to_f32
 
 # -- bf16 bit helpers that work for numpy and cupy alike ---------------------------------------------------------
 
-
 def to_f32(a, xp=np):
     """bf16 bits (uint16) or any float array → float32."""
-    if a.dtype == xp.uint16:
-        return (a.astype(xp.uint32) << 16).view(xp.float32)
-    return a.astype(xp.float32)
+    return (a.astype(xp.uint32) << 16).view(xp.float32) if a.dtype == xp.uint16 else a.astype(xp.float32)
 
 
 def to_bf16(a, xp=np):
@@ -45,7 +42,6 @@ def round_bf16(a, xp=np):
 
 
 # -- HF-layout weights -----------------------------------------------------------------------------------------
-
 
 def layer_names(i: int, cfg: ModelConfig | None = None) -> dict[str, str]:
     """Layer i's tensors by their short names: a Llama layer's, and with `cfg` also those its family adds
@@ -360,7 +356,6 @@ def random_weights(cfg: ModelConfig, seed: int = 0, xp=np, progress: bool = True
 
 
 # -- preparation for the kernel ---------------------------------------------------------------------------------
-
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     """Inverse frequencies as HF computes them in fp32, llama3 scaling included, op for op.

@@ -86,7 +86,6 @@ def open_lent(lent: Lent):
     arrays = {}
     for name, (handle, shape, dtype) in lent.arrays.items():
         ptr = rt.ipcOpenMemHandle(handle)
-        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner=None)
+        mem = cupy.cuda.UnownedMemory(ptr, int(np.prod(shape)) * np.dtype(dtype).itemsize, owner=None)
         arrays[name] = cupy.ndarray(shape, np.dtype(dtype), cupy.cuda.MemoryPointer(mem, 0))
     return Prepared(lent.cfg, **arrays, xp=cupy, source=lent.source + " (lent by the weight holder)")

@@ -122,8 +122,7 @@ def summarize_blocks(blocks: list[BlockState], limit: int = 6) -> str:
         return "no block state"
     groups: dict = {}
     for b in blocks:
-        key = (b.stage, b.layer, b.step, b.waiting)
-        groups.setdefault(key, []).append(b.block)
+        groups.setdefault((b.stage, b.layer, b.step, b.waiting), []).append(b.block)
     ordered = sorted(groups.items(), key=lambda kv: (kv[0][3], len(kv[1])))      # not-waiting, fewest first
     parts = []
     for (stage, layer, step, waiting), bs in ordered[:limit]:
@@ -291,8 +290,7 @@ class Worker:
 
     def status(self) -> dict:
         o = HEADER + abi.mapped_offset("status")
-        st = self.words[o:o + abi.STATUS_LEN]
-        return {name: int(st[i]) for i, name in enumerate(abi.STATUS_WORDS)}
+        return {name: int(self.words[o + i]) for i, name in enumerate(abi.STATUS_WORDS)}
 
     def progress(self) -> int:
         return int(self.words[HEADER + abi.mapped_offset("progress")])

@@ -288,17 +288,11 @@ class BlockGrid:
             return "<div class='wb-blocks' style='color:#777'>no hang or fault to show</div>"
         n_sus = sum(c["suspect"] for c in self.cells)
         n_wait = sum(c["short"] == "w" for c in self.cells)
-        rows, row = [], []
-        for c in self.cells:
-            border = "2px solid #cf222e" if c["suspect"] else "1px solid #fff"
-            row.append(f"<td title='{html.escape(c['text'], quote=True)}' style='background:{c['colour']};"
-                       f"border:{border};width:34px;height:22px;text-align:center;font-size:9px;color:#111'>"
-                       f"{c['block']}<br>{html.escape(c['short'])}</td>")
-            if len(row) == self.COLUMNS:
-                rows.append("<tr>" + "".join(row) + "</tr>")
-                row = []
-        if row:
-            rows.append("<tr>" + "".join(row) + "</tr>")
+        cells = [f"<td title='{html.escape(c['text'], quote=True)}' style='background:{c['colour']};border:"
+                 f"{'2px solid #cf222e' if c['suspect'] else '1px solid #fff'};width:34px;height:22px;"
+                 f"text-align:center;font-size:9px;color:#111'>{c['block']}<br>{html.escape(c['short'])}</td>"
+                 for c in self.cells]
+        rows = ["<tr>" + "".join(cells[i:i + self.COLUMNS]) + "</tr>" for i in range(0, len(cells), self.COLUMNS)]
         suspects = [c["text"] for c in self.cells if c["suspect"]][:4]
         head = (f"<b>Blocks</b> {html.escape(self.title)} — {len(self.cells)} blocks: {n_wait} waiting at the "
                 f"barrier, {n_sus} stopped inside their stage")
@@ -318,17 +312,13 @@ def gantt_data(stamps: np.ndarray, cfg: ModelConfig, step: int, blocks=None, lay
     iv = intervals(t)
     names, step0 = layout or (slot_names(cfg), first_step_label(cfg))
     names = names_at(names, step0, int(step))
-    n_blocks = t.shape[2]
-    blocks = np.arange(n_blocks) if blocks is None else np.asarray(list(blocks))
+    blocks = np.arange(t.shape[2]) if blocks is None else np.asarray(list(blocks))
     s = int(step)
-    if s > 0 and iv.leave[s - 1, -1].min() > 0:
-        t0 = int(iv.leave[s - 1, -1].max())
-    else:
-        t0 = int(iv.start[s][iv.known[s]].min()) if iv.known[s].any() else 0
+    t0 = (int(iv.leave[s - 1, -1].max()) if s > 0 and iv.leave[s - 1, -1].min() > 0
+          else int(iv.start[s][iv.known[s]].min()) if iv.known[s].any() else 0)
     stage_of = np.array([n for n, _ in names])
     layer_of = np.array([l for _, l in names])
-    known = iv.known[s][:, blocks]                                         # [slots, blocks]
-    k_idx, b_idx = np.nonzero(known)
+    k_idx, b_idx = np.nonzero(iv.known[s][:, blocks])                      # of [slots, blocks]
     b = blocks[b_idx]
     start = (iv.start[s][k_idx, b] - t0) / 1e3
     arrive = (iv.arrive[s][k_idx, b] - t0) / 1e3
@@ -338,8 +328,7 @@ def gantt_data(stamps: np.ndarray, cfg: ModelConfig, step: int, blocks=None, lay
         m = stage_of[k_idx] == label
         work[label] = (b[m], start[m], arrive[m] - start[m], layer_of[k_idx[m]])
     wait = (b, arrive, leave - arrive, stage_of[k_idx], layer_of[k_idx])      # block, start, dur, stage, layer
-    full = iv.known[s].all(axis=1)                                         # slots stamped by every block
-    g_idx = np.flatnonzero(full)
+    g_idx = np.flatnonzero(iv.known[s].all(axis=1))                        # slots stamped by every block
     g_start = np.array([(iv.start[s][k].max() if not (s == 0 and k == 0) else iv.start[0, 0, 0]) for k in g_idx])
     g_end = iv.leave[s][g_idx].max(axis=1) if g_idx.size else np.zeros(0)
     grid = (stage_of[g_idx], (g_start - t0) / 1e3 if g_idx.size else np.zeros(0),
@@ -433,8 +422,7 @@ class ABView(_Shown):
         rb, lb = _rows_of(b, cfg)
         la, lb = labels or (la, lb)
         if title is None:
-            ta = a.title if isinstance(a, Trace) else None
-            tb = b.title if isinstance(b, Trace) else None
+            ta, tb = (x.title if isinstance(x, Trace) else None for x in (a, b))
             title = ta if ta == tb else " vs ".join(t for t in (ta, tb) if t) or None
         self.rows = ab_rows(ra, rb)
         self.labels = (la, lb)
@@ -456,6 +444,7 @@ class ABView(_Shown):
 
     def _html(self) -> str:
         la, lb = (html.escape(x) for x in self.labels)
+        td = "<td style='text-align:right;padding:2px 8px'>"
         head = "".join(f"<th style='text-align:right;padding:2px 8px'>{c}</th>"
                        for c in ("stage", f"A: {la}", f"B: {lb}", "B − A", "B − A %"))
         body = []
@@ -463,12 +452,9 @@ class ABView(_Shown):
             colour = "#1a7f37" if r["delta_us"] < -0.5 else "#cf222e" if r["delta_us"] > 0.5 else "inherit"
             cells = [r["stage"], f"{r['a_us']:.1f} µs", f"{r['b_us']:.1f} µs",
                      f"<span style='color:{colour}'>{r['delta_us']:+.1f} µs</span>", f"{r['delta_pct']:+.1f}%"]
-            body.append("<tr>" + "".join(f"<td style='text-align:right;padding:2px 8px'>{c}</td>" for c in cells)
-                        + "</tr>")
+            body.append("<tr>" + "".join(f"{td}{c}</td>" for c in cells) + "</tr>")
         tot = self.rows[-1] if self.rows else None
-        foot = (f"<tr><td style='text-align:right;padding:2px 8px'>tok/s</td>"
-                f"<td style='text-align:right;padding:2px 8px'>{tot['a_tok_s']:,.0f}</td>"
-                f"<td style='text-align:right;padding:2px 8px'>{tot['b_tok_s']:,.0f}</td><td></td><td></td></tr>"
+        foot = (f"<tr>{td}tok/s</td>{td}{tot['a_tok_s']:,.0f}</td>{td}{tot['b_tok_s']:,.0f}</td><td></td><td></td></tr>"
                 if tot else "")
         return ("<table class='wb-ab' style='border-collapse:collapse;font-size:12px'>"
                 f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}{foot}</tbody></table>")
