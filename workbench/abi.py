@@ -53,10 +53,9 @@ def where_layout() -> list[tuple[str, int, int]]:
 
 
 def where(stage_index: int, layer: int, step: int, waiting: bool = False) -> int:
-    v = 0
-    for (_, shift, bits), val in zip(where_layout(), (stage_index, layer + 1, step, int(waiting))):
-        v |= (val & ((1 << bits) - 1)) << shift
-    return v
+    """The where word of a block (its fields do not overlap: their sum is their bitwise or)."""
+    return sum((val & ((1 << bits) - 1)) << shift
+               for (_, shift, bits), val in zip(where_layout(), (stage_index, layer + 1, step, int(waiting))))
 
 
 def decode_where(w: int) -> tuple[str, int, int, bool] | None:
@@ -103,10 +102,5 @@ CONTROL = (
 
 def params_fields() -> list[tuple[str, str]]:
     """(field, C type) of the kernel's Params: every buffer of the step (weights and tables const), then CONTROL."""
-    out = []
-    for b in plan.BUFFERS.values():
-        if b.kind == "value":
-            continue
-        const = "const " if b.kind in ("weight", "table") else ""
-        out.append((b.name, f"{const}{b.ctype}*"))
-    return out + list(CONTROL)
+    return [(b.name, f"{'const ' if b.kind in ('weight', 'table') else ''}{b.ctype}*")
+            for b in plan.BUFFERS.values() if b.kind != "value"] + list(CONTROL)

@@ -11,6 +11,9 @@ import argparse
 import dataclasses
 import math
 import os
+import re
+import shutil
+import subprocess
 import sys
 import time
 import traceback
@@ -41,7 +44,6 @@ from .run.worker import Worker, WorkerFailure, phase_setter
 from .tp.shard import Sharding
 
 # -- argument types: argparse reports an ArgumentTypeError as "argument --x: <message>" ---------------------------
-
 
 def _number(text: str, kind):
     try:
@@ -157,7 +159,6 @@ def arch_arg(text: str) -> str:
 
 
 # -- output paths: checked before the run, since a run takes minutes and writes only at its end --------------------
-
 
 def _probe(folder: Path) -> str | None:
     """Why no file can be made in `folder` (paths.write_problem: by making one), as an output check says it."""
@@ -279,15 +280,13 @@ def _model_args(p: argparse.ArgumentParser):
     p.add_argument("--weights", type=non_empty,
                    help="HF folder with safetensors (default: the --model folder, else random)")
     p.add_argument("--weights-seed", type=seed_arg, help="seed of random weights (default 0)")
-    p.add_argument("--max-seq", type=max_seq_arg,
-                   help="KV-cache length (default: the config's, at most 8192; at most max_position_embeddings, "
-                        "which `max` asks for)")
+    p.add_argument("--max-seq", type=max_seq_arg, help="KV-cache length (default: the config's, at most 8192; at "
+                                                      "most max_position_embeddings, which `max` asks for)")
     p.add_argument("--threads", type=threads, default=512,
                    help="threads per block (one block per SM): a multiple of 64 from 64 to 1024")
 
 
 # -- checks that need the config: before any weight is read and before the GPU is touched ---------------------------
-
 
 def _config(model: str, max_seq: int | None) -> ModelConfig:
     """The model's config at the asked KV-cache length, which may not pass the positions it was trained for."""
@@ -322,6 +321,13 @@ def _fits(cfg: ModelConfig, prompt_len: int, tokens: int, what: str, hint: str =
         raise UsageError(f"{what} need {steps} positions, but the KV cache of {cfg.name} holds {cfg.max_seq}{hint}")
 
 
+def _check_vocab(cfg: ModelConfig, ids: list[int], given: str):
+    bad = [t for t in ids if t >= cfg.vocab]
+    if bad:
+        raise UsageError(f"{given}: token id {bad[0]} is outside the vocabulary of {cfg.name} "
+                         f"(vocab_size {cfg.vocab}: ids 0 to {cfg.vocab - 1})")
+
+
 def _check_weights_seed(args):
     """--weights-seed seeds random weights only: with a weights folder it would be ignored."""
     folder = _weights_folder(args)
@@ -352,10 +358,7 @@ def _check_generate(args):
         given = "--prompt-random"
     else:
         ids, given = [cfg.bos_token_id if cfg.bos_token_id is not None else 0], "the default prompt"
-    bad = [t for t in ids if t >= cfg.vocab]
-    if bad:
-        raise UsageError(f"{given}: token id {bad[0]} is outside the vocabulary of {cfg.name} "
-                         f"(vocab_size {cfg.vocab}: ids 0 to {cfg.vocab - 1})")
+    _check_vocab(cfg, ids, given)
     if args.top_k > cfg.vocab:
         raise UsageError(f"--top-k {args.top_k} is larger than the vocabulary of {cfg.name} ({cfg.vocab}); "
                          "0 turns top-k off")
@@ -407,8 +410,7 @@ def _check_build(args):
     chosen: dict[str, str] = {}
     for name, variant in args.variant:              # two variants of one section: one would be dropped, silently
         if chosen.setdefault(name, variant) != variant:
-            raise UsageError(f"--variant {name}={chosen[name]} and --variant {name}={variant}: one variant per "
-                             "section")
+            raise UsageError(f"--variant {name}={chosen[name]} and --variant {name}={variant}: one variant per section")
     for name, variant in args.variant:
         path = section_path(name, variant)
         if not path.is_file():
@@ -463,13 +465,6 @@ def gpu_problem() -> str | None:
     except Exception as e:                      # no driver, a driver too old, no libcuda: all mean "no GPU"
         return str(e) or type(e).__name__
     return None if n > 0 else "CuPy sees 0 devices"
-
-
-def _require_gpu(cmd: str):
-    why = gpu_problem()
-    if why is not None:
-        raise NoDeviceError(f"no CUDA GPU is visible ({why}); `{cmd}` needs one. Without one, `build` and the "
-                            "tests run: python -m workbench build --model M, python -m pytest -q")
 
 
 def _load(args):
@@ -541,7 +536,6 @@ def cmd_generate(args) -> int:
     if tok is None and getattr(args, "has_tokenizer", False):
         tok = _tokenizer(args)                             # in the worker: opened again (it does not travel)
     p = _load(args)
-    cfg = p.cfg
     prefilled = args.prefill and len(ids) > 1
     fed = ids[-1:] if prefilled else ids                    # what the kernel itself feeds, from pos0
     # the steps whose logits choose a generated token: from the prompt's last on
@@ -583,7 +577,7 @@ def cmd_generate(args) -> int:
         import numpy as np
         np.savez(args.logits_out, tokens=np.asarray(res.tokens, np.int64), logits=res.logits[:len(res.tokens)])
     print(f"{len(res.tokens)} tokens, {res.steps} decode steps in {res.kernel_ms:.1f} ms: "
-          f"{res.tok_per_s:.0f} tok/s ({cfg.weight_bytes_per_token() * res.tok_per_s / 1e12:.2f} TB/s of weights)")
+          f"{res.tok_per_s:.0f} tok/s ({p.cfg.weight_bytes_per_token() * res.tok_per_s / 1e12:.2f} TB/s of weights)")
     return 0
 
 
@@ -620,8 +614,7 @@ def cmd_verify(args) -> int:
     if args.sampling:
         # the stage-local check's modes, with seeds of their own (draws independent of the ones it checked)
         for i, mode in enumerate(SAMPLER_MODES):
-            s = dataclasses.replace(mode, seed=i + 1)
-            rep = verify_sampling(mk, s, draws=args.draws or 20000)
+            rep = verify_sampling(mk, dataclasses.replace(mode, seed=i + 1), draws=args.draws or 20000)
             print(rep.summary())
             ok &= rep.passed
     print("verify:", "PASS" if ok else "FAIL")
@@ -665,7 +658,6 @@ def cmd_build(args) -> int:
         if log.strip():
             print(log.strip(), file=sys.stderr)
         dyn = smem_bytes(cfg, opt)
-        bad = False
         for r in res:
             if target == "cuda":
                 print(f"{cfg.name} {arch} {r.kernel}: {r.registers} registers, {r.stack} B local (spills), "
@@ -677,10 +669,9 @@ def cmd_build(args) -> int:
                 if r.lds + dyn > 65536:
                     print(f"{cfg.name}: {r.lds + dyn} B of LDS exceeds the 64 KiB a {arch} workgroup can have",
                           file=sys.stderr)
-            bad |= r.spills
-        if bad:
-            print(f"{cfg.name} {arch}: " + ("local memory in use: registers spill" if target == "cuda" else
-                                             "scratch in use: registers spill"), file=sys.stderr)
+        if any(r.spills for r in res):
+            print(f"{cfg.name} {arch}: {'local memory' if target == 'cuda' else 'scratch'} in use: registers spill",
+                  file=sys.stderr)
             failed |= args.no_spills
     return 1 if failed else 0
 
@@ -747,8 +738,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off")
     g.add_argument("--top-p", type=top_p, default=1.0, help="in (0, 1]; 1 = off")
-    g.add_argument("--seed", type=seed_arg, help="sampling seed (default 0), from 0 to 2**64 - 1; also seeds "
-                                               "--prompt-random")
+    g.add_argument("--seed", type=seed_arg,
+                   help="sampling seed (default 0), from 0 to 2**64 - 1; also seeds --prompt-random")
     g.add_argument("--stop-on-eos", action="store_true", help="stop at the config's EOS ids")
     g.add_argument("--logits-out", type=output_file, metavar="FILE.npz",
                    help="save the generated tokens and the logits each was drawn from (fp32, bit for bit: two runs "
@@ -800,8 +791,7 @@ def _parser() -> argparse.ArgumentParser:
     sa.add_argument("--prompt-ids", type=token_ids, default=[1, 2, 3],
                     help="the prompt (each of its tokens is one more decode step under the tool)")
     sa.add_argument("--threads", type=threads, default=512)
-    sa.add_argument("--sanitizer", default="compute-sanitizer", type=non_empty,
-                    help="the compute-sanitizer executable")
+    sa.add_argument("--sanitizer", default="compute-sanitizer", type=non_empty, help="the compute-sanitizer executable")
     pl = sub.add_parser("plan", help="the decode step as the plan declares it (no GPU)")
     pl.add_argument("--model", default=DEFAULT_MODEL, type=non_empty)
     pl.add_argument("--max-seq", type=max_seq_arg)
@@ -880,13 +870,9 @@ SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
 def _check_sanitize(args):
     cfg = _config(args.model, None)
     # what the generate run under each tool would refuse, minutes in (it reports no summary, only its exit code)
-    bad = [t for t in args.prompt_ids if t >= cfg.vocab]
-    if bad:
-        raise UsageError(f"--prompt-ids: token id {bad[0]} is outside the vocabulary of {cfg.name} "
-                         f"(vocab_size {cfg.vocab}: ids 0 to {cfg.vocab - 1})")
+    _check_vocab(cfg, args.prompt_ids, "--prompt-ids")
     _fits(cfg, len(args.prompt_ids), args.tokens, f"--prompt-ids ({len(args.prompt_ids)} tokens) and --tokens "
           f"{args.tokens}", hint="")
-    import shutil
     if shutil.which(args.sanitizer) is None and not Path(args.sanitizer).is_file():
         raise UsageError(f"{args.sanitizer} is not on the PATH (compute-sanitizer comes with the CUDA toolkit; "
                          "--sanitizer PATH names it)")
@@ -896,14 +882,12 @@ def sanitizer_errors(output: str) -> int | None:
     """The error count of a compute-sanitizer run's summary line, None without one. memcheck, synccheck and
     initcheck end with `ERROR SUMMARY: N errors`; racecheck with `RACECHECK SUMMARY: H hazards displayed (N errors,
     W warnings)`."""
-    import re
     m = re.search(r"ERROR SUMMARY: (\d+) error", output) or re.search(r"RACECHECK SUMMARY: .*?\((\d+) error", output)
     return int(m[1]) if m else None
 
 
 def sanitizer_summary(output: str) -> str:
     """The tool's own summary line, as it wrote it (racecheck's counts its hazards and warnings too)."""
-    import re
     m = re.search(r"(?:ERROR|RACECHECK) SUMMARY: (.*)", output)
     return m[1].strip() if m else ""
 
@@ -911,7 +895,6 @@ def sanitizer_summary(output: str) -> str:
 def cmd_sanitize(args) -> int:
     """`generate` under compute-sanitizer, once per tool, in this process (the sanitizer must see the kernel):
     a line per tool with its error count; exit 1 if any tool found an error."""
-    import subprocess
     tools = SANITIZER_TOOLS if args.tool == "all" else (args.tool,)
     worst = 0
     for tool in tools:
@@ -1013,7 +996,9 @@ def main(argv=None) -> int:
             args.max_seq = _longest(args.model)
         check(args)
         if needs_gpu:
-            _require_gpu(args.cmd)
+            if (why := gpu_problem()) is not None:
+                raise NoDeviceError(f"no CUDA GPU is visible ({why}); `{args.cmd}` needs one. Without one, `build` "
+                                    "and the tests run: python -m workbench build --model M, python -m pytest -q")
             if not args.in_process:
                 return _in_worker(args)
         return run(args)

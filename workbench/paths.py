@@ -67,12 +67,9 @@ def kernels_dir() -> Path:
     the workspace of the last two is a file, cannot be filled, or is not writable (see _fill)."""
     if _override is not None:
         return _override
-    env = os.environ.get(ENV_KERNELS)
-    if env:
+    if env := os.environ.get(ENV_KERNELS):
         return _fill(Path(env).expanduser().resolve())
-    if source_checkout():
-        return ROOT / "kernels"
-    return _fill(user_workspace())
+    return ROOT / "kernels" if source_checkout() else _fill(user_workspace())
 
 
 def require_sources() -> Path:
@@ -97,8 +94,7 @@ def _origin(workspace: Path) -> tuple[str, str]:
     if _override is not None:
         return (f"the kernels folder {workspace} (set_kernels_dir / use_kernels_dir)",
                 "give set_kernels_dir a folder holding the kernel sources")
-    env = os.environ.get(ENV_KERNELS)
-    if env:
+    if env := os.environ.get(ENV_KERNELS):
         shown = env if Path(env) == workspace else f"{env} ({workspace})"
         return (f"{ENV_KERNELS}={shown}",
                 f"set {ENV_KERNELS} to a folder holding the kernel sources, or to a new or empty folder (it gets a "

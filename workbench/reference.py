@@ -57,9 +57,8 @@ class HFView:
         return self._get(layer_names(layer, self.cfg)[name])
 
     def model(self, name: str):
-        hf = {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
-              "lm_head": self.w.lm_head_name()}[name]
-        return self._get(hf)
+        return self._get({"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight",
+                          "lm_head": self.w.lm_head_name()}[name])
 
 
 class PreparedView:
@@ -99,10 +98,8 @@ class PreparedView:
 
     def model(self, name: str):
         if name not in self._model:
-            if name == "final_norm":
-                self._model[name] = self.xp.ones(self.cfg.hidden, dtype=self.dtype)
-            else:
-                self._model[name] = self._f({"embed": self.p.embed, "lm_head": self.p.lm_head}[name])
+            self._model[name] = (self.xp.ones(self.cfg.hidden, dtype=self.dtype) if name == "final_norm"
+                                 else self._f({"embed": self.p.embed, "lm_head": self.p.lm_head}[name]))
         return self._model[name]
 
 
@@ -206,8 +203,7 @@ def forward(source, tokens, positions=None, *, cache: KVCache | None = None, kv_
         else:
             res = run_stage(w, stage_name, layer, state, cache, positions, tokens, kv_bf16, hook)
         if taps is not None:
-            for buf, val in res.items():
-                taps[stage_name, buf, layer] = val
+            taps.update(((stage_name, buf, layer), val) for buf, val in res.items())
         if stage_name == "lm_head":
             out = res["logits"]
     return out
@@ -217,8 +213,7 @@ def run_stage(w, stage_name: str, layer: int, state: dict, cache: KVCache, posit
               hook=None) -> dict:
     """One stage of the plan on the rows of `state` (fed tokens at positions): its reference math on a weight
     view, its keys and values stored into the cache, its outputs put into state and returned by buffer."""
-    io = _IO(w, w.cfg, state, cache, positions, tokens, layer, w.xp, w.dtype)
-    res = plan.stage(stage_name).reference(io)
+    res = plan.stage(stage_name).reference(_IO(w, w.cfg, state, cache, positions, tokens, layer, w.xp, w.dtype))
     if hook is not None:
         res = hook(stage_name, layer, res)
     for buf, val in list(res.items()):

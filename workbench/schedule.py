@@ -13,10 +13,6 @@ from .model.config import ModelConfig
 
 # ---- what runs where, and where the grid must synchronise -----------------------------------------------------
 
-def _first_layer_index() -> int:
-    return next(i for i, s in enumerate(plan.STAGES) if s.scope == "layer")
-
-
 def execution(cfg: ModelConfig) -> list[tuple[str, int]]:
     """(stage, layer) in the order one step executes them; layer -1 for the token stages. The layer stages form
     one contiguous run of the plan, repeated for every layer."""
@@ -25,7 +21,7 @@ def execution(cfg: ModelConfig) -> list[tuple[str, int]]:
 
 @functools.lru_cache(maxsize=64)
 def _execution(n_layers: int) -> tuple:
-    first = _first_layer_index()
+    first = next(i for i, s in enumerate(plan.STAGES) if s.scope == "layer")
     last = max(i for i, s in enumerate(plan.STAGES) if s.scope == "layer")
     if any(s.scope != "layer" for s in plan.STAGES[first:last + 1]):
         raise ValueError("the plan's layer stages must be contiguous")
@@ -157,10 +153,7 @@ def n_slots(cfg: ModelConfig) -> int:
 
 def barrier_slot(cfg: ModelConfig, stage_name: str, layer: int) -> int | None:
     """The index of the barrier that follows this stage, or None when none does."""
-    for s in slots(cfg):
-        if s.stages[-1] == (stage_name, layer):
-            return s.index
-    return None
+    return next((s.index for s in slots(cfg) if s.stages[-1] == (stage_name, layer)), None)
 
 
 # ---- taps: what the debug build copies out, per step ----------------------------------------------------------
@@ -182,9 +175,7 @@ def tap_size(cfg: ModelConfig, buffer: str, launch: plan.Launch = plan.Launch())
     b = plan.BUFFERS[buffer]
     if b.kind == "cache":
         return cfg.kv_dim                   # the row appended at pos: [Hkv, hd]
-    if b.kind == "value":
-        return 1
-    return b.value_elements(cfg, launch)            # a fixed-point buffer is tapped as the value it holds
+    return 1 if b.kind == "value" else b.value_elements(cfg, launch)   # a fixed-point buffer: the value it holds
 
 
 def taps(cfg: ModelConfig, launch: plan.Launch = plan.Launch()) -> tuple:
@@ -214,11 +205,8 @@ def producer(cfg: ModelConfig, buffer: str, stage_name: str, layer: int) -> tupl
     """The (stage, layer) whose write of `buffer` the given stage reads: the latest writer before it in the step's
     execution order (an earlier step's, for what the step reads before anything wrote it: None)."""
     order = execution(cfg)
-    i = order.index((stage_name, layer))
-    for s, l in reversed(order[:i]):
-        if plan.stage(s).writes_buffer(buffer):
-            return s, l
-    return None
+    before = order[:order.index((stage_name, layer))]
+    return next(((s, l) for s, l in reversed(before) if plan.stage(s).writes_buffer(buffer)), None)
 
 
 # ---- shared memory ---------------------------------------------------------------------------------------------
@@ -501,8 +489,7 @@ def memory_problem(cfg: ModelConfig, free_bytes: int, launch: plan.Launch = plan
     gb = lambda b: f"{b / 1e9:.2f} GB"                      # noqa: E731
     what = ", ".join(f"{gb(v)} {k}" for k, v in parts.items())
     where = "free beside the weights" if weights_resident else "free"
-    advice = (f"--max-seq {fits} is the longest context that fits" if fits else
-              "not even a one-position context fits")
+    advice = f"--max-seq {fits} is the longest context that fits" if fits else "not even a one-position context fits"
     return (f"{cfg.name} with a {cfg.max_seq}-position context needs {gb(need)} of GPU memory ({what}); the GPU has "
             f"{gb(free_bytes)} {where}: {advice}")
 
@@ -510,9 +497,7 @@ def memory_problem(cfg: ModelConfig, free_bytes: int, launch: plan.Launch = plan
 # ---- dependencies: which producer units a consumer unit waits for -----------------------------------------------
 
 def _overlap(a, b) -> bool:
-    if a is None or b is None:
-        return True
-    return any(x0 < y1 and y0 < x1 for x0, x1 in a for y0, y1 in b)
+    return a is None or b is None or any(x0 < y1 and y0 < x1 for x0, x1 in a for y0, y1 in b)
 
 
 def dependencies(cfg: ModelConfig, launch: plan.Launch = plan.Launch()) -> dict:

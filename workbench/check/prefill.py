@@ -26,8 +26,7 @@ class PrefillCheck:
 
     @property
     def passed(self) -> bool:
-        worst = max(self.k_rel + self.v_rel + [self.logits_rel])
-        return self.finite and worst <= self.rtol
+        return self.finite and max(self.k_rel + self.v_rel + [self.logits_rel]) <= self.rtol
 
     def summary(self) -> str:
         if not self.finite:

@@ -139,7 +139,8 @@ class StageTable:
         """Rows: stage outputs; columns: layers; each the worst relative L2 error over the steps (✗: beyond)."""
         L = self.n_layers
         head = f"{'stage output':28s} {'tolerance':>10s} " + " ".join(f"{f'L{l}':>8s}" for l in range(L))
-        out = [f"error on its own inputs, worst over {where_text(self.positions)} (✗: beyond tolerance)", head]
+        where = f"{len(set(self.positions))} positions ({_span(self.positions)})"
+        out = [f"error on its own inputs, worst over {where} (✗: beyond tolerance)", head]
         rows = dict.fromkeys((c.stage, c.buffer) for c in self.cells.values())
         for st, buf in rows:
             tol = self.cells[next(k for k in self.cells if k[:2] == (st, buf))].tol
@@ -182,11 +183,6 @@ def _span(positions) -> str:
     return f"{p[0]}–{p[-1]}" if p else "none"
 
 
-def where_text(positions) -> str:
-    p = sorted(set(positions))
-    return f"{len(p)} positions ({_span(p)})"
-
-
 # ---- the check --------------------------------------------------------------------------------------------------
 
 class _KernelIO(S.StageIO):
@@ -212,15 +208,13 @@ class _KernelIO(S.StageIO):
 
     def rope(self):
         xp, p = self.ctx.xp, self.ctx.prepared
-        idx = self.positions
-        return p.rope_cos[idx].astype(xp.float64), p.rope_sin[idx].astype(xp.float64)
+        return p.rope_cos[self.positions].astype(xp.float64), p.rope_sin[self.positions].astype(xp.float64)
 
 
 class _Batch:
     def __init__(self, mk, runs, prepared):
         self.mk, self.runs, self.cfg, self.prepared = mk, runs, prepared.cfg, prepared
-        self.xp = prepared.xp
-        xp = self.xp
+        self.xp = xp = prepared.xp
         self.launch = getattr(mk, "launch", plan.Launch())
         self.rows = [(ri, s) for ri, r in enumerate(runs) for s in r.tap_steps]
         self.positions = xp.asarray([runs[ri].pos0 + s for ri, s in self.rows], dtype=xp.int64)
@@ -298,9 +292,8 @@ def check_stages(mk, runs: list, prepared=None, *, draws: dict | None = None, st
         for i, (ri, s) in enumerate(b.rows):
             rel, worst, bad = float(m[0, i]), float(m[1, i]), int(m[2, i])
             ok, note = S.passes(tol, rel, worst, bad)
-            c = Check(stage_name, buf, layer, s, runs[ri].pos0 + s, ri, rel, worst, ok, note)
-            checks.append(c)
-            per.append(c)
+            per.append(Check(stage_name, buf, layer, s, runs[ri].pos0 + s, ri, rel, worst, ok, note))
+        checks += per
         worst = max(per, key=lambda c: (not c.passed, c.rel_l2 if math.isfinite(c.rel_l2) else math.inf))
         fails = [c for c in per if not c.passed]
         cells[stage_name, buf, layer] = Cell(stage_name, buf, layer, tol, max(c.rel_l2 for c in per),
@@ -357,6 +350,5 @@ def _contracts(b: _Batch, draws: dict) -> list:
         io = _ContractIO(b, st.name, draws)
         for contract in st.contracts:
             for what, ri, s, ok, note in contract(io):
-                out.append(Check(st.name, what, -1, s, b.runs[ri].pos0 + s, ri, 0.0 if ok else math.inf, 0.0, ok,
-                                 note))
+                out.append(Check(st.name, what, -1, s, b.runs[ri].pos0 + s, ri, 0.0 if ok else math.inf, 0.0, ok, note))
     return out

@@ -68,10 +68,7 @@ def coverage(cfg: ModelConfig, launch: plan.Launch, *, thorough: bool = False, s
     one run per sampler mode where there is room between them."""
     runs = [Run(0, first[0], first[1], why="prompt and generation from position 0")]
     used = set(runs[0].positions)
-    want = set()
-    for st in plan.STAGES:
-        if st.paths is not None:
-            want |= set(st.paths(cfg, launch, thorough))
+    want = {p for st in plan.STAGES if st.paths is not None for p in st.paths(cfg, launch, thorough)}
     want = sorted(p for p in want if p not in used and p < cfg.max_seq)
     group: list[int] = []
     for p in want + [None]:
@@ -213,8 +210,7 @@ class VerifyReport:
 def reference_logits(p: Prepared, tokens: list[int], rows: list[int] | None = None, dtype=np.float32) -> np.ndarray:
     """Logits of the reference interpreter for the positions `rows` of teacher-forcing `tokens` from 0, from the
     kernel's own prepared weights (on their device), with bf16 keys and values as the kernel's cache has them."""
-    xp = p.xp
-    out = forward(p, xp.asarray(tokens), kv_bf16=True, dtype=dtype, logit_rows=rows)
+    out = forward(p, p.xp.asarray(tokens), kv_bf16=True, dtype=dtype, logit_rows=rows)
     return out.get() if hasattr(out, "get") else np.asarray(out)
 
 
@@ -259,8 +255,7 @@ def verify(mk: Monokernel, *, prompt_len: int = 8, max_new: int = 24, seed: int 
            record_budget: int | None = None) -> VerifyReport:
     """The end-to-end check: a random prompt, greedy generation, recorded logits against the reference."""
     cfg = mk.cfg
-    rng = np.random.default_rng(seed)
-    prompt = rng.integers(0, cfg.vocab, prompt_len).tolist()
+    prompt = np.random.default_rng(seed).integers(0, cfg.vocab, prompt_len).tolist()
     n_steps = prompt_len + max_new - 1
     record = recorded_steps(n_steps, record_budget or mk.max_record)
     res: Result = mk.generate(prompt, max_new, Sampling(), eos=[], record=record)
@@ -278,8 +273,7 @@ def verify(mk: Monokernel, *, prompt_len: int = 8, max_new: int = 24, seed: int 
         b = mk.generate(prompt, max_new, sampling, eos=[], record=record)
         if a.tokens != b.tokens or a.logits.tobytes() != b.logits.tobytes():
             repeats.append(name)
-    return VerifyReport(cfg.name, seed, prompt_len, len(res.tokens), rtol, checks, res.tok_per_s, repeats,
-                        len(modes))
+    return VerifyReport(cfg.name, seed, prompt_len, len(res.tokens), rtol, checks, res.tok_per_s, repeats, len(modes))
 
 
 # ---- the sampler's distribution (many draws at one position) ---------------------------------------------------------
@@ -320,8 +314,7 @@ def chi2_sf(x: float, k: int) -> float:
 def verify_sampling(mk: Monokernel, params: Sampling, *, draws: int = 20000, seed: int = 0) -> SamplingReport:
     """Many seeded draws at one position against the reference distribution of the kernel's own logits there:
     a chi-square test of the counts, and every draw checked against its exact inverse-CDF token."""
-    rng = np.random.default_rng(seed)
-    prompt = rng.integers(0, mk.cfg.vocab, 5).tolist()
+    prompt = np.random.default_rng(seed).integers(0, mk.cfg.vocab, 5).tolist()
     step = len(prompt) - 1
     # thousands of draws make the sampling stage of this one step long (block 0 makes them all): widen the
     # barrier timeout for it, so that the other blocks' wait is not reported as a hang
@@ -330,8 +323,7 @@ def verify_sampling(mk: Monokernel, params: Sampling, *, draws: int = 20000, see
     got = res.draws[0]
     probs = reference_probs(res.logits[0].astype(np.float64), params.temperature, params.top_k, params.top_p)
     counts = np.bincount(got[got >= 0], minlength=mk.cfg.vocab).astype(np.float64)
-    invalid = int((got < 0).sum())
-    outside = int(counts[probs == 0].sum()) + invalid
+    outside = int(counts[probs == 0].sum()) + int((got < 0).sum())
     exact_bad = sum(not check_draw(probs, draw_uniform(params.seed, step, d), int(t))[0] for d, t in enumerate(got))
     expected = probs * draws
     big = expected >= 5

@@ -164,8 +164,7 @@ def section_path(name: str, variant: str | None = None) -> Path:
 def defines(cfg: ModelConfig, opt: BuildOptions) -> dict[str, str]:
     """The #defines at the top of the source: the config's shapes and the build's switches."""
     d = dict(cfg.defines())
-    d.update(WB_THREADS=str(opt.launch.threads), WB_TIMING=str(int(opt.timing)),
-             WB_TAPS=str(int(opt.taps)),
+    d.update(WB_THREADS=str(opt.launch.threads), WB_TIMING=str(int(opt.timing)), WB_TAPS=str(int(opt.taps)),
              WB_SAMPLER_FULL=str(int(opt.sampler == "full")), WB_STREAM=str(int(opt.launch.stream)))
     d.update({k: str(v) for k, v in opt.defines})
     if opt.hang:

@@ -36,9 +36,8 @@ HIP_ARCHS = ("gfx908", "gfx90a", "gfx940", "gfx941", "gfx942")
 def compile_nvidia(asm: Assembled, arch: str = "sm_90", ptx_only: bool = False) -> tuple[bytes, str, str]:
     """One NVRTC compile without a driver → (cubin, PTX text, log); the cubin is made from exactly that PTX
     (`ptx_only`: no cubin, b""; NVRTC stops at PTX). Raises CompileError with mapped messages."""
-    if asm.units and not ptx_only:
-        if units_linkable():                   # else the whole build, as below
-            return link(split(asm), arch, asm.units, whole=asm).cubin, "", ""
+    if asm.units and not ptx_only and units_linkable():        # else the whole build, as below
+        return link(split(asm), arch, asm.units, whole=asm).cubin, "", ""
     # a build with PTX sections: NVRTC stops at PTX (a virtual architecture: its own ptxas would assemble a
     # module about to change), and ptxas runs once, on the spliced module
     virtual = bool(asm.ptx_bodies) or ptx_only
@@ -159,14 +158,12 @@ CLANG_NAMES = ("clang-19", "clang-20", "clang-21", "clang")
 
 def clang_path() -> str:
     """The clang for the HIP path: $WB_CLANG, else the first of CLANG_NAMES on PATH."""
-    env = os.environ.get("WB_CLANG")
-    if env:
+    if env := os.environ.get("WB_CLANG"):
         found = shutil.which(env)
         if not found:
             raise FileNotFoundError(f"WB_CLANG={env!r} is not an executable")
         return found
-    for name in CLANG_NAMES:
-        found = shutil.which(name)
+    for found in map(shutil.which, CLANG_NAMES):
         if found:
             return found
     raise FileNotFoundError("clang not found (the AMD build needs clang >= 17 with the AMDGPU target): "
@@ -180,15 +177,10 @@ def llvm_tool(name: str) -> str:
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
     m = re.search(r"-(\d+)$", Path(clang_path()).name)
-    for cand in ([f"{name}-{m[1]}"] if m else []) + [name]:
-        found = shutil.which(cand)
+    for found in map(shutil.which, ([f"{name}-{m[1]}"] if m else []) + [name]):
         if found:
             return found
     raise FileNotFoundError(f"{name} not found: apt-get install llvm-19")
-
-
-def hip_options(arch: str = "gfx942") -> list[str]:
-    return [*HIP_OPTIONS, f"--offload-arch={arch}"]
 
 
 def _clang(asm: Assembled, arch: str, args: list[str], out_name: str) -> tuple[bytes, str]:
@@ -200,8 +192,8 @@ def _clang(asm: Assembled, arch: str, args: list[str], out_name: str) -> tuple[b
     with tempfile.TemporaryDirectory() as d:
         # relative names, run in the temporary folder: the #line paths stay repo-relative in messages and debug info
         Path(d, "monokernel.hip").write_text(asm.source)
-        r = subprocess.run([clang_path(), *hip_options(arch), *args, "monokernel.hip", "-o", out_name], cwd=d,
-                           capture_output=True, text=True)
+        r = subprocess.run([clang_path(), *HIP_OPTIONS, f"--offload-arch={arch}", *args, "monokernel.hip", "-o",
+                            out_name], cwd=d, capture_output=True, text=True)
         if r.returncode != 0:
             raise CompileError(parse_log(r.stderr, asm), r.stderr or f"clang exited {r.returncode}")
         return Path(d, out_name).read_bytes(), r.stderr
@@ -265,8 +257,7 @@ def amdgpu_resources(asm_text: str) -> list[AmdResources]:
         kernels = re.search(r"^amdhsa\.kernels:\s*$(.*?)(?=^\S)", meta[1] + "\nend:\n", re.M | re.S)
         for block in re.split(r"^  - ", kernels[1] if kernels else "", flags=re.M)[1:]:
             # the kernel's own keys sit at four spaces (the first one on the `  - ` line); deeper ones are args
-            block = "    " + block
-            kv = dict(re.findall(r"^    \.([\w]+):\s+(\S+)\s*$", block, re.M))
+            kv = dict(re.findall(r"^    \.([\w]+):\s+(\S+)\s*$", "    " + block, re.M))
             if "name" not in kv:
                 continue
             f = {_AMD_KEYS[k]: int(v) for k, v in kv.items() if k in _AMD_KEYS and re.fullmatch(r"\d+", v)}
@@ -345,8 +336,7 @@ def listing_sass(sass: str, ptx: str | None = None) -> list:
         m = frame_re.match(line)
         if m:
             if chains is not None and m[1] == ".nv_debug_ptx_txt":
-                n = int(m[2])
-                block = [("ptx", n)]
+                block = [("ptx", int(m[2]))]
             else:
                 block.append((m[1], int(m[2])))
             continue
@@ -364,9 +354,8 @@ def listing_sass(sass: str, ptx: str | None = None) -> list:
 
 def listing_amdgcn_asm(asm_text: str) -> list:
     """AMDGCN lines of `compile_hip(debug=True)` with their innermost frame only (`.loc` names no inlining)."""
-    files = {}
-    for m in re.finditer(r'^\s*\.file\s+(\d+)\s+"([^"]*)"(?:\s+"([^"]*)")?', asm_text, re.M):
-        files[int(m[1])] = f"{m[2]}/{m[3]}" if m[3] is not None else m[2]
+    files = {int(m[1]): f"{m[2]}/{m[3]}" if m[3] is not None else m[2]
+             for m in re.finditer(r'^\s*\.file\s+(\d+)\s+"([^"]*)"(?:\s+"([^"]*)")?', asm_text, re.M)}
     out, chain = [], ()
     for line in asm_text.splitlines():
         s = line.strip()
@@ -441,14 +430,6 @@ def _displays(asm: Assembled) -> list[str]:
     return [b.display for b in asm.ptx_bodies] + [p for _, p, _ in asm.pieces]
 
 
-def _display_chain(asm: Assembled, chain: tuple) -> list:
-    displays = _displays(asm)
-    out = []
-    for f, n in chain:
-        out.append((next((p for p in displays if _same_file(f, p)), f), n))
-    return out
-
-
 def lines_by_source(asm: Assembled, listing: list, path: str) -> dict[int, list[str]]:
     """{line of `path`: [lines of code]} for the code whose chain passes through `path`, keyed by its innermost frame
     in that file: the section's own statement that the code implements (a lambda's body line rather than the call
@@ -464,9 +445,9 @@ def lines_by_source(asm: Assembled, listing: list, path: str) -> dict[int, list[
 def format_listing(asm: Assembled, listing: list, path: str | None = None, comment: str = "//") -> str:
     """The code whose chain passes through `path` (everything when None), each run of lines from one place headed by
     `outer.cuh:L > inner.cuh:L: source text of the innermost line`, counted from the section's own frame down."""
-    out, last = [], None
+    out, last, displays = [], None, _displays(asm)
     for text, chain in listing:
-        frames = _display_chain(asm, chain)
+        frames = [(next((p for p in displays if _same_file(f, p)), f), n) for f, n in chain]
         if path is not None:
             idx = [i for i, (f, _) in enumerate(frames) if f == path or _same_file(f, path)]
             if not idx:
@@ -490,8 +471,7 @@ def machine_listing(asm: Assembled, kind: str, arch: str | None = None) -> list:
         return listing_ptx(compile_ptx(asm, arch or "sm_90")[0])
     if kind == "sass":
         cubin, ptx, _ = compile_nvidia(asm, arch or "sm_90")
-        lst = listing_sass(disassemble(cubin, ptx_lines=True), ptx)
-        return lst or listing_sass(disassemble(cubin, inline=True))
+        return listing_sass(disassemble(cubin, ptx_lines=True), ptx) or listing_sass(disassemble(cubin, inline=True))
     if kind == "amdgcn":
         try:
             obj, _ = hip_code_object(asm, arch or "gfx942", debug=True)

@@ -45,8 +45,7 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
     """Everything the sections may name that the plan or the config decides."""
     out = ["// ---- generated from the model config and workbench/plan.py: edit those, not this text ----"]
     out.append(params_struct())
-    out.append("enum Stage { " + ", ".join(f"ST_{_upper(s)}" for s in plan.STAGE_NAMES) +
-               f", WB_N_STAGES }};")
+    out.append("enum Stage { " + ", ".join(f"ST_{_upper(s)}" for s in plan.STAGE_NAMES) + ", WB_N_STAGES };")
     out.append("enum WbError { " + ", ".join(f"WB_{'OK' if e == 'ok' else 'ERR_' + _upper(e)} = {i}"
                                             for i, e in enumerate(abi.ERRORS)) + " };")
     out.append("enum WbDevFlag { " + ", ".join(f"WB_FLAG_{_upper(f)} = {i}" for i, f in enumerate(abi.DEV_FLAGS))
@@ -55,8 +54,7 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
     out.append("enum WbStatus { " + ", ".join(f"WB_STATUS_{_upper(w)} = {i}" for i, w in enumerate(abi.STATUS_WORDS))
                + f", WB_STATUS_WORDS = {abi.STATUS_LEN} }};")
     shift = abi.where_layout()
-    enc = " | ".join(f"((u32)({'layer + 1' if n == 'layer' else n}) & {(1 << b) - 1}u) << {sh}"
-                     for n, sh, b in shift)
+    enc = " | ".join(f"((u32)({'layer + 1' if n == 'layer' else n}) & {(1 << b) - 1}u) << {sh}" for n, sh, b in shift)
     out.append("// where a block is (its stage, layer + 1, step, waiting at the barrier after it): written at every stage")
     out.append("// entry and barrier arrival, into mapped host memory (P->where), which outlives the process")
     out.append(f"__device__ __forceinline__ u32 wb_where(int stage, int layer, int step, int waiting = 0) "
@@ -78,8 +76,7 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
         out.append(f"constexpr int WB_TAP_{_upper(t.stage)}_{_upper(t.buffer)} = {t.offset}, "
                    f"WB_TAP_{_upper(t.stage)}_{_upper(t.buffer)}_N = {t.size};")
     # shared memory
-    regions = schedule.smem_regions(cfg, launch)
-    for st, regs in regions.items():
+    for st, regs in schedule.smem_regions(cfg, launch).items():
         for r, (off, n) in regs.items():
             out.append(f"constexpr int WB_SMEM_{_upper(st)}_{_upper(r)} = {off}, "
                        f"WB_SMEM_{_upper(st)}_{_upper(r)}_FLOATS = {n};")
@@ -153,10 +150,7 @@ def stream_constants(cfg: ModelConfig, launch: plan.Launch) -> list[str]:
 
 
 def _stage_mask(names) -> str:
-    m = 0
-    for n in names:
-        m |= 1 << plan.STAGE_NAMES.index(n)
-    return hex(m)
+    return hex(sum({1 << plan.STAGE_NAMES.index(n) for n in names}))
 
 
 def stream_step(cfg: ModelConfig, launch: plan.Launch) -> str:
@@ -195,9 +189,7 @@ def _arg(use: plan.Use, layer: str) -> str:
     b = plan.BUFFERS[use.buffer]
     if b.kind == "value":
         return f"s.{b.name}"
-    if b.per_layer:
-        return f"P->{b.name} + {layer} * WB_PER_LAYER_{_upper(b.name)}"
-    return f"P->{b.name}"
+    return f"P->{b.name} + {layer} * WB_PER_LAYER_{_upper(b.name)}" if b.per_layer else f"P->{b.name}"
 
 
 def stage_call(st: plan.Stage, layer: str = "layer") -> str:
@@ -211,8 +203,7 @@ def stage_call(st: plan.Stage, layer: str = "layer") -> str:
         if b.kind == "value":
             result = f"s.{b.name}"
             continue
-        a = _arg(u, layer)
-        outs.append(a + (" /* += */" if st.reads_buffer(u.buffer) else ""))
+        outs.append(_arg(u, layer) + (" /* += */" if st.reads_buffer(u.buffer) else ""))
     args = ins + list(st.extra_args)
     call = f"stage_{st.name}(" + ", ".join(args) + (", /* → */ " if outs and args else "/* → */ " if outs else "") \
         + ", ".join(outs) + ")"
@@ -223,8 +214,10 @@ def _tap_lines(cfg: ModelConfig, launch: plan.Launch, st: plan.Stage, layer: str
     """The copies of what the stage wrote. `local`: no grid barrier follows the stage, so every block copies the
     rows of its own units (a stage that deals by blocks, each unit whole rows of the buffer)."""
     out = []
-    nxt = _next_stage(st)
+    names = plan.STAGE_NAMES
+    nxt = plan.stage(names[(names.index(st.name) + 1) % len(names)])
     for buf in st.taps:
+        name = f"WB_TAP_{_upper(st.name)}_{_upper(buf)}"
         if local:
             w = next(u for u in st.writes if u.buffer == buf)
             n = st.units(cfg, launch)
@@ -233,25 +226,20 @@ def _tap_lines(cfg: ModelConfig, launch: plan.Launch, st: plan.Stage, layer: str
             if st.deal != "blocks" or per <= 0 or any(w.rows(cfg, u) != ((u * per, (u + 1) * per),) for u in range(n)):
                 raise ValueError(f"stage {st.name} taps {buf} with no grid barrier after it, so each block copies its "
                                  f"own units' rows: it must deal by blocks and unit u write rows [u·k, (u+1)·k)")
-            name = f"WB_TAP_{_upper(st.name)}_{_upper(buf)}"
             out.append(f"wb_tap_f32_units(P, s.step, {name}, {layer}, {_arg(plan.Use(buf), layer)}, {n}, {per});")
             continue
         if nxt is not None and nxt.writes_buffer(buf) and st.runs_on == "grid":
             raise ValueError(f"stage {st.name} taps {buf}, which the next stage {nxt.name} overwrites while block 0 "
                              f"copies it: tap it elsewhere")
         b = plan.BUFFERS[buf]
-        name = f"WB_TAP_{_upper(st.name)}_{_upper(buf)}"
         lay = layer if st.scope == "layer" else "0"
         if b.kind == "cache":
             out.append(f"wb_tap_kv(P, s.step, s.pos, {name}, {lay}, {_arg(plan.Use(buf), layer)});")
         elif b.kind == "value":
             out.append(f"wb_tap_value(P, s.step, {name}, s.{buf});")
-        elif b.dtype == "i32":
-            out.append(f"wb_tap_int(P, s.step, {name}, {lay}, {_arg(plan.Use(buf), layer)}, {name}_N);")
-        elif b.dtype == "fixed":
-            out.append(f"wb_tap_fixed(P, s.step, {name}, {lay}, {_arg(plan.Use(buf), layer)}, {name}_N);")
         else:
-            out.append(f"wb_tap_f32(P, s.step, {name}, {lay}, {_arg(plan.Use(buf), layer)}, {name}_N);")
+            fn = {"i32": "wb_tap_int", "fixed": "wb_tap_fixed"}.get(b.dtype, "wb_tap_f32")
+            out.append(f"{fn}(P, s.step, {name}, {lay}, {_arg(plan.Use(buf), layer)}, {name}_N);")
     return out
 
 
@@ -262,12 +250,6 @@ def _next_slot_writes(cfg: ModelConfig, slot: int, buffers) -> bool:
     after = slots[(slot + 1) % len(slots)]
     return any(plan.stage(name).writes_buffer(b) for name, _ in after.stages for b in buffers
                if plan.stage(name).runs_on == "grid")
-
-
-def _next_stage(st: plan.Stage) -> plan.Stage | None:
-    names = plan.STAGE_NAMES
-    i = names.index(st.name)
-    return plan.stage(names[(i + 1) % len(names)])
 
 
 def _barrier(cfg: ModelConfig, launch: plan.Launch, st: plan.Stage, layer: str, slot: str) -> str:
@@ -334,14 +316,11 @@ def decode_step(cfg: ModelConfig, launch: plan.Launch) -> str:
            "// WB_TAP_COPIES: what the debug build copies out (block 0, after the barrier; WB_TAP_SYNC then waits",
            "// for it where the next slot overwrites it); WB_TAP_LOCAL_COPIES: each block its own units' rows.",
            "__device__ __forceinline__ bool wb_decode_step(const Params* P, WbStep& s, float* smem) {"]
-    for st in plan.STAGES[:first]:
-        out += emit(st, "    ")
+    out += [line for st in plan.STAGES[:first] for line in emit(st, "    ")]
     out.append("    for (int layer = 0; layer < WB_LAYERS; ++layer) {")
-    for st in plan.STAGES[first:last + 1]:
-        out += emit(st, "        ")
+    out += [line for st in plan.STAGES[first:last + 1] for line in emit(st, "        ")]
     out.append("    }")
-    for st in plan.STAGES[last + 1:]:
-        out += emit(st, "    ")
+    out += [line for st in plan.STAGES[last + 1:] for line in emit(st, "    ")]
     out += ["    return false;", "}"]
     return "\n".join(out) + "\n"
 

@@ -22,8 +22,7 @@ class CompileError(RuntimeError):
     def __init__(self, messages: list, log: str):
         self.messages, self.log = messages, log
         lines = [f"{f}{f':{n}' if n else ''}: {sev}: {txt}" + (f"\n    {src.strip()}" if src else "")
-                 for f, n, sev, txt, src in messages
-                 if sev == "error"] or [log.strip()]
+                 for f, n, sev, txt, src in messages if sev == "error"] or [log.strip()]
         super().__init__("kernel did not compile:\n" + "\n".join(lines))
 
 
@@ -67,8 +66,7 @@ def resource_messages(log: str, asm: Assembled | None, where: str = "ptxas") -> 
     for _, path, text in sorted(asm.pieces, key=lambda piece: not piece[1].startswith("kernels/sections/")):
         for n, line in enumerate(text.splitlines(), 1):
             if _SHARED_ARRAY.search(line.split("//")[0]) and "extern" not in line:
-                out.append((path, n, "error", "static shared memory declared here counts against that limit",
-                            line))
+                out.append((path, n, "error", "static shared memory declared here counts against that limit", line))
     return out
 
 
@@ -102,8 +100,7 @@ def nvrtc_program(source: str, options: list[str], cubin: bool = True) -> tuple[
     try:
         opts = [o.encode() for o in options]
         res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        log = get(nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog, prog).decode(errors="replace")
-        log = log.rstrip("\x00 ")
+        log = get(nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog, prog).decode(errors="replace").rstrip("\x00 ")
         if res[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             return False, log, "", b""
         binary = get(nvrtc.nvrtcGetCUBINSize, nvrtc.nvrtcGetCUBIN, prog) if cubin else b""

@@ -47,12 +47,8 @@ def cpp_params(source: str, function: str) -> tuple[str, ...]:
     if not m:
         raise ValueError(f"no definition of {function}(...) {{ in its C++ section: a PTX body replaces the body of "
                          "that function, so the C++ section must define it")
-    names = []
-    for p in m[1].split(","):
-        ident = re.findall(r"[A-Za-z_]\w*", p.split("=")[0])
-        if ident:
-            names.append(ident[-1])
-    return tuple(names)
+    idents = [re.findall(r"[A-Za-z_]\w*", p.split("=")[0]) for p in m[1].split(",")]
+    return tuple(ident[-1] for ident in idents if ident)
 
 
 def stage_signature(source: str, section: str, why: str) -> tuple[str, str]:
@@ -100,8 +96,7 @@ def header_constants(header: str) -> dict:
 def constants(defines: dict, stage_threads: int) -> tuple:
     """What a body may write by name: every #define of the build and the plan header's integer constants,
     WB_STAGE_THREADS (plan.Launch's) and WB_WARP (the lanes of a warp, as the C++ sections name them)."""
-    return (*((k, v) for k, v in defines.items()), ("WB_STAGE_THREADS", str(stage_threads)),
-            ("WB_WARP", str(NV_WARP)))
+    return (*defines.items(), ("WB_STAGE_THREADS", str(stage_threads)), ("WB_WARP", str(NV_WARP)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,8 +182,7 @@ def splice(ptx: str, bodies) -> tuple[str, list[Span]]:
             next_file += 1
     # the new .file lines go after the module's own; then the bodies, top to bottom, counting where each lands
     at = file_lines[-1] + 1 if file_lines else len(lines)
-    marks = sorted([(o, c, n, s, d) for o, c, n, s, d in edits] + [(at - 1, at, added, None, None)] if added
-                   else edits, key=lambda e: e[0])
+    marks = sorted(edits + [(at - 1, at, added, None, None)] if added else edits, key=lambda e: e[0])
     out, spans, cursor = [], [], 0
     for open_brace, close, new, source, display in marks:
         out += lines[cursor:open_brace + 1]

@@ -122,14 +122,6 @@ def nvjitlink_problem() -> str | None:
     return None
 
 
-def _compile_unit(u: Unit, arch: str, registers: int) -> bytes:
-    ok, log, _, cubin = nvrtc_program(u.asm.source, [f"--gpu-architecture={arch}", "-rdc=true",
-                                                     f"--maxrregcount={registers}", *NVRTC_OPTIONS, *u.asm.flags])
-    if not ok:
-        raise compile_error(log, u.asm)
-    return cubin
-
-
 def link(units: list[Unit], arch: str = "sm_90", threads: int = 512, whole=None) -> Linked:
     """Every unit compiled (the cached ones taken from the cache; the others in parallel), then linked into one
     cubin. A compile error is raised (CompileError) at its section's line, as the whole build's would be; so is
@@ -147,12 +139,14 @@ def link(units: list[Unit], arch: str = "sm_90", threads: int = 512, whole=None)
     def build(item):
         u, k = item
         t0 = time.perf_counter()
-        cubin = _compile_unit(u, arch, registers)
+        ok, log, _, cubin = nvrtc_program(u.asm.source, [f"--gpu-architecture={arch}", "-rdc=true",
+                                                         f"--maxrregcount={registers}", *NVRTC_OPTIONS, *u.asm.flags])
+        if not ok:
+            raise compile_error(log, u.asm)
         seconds[u.name] = time.perf_counter() - t0
         return k, cubin
     with ThreadPoolExecutor(max_workers=max(1, min(len(todo), 16))) as pool:
-        for k, cubin in pool.map(build, todo):
-            have[k] = cubin
+        have.update(pool.map(build, todo))
     with _LOCK:
         for k in keys:
             _CACHE[k] = have[k]
@@ -166,8 +160,7 @@ def link(units: list[Unit], arch: str = "sm_90", threads: int = 512, whole=None)
         try:
             nvjitlink.complete(handle)
         except nvjitlink.nvJitLinkError:
-            size = nvjitlink.get_error_log_size(handle)
-            log = bytearray(size)
+            log = bytearray(nvjitlink.get_error_log_size(handle))
             nvjitlink.get_error_log(handle, log)
             text = log.decode(errors="replace").rstrip("\x00 ")
             where = "<link of the verification build's units>"

@@ -172,8 +172,7 @@ class CpuBackend:
                 d.abandoned = True
                 self._deferred = d
             raise errors[0]
-        for name, key, (cubin, res) in (r for r, _ in results):
-            self.cubins[name] = (key, cubin, res)
+        self.cubins.update((name, (key, cubin, res)) for (name, key, (cubin, res)), _ in results)
         self._deferred = d
         return wall
 
@@ -191,8 +190,7 @@ class CpuBackend:
         if errors:
             self.cubins = d.undo                # the whole round goes back
             raise errors[0]
-        for name, key, (cubin, res) in (r for r, _ in results):
-            self.cubins[name] = (key, cubin, res)
+        self.cubins.update((name, (key, cubin, res)) for (name, key, (cubin, res)), _ in results)
         return wall
 
     def key(self, name):
@@ -205,8 +203,7 @@ class CpuBackend:
         """The reference alone, on random tokens (what the GPU run would be compared with), when the model is small."""
         t0 = time.perf_counter()
         if self.cpu_reference:
-            rng = np.random.default_rng(self.verify_seed)
-            tokens = rng.integers(0, self.cfg.vocab, 8)
+            tokens = np.random.default_rng(self.verify_seed).integers(0, self.cfg.vocab, 8)
             taps: dict = {}
             forward(self.prepared, tokens, dtype=np.float32, taps=taps)
             self.last_reference = taps
@@ -538,16 +535,14 @@ class GpuService:
         """`method` with the caller's kernel folder in force (sections are read from where the caller edits): this
         service's own (build, which answers with what the caller keeps of each kernel), else the backend's."""
         paths.set_kernels_dir(kernels)
-        target = self if method in ("build", "finish", "kernels", "close") else self.backend
-        return getattr(target, method)(*args, **kw)
+        return getattr(self if method in ("build", "finish", "kernels", "close") else self.backend, method)(*args, **kw)
 
     def build(self, builds: dict, overrides: dict, defer=()):
         wall = self.backend.build(builds, overrides, defer)
         return wall, self._info(skip=self.backend.deferred())      # a kernel compiling in the background: later
 
     def finish(self):
-        wall = self.backend.finish()
-        return wall, self._info()
+        return self.backend.finish(), self._info()
 
     def kernels(self) -> dict:
         return self._info()

@@ -58,10 +58,9 @@ def loop_benchmark(model: str = "llama-3.2-1b", *, sections: tuple = EDIT_SECTIO
     verification build's; the timed build compiles beside it) and edit → record (timing included); then
     `level_edits` more at each of `fast_compile_levels` for the verification build built whole (NVRTC -Ofc), and
     with `whole` `edits` more with it built whole at the workbench's level, against the units build (the default,
-    workbench.compiler.units); a deliberately wrong edit
-    (wrong_rope, as a variant) → the first failing stage; and the tok/s of the plain build against the timing build
-    and the taps build (instrumentation overhead). Restores every file it touched; its edit history goes to a
-    temporary folder. Returns a dict (JSON-ready)."""
+    workbench.compiler.units); a deliberately wrong edit (wrong_rope, as a variant) → the first failing stage; and
+    the tok/s of the plain build against the timing build and the taps build (instrumentation overhead). Restores
+    every file it touched; its edit history goes to a temporary folder. Returns a dict (JSON-ready)."""
     out: dict = {"model": model}
     hist = Path(tempfile.mkdtemp(prefix="wb-loop-history-"))
     originals = {name: section_file(name).read_bytes() for name in sections}

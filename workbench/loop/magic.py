@@ -37,21 +37,13 @@ def _parser(prog: str) -> _Parser:
     return p
 
 
-def _target(prog: str, line: str):
-    """The magic's arguments and the section file they name; _Usage on bad input (unbalanced quotes, unknown
-    section)."""
+def _target_or_report(prog: str, line: str, consequence: str = ""):
+    """The magic's arguments and the section file they name; bad input (a usage error, unbalanced quotes, an unknown
+    section) printed, and None returned, instead of raised into the notebook."""
     try:
         args = _parser(prog).parse_args(shlex.split(line))
         return args, sections.section_file(args.name, args.variant)
-    except ValueError as e:                      # shlex: unbalanced quotes; section_file: no such section
-        raise _Usage(str(e)) from None
-
-
-def _target_or_report(prog: str, line: str, consequence: str = ""):
-    """_target, with bad input printed (and None returned) instead of raised into the notebook."""
-    try:
-        return _target(prog, line)
-    except _Usage as e:
+    except (_Usage, ValueError) as e:            # shlex: unbalanced quotes; section_file: no such section
         print(f"✗ {prog}: {e}" + (f"\n{consequence}" if consequence else ""))
         return None
 
@@ -68,10 +60,8 @@ class WorkbenchMagics(Magics):
         wb = session.active()
         shown = sections.display_path(path)
         try:
-            if wb is not None:
-                entry = wb.edit(args.name, cell, args.variant)
-            else:
-                entry = sections.write_section(args.name, cell, args.variant)
+            entry = (wb.edit(args.name, cell, args.variant) if wb is not None
+                     else sections.write_section(args.name, cell, args.variant))
         except Exception as e:                   # noqa: BLE001 - reported, never raised into the notebook
             print(f"✗ could not write {shown}: {type(e).__name__}: {e}\n"
                   f"  the file on disk is unchanged; your text is still in this cell")

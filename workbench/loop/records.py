@@ -10,9 +10,7 @@ from ..compiler.compile import CompileError
 def format_compile_error(e: CompileError, limit: int = 12) -> str:
     """file:line: error: text, each followed by the numbered source line; warnings left out."""
     out = []
-    for f, n, sev, text, src in e.messages:
-        if sev != "error":
-            continue
+    for f, n, _, text, src in [m for m in e.messages if m[2] == "error"]:
         out.append(f"{f}{f':{n}' if n else ''}: error: {text}")
         if src:
             out.append(f"  {n:5d} | {src.rstrip()}")
@@ -80,8 +78,7 @@ class ReloadRecord:
         if math.isfinite(self.timed_compile_s):
             parts[0] += f" (the timed build {self.timed_compile_s:.2f} s, beside verification)"
         if self.status == NO_GPU:
-            r = self.resources or {}
-            if r:
+            if r := self.resources:
                 parts.append(f"{r.get('registers')} registers, {r.get('local_bytes', 0)} B local")
             if not math.isnan(self.verify_s):
                 parts.append(f"CPU reference {self.verify_s:.2f} s")
@@ -121,15 +118,12 @@ class ReloadRecord:
                                            "first_failure", "error", "key", "tokens_ok", "sampler", "end_to_end")}
         d.update({k: num(getattr(self, k)) for k in ("compile_s", "verify_s", "time_s", "total_s", "tok_per_s",
                                                      "verdict_s", "timed_compile_s")})
-        d["variants"] = [list(v) for v in self.variants]
-        d["messages"] = [list(m) for m in self.messages]
-        d["resources"] = dict(self.resources) if self.resources else None
-        d["blocks"] = [dataclasses.asdict(b) for b in self.blocks] if self.blocks else None
-        d["detect_s"], d["restart_s"] = self.detect_s, self.restart_s
-        d["stages"] = self.stages.to_dict(json_safe=True) if self.stages is not None else None
-        d["timing"] = _rows(self.timing)
-        d["timing_text"] = self.timing_text
-        d["report"] = self.report()
+        d.update(variants=[list(v) for v in self.variants], messages=[list(m) for m in self.messages],
+                 resources=dict(self.resources) if self.resources else None,
+                 blocks=[dataclasses.asdict(b) for b in self.blocks] if self.blocks else None,
+                 detect_s=self.detect_s, restart_s=self.restart_s,
+                 stages=self.stages.to_dict(json_safe=True) if self.stages is not None else None,
+                 timing=_rows(self.timing), timing_text=self.timing_text, report=self.report())
         return d
 
 
@@ -179,12 +173,11 @@ class ABRecord:
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        rows = _rows
         return {"a": [list(v) for v in self.a], "b": [list(v) for v in self.b], "a_tok_s": self.a_tok_s,
                 "b_tok_s": self.b_tok_s, "a_runs": list(self.a_runs), "b_runs": list(self.b_runs),
                 "speedup": self.speedup, "a_passed": self.a_passed, "b_passed": self.b_passed,
                 "a_failure": self.a_failure, "b_failure": self.b_failure, "a_error": self.a_error,
-                "b_error": self.b_error, "a_timing": rows(self.a_timing), "b_timing": rows(self.b_timing),
+                "b_error": self.b_error, "a_timing": _rows(self.a_timing), "b_timing": _rows(self.b_timing),
                 "a_stages": self.a_stages.to_dict(json_safe=True) if self.a_stages is not None else None,
                 "b_stages": self.b_stages.to_dict(json_safe=True) if self.b_stages is not None else None,
                 "report": self.report()}
@@ -193,5 +186,3 @@ class ABRecord:
 def _rows(timing) -> list | None:
     """[StageRow] → plain dicts."""
     return [{**dataclasses.asdict(r), "spread": list(r.spread)} for r in timing] if timing else None
-
-

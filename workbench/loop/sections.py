@@ -42,11 +42,6 @@ _fallback = threading.Lock()
 LOCK_NAME = ".lock"             # in the kernels folder's .history/: one per kernels folder, whatever history_dir is
 
 
-def history_root() -> Path:
-    """kernels/.history (git-ignored): earlier versions of every edited section."""
-    return paths.history_dir()
-
-
 def section_file(section: str, variant: str | None = None) -> Path:
     """The file of a section (or of one of its variants): kernels/lib/ for the library, kernels/sections/ for the
     stages of the plan, kernels/monokernel.cuh for the kernel entry."""
@@ -76,7 +71,8 @@ def _stamp() -> str:
 
 
 def _history_dir(section: str, variant: str | None, root: Path | None) -> Path:
-    return (root or history_root()) / (f"{section}@{variant}" if variant else section)
+    """The section's folder of earlier versions under `root`, by default kernels/.history (git-ignored)."""
+    return (root or paths.history_dir()) / _name(section, variant)
 
 
 def checked_history_dir(history_dir: str | Path | None) -> Path | None:
@@ -150,14 +146,12 @@ def _new_entry(folder: Path, suffix: str, content: bytes) -> Path:
     _folder(folder)
     while True:
         p = folder / f"{_stamp()}{suffix}"
-        try:
-            with open(p, "xb") as f:                 # another process's entry of the same nanosecond: next stamp
+        with contextlib.suppress(FileExistsError):   # another process's entry of the same nanosecond: next stamp
+            with open(p, "xb") as f:
                 f.write(content)
                 f.flush()
                 os.fsync(f.fileno())                 # on disk before the file it saves is replaced
             return p
-        except FileExistsError:
-            continue
 
 
 def _name(section: str, variant: str | None) -> str:
@@ -277,11 +271,8 @@ def texts_of(asm) -> dict:
     stage written in PTX is its .ptx body (what an override of it replaces; its C++ declaration is read from disk)."""
     out = {}
     for _, path, text in asm.pieces:
-        if path.startswith("<"):
-            continue
         stem = Path(path).stem.split("@")[0]
-        if stem in plan.FILES:
+        if not path.startswith("<") and stem in plan.FILES:
             out[stem] = text
-    for b in asm.ptx_bodies:
-        out[b.section] = b.text
+    out.update((b.section, b.text) for b in asm.ptx_bodies)
     return out

@@ -233,10 +233,8 @@ class Workbench:
 
     def build_files(self) -> set[Path]:
         """The files the current builds read (the watcher reloads when one of them changes)."""
-        files = {paths.kernels_dir() / "portability.cuh"}
-        for s in plan.FILES:
-            if s not in self.overrides:
-                files.add(section_path(s, self.variants.get(s)))
+        files = [paths.kernels_dir() / "portability.cuh"]
+        files += [section_path(s, self.variants.get(s)) for s in plan.FILES if s not in self.overrides]
         return {f.resolve() for f in files}
 
     # -- the loop ------------------------------------------------------------------------------------------------
@@ -282,7 +280,8 @@ class Workbench:
                     if hasattr(self.backend, "mark_good") and timed_in:     # a round put back is not good
                         self.backend.mark_good()
             rec.total_s = time.perf_counter() - t0
-            self._record(rec)
+            self.history.append(rec)
+            self._tell(self.on_record, rec)
             return rec
 
     def _failed(self, rec: ReloadRecord, f):
@@ -309,17 +308,12 @@ class Workbench:
                          f"are back to the last good ones\n" + format_compile_error(e))
             return False
         except Exception as e:                 # assembly refused, not resident, driver errors: as build's would be
-            kind = ASSEMBLE_ERROR if isinstance(e, (ValueError, FileNotFoundError, OSError)) else RUN_ERROR
-            rec.status = kind
+            rec.status = ASSEMBLE_ERROR if isinstance(e, (ValueError, FileNotFoundError, OSError)) else RUN_ERROR
             rec.error = (f"the timed build failed (the verification build compiled{verified}); both builds are back "
                          f"to the last good ones: {type(e).__name__}: {e}")
             return False
         rec.resources = self.backend.resources("timed")
         return True
-
-    def _record(self, rec: ReloadRecord):
-        self.history.append(rec)
-        self._tell(self.on_record, rec)
 
     @staticmethod
     def _tell(callbacks: list, rec: ReloadRecord):
@@ -449,7 +443,7 @@ class Workbench:
     # -- watching --------------------------------------------------------------------------------------------------
     def watch(self, interval_s: float = 0.2, debounce_s: float = 0.3):
         """Reload whenever a file of the current build changes on disk (saved from JupyterLab's editor, say)."""
-        if self._watcher is not None and self._watcher.running:
+        if self.watching:
             return self._watcher
         self._watcher = Watcher(self._on_files_changed, interval_s=interval_s, debounce_s=debounce_s)
         self._watcher.start()
@@ -476,12 +470,9 @@ class Workbench:
         hit = [p for p in changed if Path(p).resolve() in used]
         if not hit:
             return None
-        section = variant = None
-        if len(hit) == 1:
-            stem = Path(hit[0]).stem
-            section, _, variant = stem.partition("@")
-            variant = variant or None
-        return self.reload(trigger="watch", section=section, variant=variant)
+        # one file: the reload names its section (and variant, NAME@VARIANT); several: a reload of everything
+        section, _, variant = Path(hit[0]).stem.partition("@") if len(hit) == 1 else (None, "", None)
+        return self.reload(trigger="watch", section=section, variant=variant or None)
 
     # -- lifetime --------------------------------------------------------------------------------------------------
     def close(self):

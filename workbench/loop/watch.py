@@ -67,11 +67,7 @@ class Watcher:
     def sync(self):
         """Take the current state as known, dropping pending changes (after writes of our own)."""
         with self._lock:
-            self._known = {}
-            for p in self.files():
-                st = self._stat(p)
-                if st is not None:
-                    self._known[p] = (*st, _digest(p))
+            self._known = {p: (*st, _digest(p)) for p in self.files() if (st := self._stat(p)) is not None}
             self._pending.clear()
 
     @contextlib.contextmanager

@@ -38,8 +38,7 @@ def stream_read_tbps(nbytes: int, repeats: int = 20) -> dict:
     buf = cp.random.default_rng(0).integers(0, 2**31, nbytes // 4, dtype=cp.int32)
     out = cp.zeros(1, cp.uint32)
     fn = cp.RawKernel(_READ_SRC, "stream_read")
-    n_sm = cp.cuda.Device().attributes["MultiProcessorCount"]
-    grid, block = n_sm * 4, 512
+    grid, block = cp.cuda.Device().attributes["MultiProcessorCount"] * 4, 512
     times = []
     for r in range(repeats + 3):
         s, e = cp.cuda.Event(), cp.cuda.Event()
@@ -158,8 +157,7 @@ def gpt_fast_tok_per_s(model, *, pos0: int, n_tokens: int, compile: bool = True,
         ic.fx_graph_cache = True
 
     def step(idx, pos):
-        logits = model(idx, pos)
-        return torch.argmax(logits[:, -1], dim=-1, keepdim=True).to(torch.int)
+        return torch.argmax(model(idx, pos)[:, -1], dim=-1, keepdim=True).to(torch.int)
 
     fn = torch.compile(step, mode="reduce-overhead", fullgraph=True) if compile else step
     dev = model.embed.device

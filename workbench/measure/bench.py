@@ -104,11 +104,6 @@ def ttft_hf(model, prompt_ids) -> float:
     return time.perf_counter() - t0
 
 
-def _median_runs(fn, repeats):
-    runs = [fn() for _ in range(repeats)]
-    return float(np.median(runs)), (float(min(runs)), float(max(runs)))
-
-
 def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 5, positions=None,
               torch_paths: bool = True, hf: bool = True, verify_first: bool = True, seed: int = 0,
               ttft=(), compiled: bool = True, options=(), log=print) -> dict:
@@ -143,8 +138,7 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
     log(f"streaming read: {roof['tbps']:.2f} TB/s")
 
     def roof_tps(pos):
-        mid = pos + tokens // 2
-        return roof["tbps"] * 1e12 / (wbytes + cfg.kv_bytes_per_token(mid))
+        return roof["tbps"] * 1e12 / (wbytes + cfg.kv_bytes_per_token(pos + tokens // 2))
 
     def add(path, pos, tps, spread, note=""):
         row = Row(path, pos, 1e6 / tps, tps, spread, 100 * tps / roof_tps(pos), note,
@@ -156,8 +150,8 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
     for pos in positions:
         add("roofline (streaming read)", pos, roof_tps(pos), (roof_tps(pos), roof_tps(pos)))
         mk.generate([1], 4, eos=[], pos0=pos)                              # warm
-        tps, spread = _median_runs(lambda: mk.generate([1], tokens, eos=[], pos0=pos).tok_per_s, repeats)
-        add("monokernel", pos, tps, spread)
+        runs = [mk.generate([1], tokens, eos=[], pos0=pos).tok_per_s for _ in range(repeats)]
+        add("monokernel", pos, float(np.median(runs)), (float(min(runs)), float(max(runs))))
 
     out["ttft"] = []
 

@@ -57,11 +57,7 @@ def stage_bytes(cfg: ModelConfig, stage: str, pos: int) -> int:
     """Bytes a stage must move from memory at position `pos` (schedule.stage_bytes: weights bf16, the KV cache read by
     attention); a slot label made of several stages gives their sum; a stage the plan does not know (an older
     trace's) gives 0."""
-    total = 0
-    for name in label_stages(stage):
-        if name in plan.STAGE_NAMES:
-            total += schedule.stage_bytes(cfg, name, pos)
-    return total
+    return sum(schedule.stage_bytes(cfg, name, pos) for name in label_stages(stage) if name in plan.STAGE_NAMES)
 
 
 @dataclasses.dataclass
@@ -95,9 +91,15 @@ def spans(t: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     start[:, 1:] = leave[:, :-1]
     start[1:, 0] = leave[:-1, -1]
     start[0, 0] = prev[0, 0]
-    work = arrive - start
-    wait = leave - arrive
-    return span, work, wait
+    return span, arrive - start, leave - arrive
+
+
+def _by_label(cfg: ModelConfig, t: np.ndarray, names: list[tuple[str, int]] | None) -> list[tuple[str, list[int]]]:
+    """(label, its slots' indices) per distinct slot label of the layout `names` (default the plan's) the stamps fit."""
+    names = names or slot_names(cfg)
+    if t.shape[1] != len(names):
+        raise ValueError(f"stamps have {t.shape[1]} slots per step, the layout {len(names)}")
+    return [(label, [i for i, (s, _) in enumerate(names) if s == label]) for label in slot_labels(cfg, names)]
 
 
 def stage_table(cfg: ModelConfig, t: np.ndarray, pos0: int = 0, skip_first: int = 1,
@@ -105,15 +107,12 @@ def stage_table(cfg: ModelConfig, t: np.ndarray, pos0: int = 0, skip_first: int 
     """One row per distinct slot label, in slot order (a layer stage's slots summed over the layers), over the
     steps from `skip_first` on. Bytes at the run's middle position. `names`: the trace's own slot layout (default
     the plan's)."""
-    names = names or slot_names(cfg)
-    if t.shape[1] != len(names):
-        raise ValueError(f"stamps have {t.shape[1]} slots per step, the layout {len(names)}")
+    labels = _by_label(cfg, t, names)
     span, work, wait = spans(t)
     steps = range(skip_first, t.shape[0])
     mid = pos0 + t.shape[0] // 2
     rows = []
-    for label in slot_labels(cfg, names):
-        idx = [i for i, (s, _) in enumerate(names) if s == label]
+    for label, idx in labels:
         per_step = span[steps][:, idx].sum(axis=1) / 1e3
         nbytes = stage_bytes(cfg, label, mid) * len(idx)
         us = float(np.median(per_step))
@@ -166,17 +165,11 @@ class BoundaryRow:
 def boundary_table(cfg: ModelConfig, t: np.ndarray, skip_first: int = 1,
                    names: list[tuple[str, int]] | None = None) -> list[BoundaryRow]:
     """One row per slot label, in slot order, from the stamps [steps, slots, blocks, 2] (see `spans`)."""
-    names = names or slot_names(cfg)
-    if t.shape[1] != len(names):
-        raise ValueError(f"stamps have {t.shape[1]} slots per step, the layout {len(names)}")
+    labels = _by_label(cfg, t, names)
     arrive, leave, release, prev = _releases(t)
     last_in = arrive.max(axis=2)
     parts = (arrive.min(axis=2) - prev, last_in - prev, leave.min(axis=2) - last_in, release - last_in)
-    rows = []
-    for label in slot_labels(cfg, names):
-        idx = [i for i, (s, _) in enumerate(names) if s == label]
-        rows.append(BoundaryRow(label, *(float(p[skip_first:, idx].mean() / 1e3) for p in parts)))
-    return rows
+    return [BoundaryRow(label, *(float(p[skip_first:, idx].mean() / 1e3) for p in parts)) for label, idx in labels]
 
 
 def format_boundaries(rows: list[BoundaryRow]) -> str:
@@ -207,17 +200,14 @@ class CriticalRow:
 def critical_table(cfg: ModelConfig, t: np.ndarray, skip_first: int = 1, names: list[tuple[str, int]] | None = None,
                    top: int = 4) -> list[CriticalRow]:
     """One row per slot label, in slot order, from the stamps [steps, slots, blocks, 2] (see `spans`)."""
-    names = names or slot_names(cfg)
-    if t.shape[1] != len(names):
-        raise ValueError(f"stamps have {t.shape[1]} slots per step, the layout {len(names)}")
+    labels = _by_label(cfg, t, names)
     if t.shape[0] == 0:
         raise ValueError("no steps in the stamps")
     _, work, wait = spans(t)
     arrive = t[..., 0].astype(np.int64)
     steps = slice(skip_first if t.shape[0] > skip_first else 0, t.shape[0])     # as stage_rows skips the first
     rows = []
-    for label in slot_labels(cfg, names):
-        idx = [i for i, (s, _) in enumerate(names) if s == label]
+    for label, idx in labels:
         w = work[steps][:, idx].reshape(-1, t.shape[2])                # [barriers, blocks]
         a = arrive[steps][:, idx].reshape(-1, t.shape[2])
         last = a.argmax(axis=1)

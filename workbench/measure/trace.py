@@ -28,6 +28,8 @@ importers accept: "traceEvents" first, no arrays inside events, ASCII text.
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -72,9 +74,7 @@ def slots_from_meta(meta: dict) -> tuple[list[tuple[str, int]], str] | None:
 
 def names_at(names: list[tuple[str, int]], step0_label: str, step: int) -> list[tuple[str, int]]:
     """The slot names of one step: at step 0, slot 0 holds only its own stages."""
-    if step == 0 and names:
-        return [(step0_label, names[0][1])] + list(names[1:])
-    return list(names)
+    return [(step0_label, names[0][1])] + list(names[1:]) if step == 0 and names else list(names)
 
 
 def _layout(cfg: ModelConfig, meta: dict | None) -> tuple[list[tuple[str, int]], str]:
@@ -136,8 +136,7 @@ class Trace:
     def label(self) -> str:
         """Short name of the run: model and position (and variant, when the metadata has one)."""
         m = self.meta
-        extra = f", {m['variant']}" if m.get("variant") else ""
-        return f"{m.get('model', '?')} pos {self.pos0:,}{extra}"
+        return f"{m.get('model', '?')} pos {self.pos0:,}" + (f", {m['variant']}" if m.get("variant") else "")
 
     @property
     def complete_steps(self) -> int:
@@ -163,19 +162,12 @@ class Trace:
 
 def source_title(meta: dict) -> str:
     """"recorded on NVIDIA H200, 2026-11-30, commit 9967ec4" for a recording; "live on …" otherwise."""
-    where = meta.get("device") or "unknown device"
-    parts = [f"{'recorded' if meta.get('recorded') else 'live'} on {where}"]
+    parts = [f"{'recorded' if meta.get('recorded') else 'live'} on {meta.get('device') or 'unknown device'}"]
     if meta.get("date"):
         parts.append(str(meta["date"]))
     if meta.get("commit"):
         parts.append(f"commit {meta['commit']}")
     return ", ".join(parts)
-
-
-def config_to_meta(cfg: ModelConfig) -> dict:
-    d = dataclasses.asdict(cfg)
-    d["eos_token_ids"] = list(cfg.eos_token_ids)
-    return d
 
 
 def config_from_meta(meta: dict) -> ModelConfig:
@@ -212,9 +204,9 @@ def recording_meta(cfg: ModelConfig, *, position: int = 0, tok_s: float | None =
             device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
         except Exception:
             device = "unknown device"
-    meta = dict(format=FORMAT, recorded=recorded, device=device,
-                date=date or datetime.date.today().isoformat(), commit=commit or git_commit(),
-                model=cfg.name, config=config_to_meta(cfg), position=int(position),
+    meta = dict(format=FORMAT, recorded=recorded, device=device, date=date or datetime.date.today().isoformat(),
+                commit=commit or git_commit(), model=cfg.name,
+                config={**dataclasses.asdict(cfg), "eos_token_ids": list(cfg.eos_token_ids)}, position=int(position),
                 tok_s=None if tok_s is None else float(tok_s),
                 roofline_tbps=None if roofline_tbps is None else float(roofline_tbps), slots=slots_meta(cfg))
     meta.update(extra)
@@ -231,8 +223,7 @@ def encode(stamps: np.ndarray) -> tuple[int, np.ndarray]:
     written = t > 0
     base = int(t[written].min()) if written.any() else 0
     delta = np.where(written, t.astype(np.int64) - base, -1)
-    dtype = np.int32 if delta.max(initial=0) < 2**31 - 1 else np.int64
-    return base, delta.astype(dtype)
+    return base, delta.astype(np.int32 if delta.max(initial=0) < 2**31 - 1 else np.int64)
 
 
 def decode(base: int, delta: np.ndarray) -> np.ndarray:
@@ -247,10 +238,8 @@ def save_trace(path, stamps: np.ndarray, meta: dict) -> Path:
     base, delta = encode(stamps)
     meta = dict(meta, format=FORMAT)
     if not meta.get("slots"):
-        try:
+        with contextlib.suppress(ValueError, TypeError):    # no config to derive it from: the reader assumes the plan's
             meta["slots"] = slots_meta(config_from_meta(meta))
-        except (ValueError, TypeError):
-            pass                                    # no config to derive it from: the reader assumes the plan's
     got = slots_from_meta(meta)
     if got is not None and len(got[0]) != delta.shape[1]:
         raise UserError(f"stamps have {delta.shape[1]} slots per step, the layout {len(got[0])} "
@@ -334,8 +323,7 @@ def complete_steps(stamps: np.ndarray) -> int:
     t = np.asarray(stamps)
     if t.ndim != 4 or t.shape[0] == 0:
         return 0
-    ok = (t > 0).all(axis=(1, 2, 3))
-    bad = np.flatnonzero(~ok)
+    bad = np.flatnonzero(~(t > 0).all(axis=(1, 2, 3)))
     return int(bad[0]) if bad.size else int(t.shape[0])
 
 
@@ -395,8 +383,7 @@ def intervals(stamps: np.ndarray) -> Intervals:
     if t.shape[0]:
         first = arrive[0, 0][arrive[0, 0] > 0]
         start[0, 0] = first.min() if first.size else 0   # the kernel's start is not stamped: the first arrival
-    known = written & (start > 0)
-    return Intervals(start, arrive, leave, known)
+    return Intervals(start, arrive, leave, written & (start > 0))
 
 
 # -- Perfetto / Chrome trace JSON ---------------------------------------------------------------------------------
@@ -458,9 +445,8 @@ def to_perfetto(stamps: np.ndarray, cfg: ModelConfig, *, pos0: int = 0, meta: di
                                dur=dur(lv - ar), args=dict(a, part="wait")))
             if grid_track and iv.known[s, k].all():
                 st = iv.start[s, k].max() if not (s == 0 and k == 0) else iv.start[0, 0, 0]
-                rel = iv.leave[s, k].max()
                 ev.append(dict(name=stage, cat="grid", ph="X", pid=pid, tid=grid_tid, ts=us(st),
-                               dur=dur(rel - st), args=dict(common)))
+                               dur=dur(iv.leave[s, k].max() - st), args=dict(common)))
     other = {"generator": "workbench.trace", "model": cfg.name, "position": pos0, "base_ns": str(base)}
     for k, v in (meta or {}).items():
         if isinstance(v, (str, int, float, bool)) and k not in other:
@@ -472,9 +458,7 @@ def write_perfetto(path, trace_json: dict) -> Path:
     """Write the JSON (traceEvents first: older importers ignore everything after an unknown top-level key)."""
     path = Path(path)
     with open(path, "w", encoding="ascii") as f:
-        json.dump({"traceEvents": trace_json["traceEvents"], **{k: v for k, v in trace_json.items()
-                                                                 if k != "traceEvents"}},
-                  f, separators=(",", ":"), ensure_ascii=True)
+        json.dump({"traceEvents": trace_json["traceEvents"], **trace_json}, f, separators=(",", ":"), ensure_ascii=True)
     return path
 
 
@@ -483,9 +467,7 @@ def _span(xs) -> str:
     xs = sorted(xs)
     if len(xs) == 1:
         return str(xs[0])
-    if xs == list(range(xs[0], xs[-1] + 1)):
-        return f"{xs[0]}–{xs[-1]}"
-    return ", ".join(map(str, xs))
+    return f"{xs[0]}–{xs[-1]}" if xs == list(range(xs[0], xs[-1] + 1)) else ", ".join(map(str, xs))
 
 
 def _ascii(s: str) -> str:
@@ -516,8 +498,6 @@ def main(argv=None) -> int:
 
 
 def _main(argv=None) -> int:
-    import argparse
-
     ap = argparse.ArgumentParser(prog="python -m workbench.measure.trace",
                                  description="timing traces: pack, convert, info, perfetto")
     sub = ap.add_subparsers(dest="cmd", required=True)

@@ -15,8 +15,7 @@ from pathlib import Path
 
 from ..errors import ConfigError
 
-__all__ = ["ConfigError", "RopeScaling", "ModelConfig", "PRESETS", "DEFAULT_MODEL", "get_config",
-           "local_folder"]
+__all__ = ["ConfigError", "RopeScaling", "ModelConfig", "PRESETS", "DEFAULT_MODEL", "get_config", "local_folder"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,10 +324,8 @@ def _rope(k: _Keys, mpe: int) -> tuple[float, RopeScaling | None]:
                           f"{rs.prefix}low_freq_factor ({low})")
     # transformers takes a top-level original_max_position_embeddings first (standardize_rope_params), else the
     # rope dict's, else max_position_embeddings
-    if "original_max_position_embeddings" in k.d:
-        original = k.integer("original_max_position_embeddings")
-    else:
-        original = rs.integer("original_max_position_embeddings", mpe)
+    original = (k.integer("original_max_position_embeddings") if "original_max_position_embeddings" in k.d
+                else rs.integer("original_max_position_embeddings", mpe))
     return theta, RopeScaling(rs.number("factor"), low, high, original)
 
 
@@ -353,10 +350,8 @@ def _sliding_window(k: _Keys, family: str | None, n_layers: int) -> int | None:
                               "(transformers cannot run this config either): set use_sliding_window or make every "
                               "layer full_attention")
         return None
-    if types is not None:
-        sliding = "sliding_attention" in types
-    else:
-        sliding = k.integer("max_window_layers", QWEN_MAX_WINDOW_LAYERS, null_ok=True, minimum=0) < n_layers
+    sliding = ("sliding_attention" in types if types is not None
+               else k.integer("max_window_layers", QWEN_MAX_WINDOW_LAYERS, null_ok=True, minimum=0) < n_layers)
     return window if sliding else None
 
 
@@ -475,19 +470,15 @@ class ModelConfig:
         if arch != "qwen2" and (k.flag("attention_bias", False, null_ok=True) or
                                 k.flag("mlp_bias", False, null_ok=True)):
             raise ConfigError(f"{source}: attention/MLP biases are not implemented (the q/k/v biases of qwen2 are)")
-        if "head_dim" in d:
-            head_dim = k.integer("head_dim", None, null_ok=True)       # null: derived, as HF writes it for qwen2
-        else:
-            head_dim = k.default("head_dim", family)
+        # a null head_dim is derived, as HF writes it for qwen2
+        head_dim = k.integer("head_dim", None, null_ok=True) if "head_dim" in d else k.default("head_dim", family)
         if head_dim is None:
             if hidden % n_heads:
                 raise ConfigError(f"{source}: hidden_size ({hidden}) is not a multiple of num_attention_heads "
                                   f"({n_heads}) and there is no head_dim to say what a head is")
             head_dim = hidden // n_heads
-        if "num_key_value_heads" in d:
-            n_kv_heads = k.integer("num_key_value_heads", n_heads, null_ok=True)
-        else:
-            n_kv_heads = k.default("num_key_value_heads", family, num_key_value_heads=n_heads)
+        n_kv_heads = (k.integer("num_key_value_heads", n_heads, null_ok=True) if "num_key_value_heads" in d
+                      else k.default("num_key_value_heads", family, num_key_value_heads=n_heads))
         mpe = k.integer("max_position_embeddings") if "max_position_embeddings" in d else \
             k.default("max_position_embeddings", family)
         theta, scaling = _rope(k, mpe)
@@ -519,11 +510,9 @@ class ModelConfig:
                               f"<= {window}")
         fields = dict(
             name=name, hidden=hidden, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-            intermediate=intermediate, vocab=vocab, rms_eps=k.number("rms_norm_eps", HF_RMS_EPS),
-            rope_theta=theta, rope_scaling=scaling,
-            tie_embeddings=k.flag("tie_word_embeddings", False, null_ok=True),
-            max_seq=max_seq, qk_norm=arch == "qwen3", qkv_bias=arch == "qwen2", bos_token_id=bos,
-            eos_token_ids=tuple(eos_list),
+            intermediate=intermediate, vocab=vocab, rms_eps=k.number("rms_norm_eps", HF_RMS_EPS), rope_theta=theta,
+            rope_scaling=scaling, tie_embeddings=k.flag("tie_word_embeddings", False, null_ok=True), max_seq=max_seq,
+            qk_norm=arch == "qwen3", qkv_bias=arch == "qwen2", bos_token_id=bos, eos_token_ids=tuple(eos_list),
             max_positions=mpe)
         problems = shape_problems(fields, HF_KEYS)
         if problems:
@@ -562,12 +551,8 @@ class ModelConfig:
                  intermediate_size=self.intermediate, vocab_size=self.vocab, rms_norm_eps=self.rms_eps,
                  rope_theta=self.rope_theta, tie_word_embeddings=self.tie_embeddings, hidden_act="silu",
                  max_position_embeddings=self.max_seq)
-        if family == "llama":
-            d.update(attention_bias=False, mlp_bias=False)
-        elif family == "qwen3":
-            d.update(attention_bias=False, use_sliding_window=False)
-        else:
-            d.update(use_sliding_window=False)
+        d.update({"llama": dict(attention_bias=False, mlp_bias=False), "qwen2": dict(use_sliding_window=False),
+                  "qwen3": dict(attention_bias=False, use_sliding_window=False)}[family])
         if self.rope_scaling:
             r = self.rope_scaling
             d["rope_scaling"] = dict(rope_type="llama3", factor=r.factor, low_freq_factor=r.low_freq_factor,
@@ -648,8 +633,7 @@ def local_folder(name_or_path: str | Path) -> Path | None:
         return p.parent
     if p.is_dir():
         return p
-    raise ConfigError(f"{str(name_or_path)!r} is neither a preset ({', '.join(PRESETS)}) nor a folder with "
-                      f"config.json")
+    raise ConfigError(f"{str(name_or_path)!r} is neither a preset ({', '.join(PRESETS)}) nor a folder with config.json")
 
 
 def get_config(name_or_path: str | Path, max_seq: int | None = None) -> ModelConfig:

@@ -119,10 +119,6 @@ class SafetensorsFile:
         a, b = h["data_offsets"]
         return self._map[self.offset + a:self.offset + b].view(_DTYPES[h["dtype"]]).reshape(h["shape"])
 
-    def get_f32(self, name: str) -> np.ndarray:
-        t = self.get(name)
-        return bf16_to_f32(t) if self.dtype(name) == "BF16" else t.astype(np.float32)
-
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)

@@ -19,12 +19,9 @@ from .safetensors_io import SafetensorsFile, WeightsError, bf16_to_f32
 
 # -- bf16 bit helpers that work for numpy and cupy alike ---------------------------------------------------------
 
-
 def to_f32(a, xp=np):
     """bf16 bits (uint16) or any float array → float32."""
-    if a.dtype == xp.uint16:
-        return (a.astype(xp.uint32) << 16).view(xp.float32)
-    return a.astype(xp.float32)
+    return (a.astype(xp.uint32) << 16).view(xp.float32) if a.dtype == xp.uint16 else a.astype(xp.float32)
 
 
 def to_bf16(a, xp=np):
@@ -45,7 +42,6 @@ def round_bf16(a, xp=np):
 
 
 # -- HF-layout weights -----------------------------------------------------------------------------------------
-
 
 def layer_names(i: int, cfg: ModelConfig | None = None) -> dict[str, str]:
     """Layer i's tensors by their short names: a Llama layer's, and with `cfg` also those its family adds
@@ -102,9 +98,8 @@ def check_shapes(cfg: ModelConfig, tensors: dict, source: str, where: dict[str, 
     missing = [k for k in want if k not in tensors]
     if missing:
         more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
-        hint = ""
-        if missing == ["lm_head.weight"]:
-            hint = " (the config does not tie the LM head to the embedding: tie_word_embeddings is false)"
+        hint = (" (the config does not tie the LM head to the embedding: tie_word_embeddings is false)"
+                if missing == ["lm_head.weight"] else "")
         raise WeightsError(f"{source}: missing tensors {', '.join(missing[:3])}{more}{hint}")
     for k, shape in want.items():
         got = tuple(tensors[k]) if isinstance(tensors[k], (tuple, list)) else tuple(tensors[k].shape)
@@ -176,8 +171,7 @@ def _shard_files(folder: Path) -> tuple[list[str], dict[str, str], Path | None]:
             not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
         raise WeightsError(f"{index}: weight_map must be an object of tensor names to file names")
     for tensor, fname in weight_map.items():
-        why = _outside(folder, fname)
-        if why:
+        if why := _outside(folder, fname):
             raise WeightsError(f"{index}: weight_map entry {tensor} → {fname!r} is outside the checkpoint folder "
                                f"{folder} ({why}); a shard must be a file in it")
     return sorted(set(weight_map.values())), weight_map, index
@@ -254,9 +248,8 @@ def load_hf(folder: str | Path, cfg: ModelConfig | None = None, progress: bool =
         if dt not in WEIGHT_DTYPES:
             raise WeightsError(f"{where[k]}: tensor {k} has dtype {dt}; weights must be "
                                f"{', '.join(WEIGHT_DTYPES[:-1])} or {WEIGHT_DTYPES[-1]}")
-    tensors = {}
-    for k in _progress(list(want), "reading tensors", progress and len(files) > 1):
-        tensors[k] = _read_f32_or_bf16(file_of[k], k, where[k])
+    tensors = {k: _read_f32_or_bf16(file_of[k], k, where[k])
+               for k in _progress(list(want), "reading tensors", progress and len(files) > 1)}
     if tied_head:
         head, embed = file_of["lm_head.weight"].get("lm_head.weight"), tensors["model.embed_tokens.weight"]
         if file_of["lm_head.weight"].dtype("lm_head.weight") == "BF16" and embed.dtype == np.uint16:
@@ -306,8 +299,7 @@ def check_finite(w: Weights, where: dict[str, str] | None = None, chunk: int = 1
     for name, t in w.tensors.items():
         first = _first_nonfinite(t, xp, chunk, scratch)
         if first is not None:
-            flat = t.reshape(-1)
-            _report_nonfinite(name, flat[first:], first, t.shape, where.get(name, w.source), xp)
+            _report_nonfinite(name, t.reshape(-1)[first:], first, t.shape, where.get(name, w.source), xp)
 
 
 def _first_nonfinite(t, xp, chunk: int = 1 << 20, scratch=None) -> int | None:
@@ -351,8 +343,7 @@ def random_weights(cfg: ModelConfig, seed: int = 0, xp=np, progress: bool = True
     logits are neither flat nor one-hot. The values depend on (seed, xp): numpy and cupy generators differ."""
     rs = xp.random.default_rng(seed)
     tensors = {}
-    shapes = expected_shapes(cfg)
-    for name, shape in _progress(list(shapes.items()), "random weights", progress and cfg.n_layers > 4):
+    for name, shape in _progress(list(expected_shapes(cfg).items()), "random weights", progress and cfg.n_layers > 4):
         if name.endswith(".bias"):
             t = 0.1 * rs.standard_normal(shape, dtype=xp.float32)
         elif len(shape) == 1:
@@ -365,7 +356,6 @@ def random_weights(cfg: ModelConfig, seed: int = 0, xp=np, progress: bool = True
 
 
 # -- preparation for the kernel ---------------------------------------------------------------------------------
-
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     """Inverse frequencies as HF computes them in fp32, llama3 scaling included, op for op.

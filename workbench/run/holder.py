@@ -12,17 +12,15 @@ import dataclasses
 import numpy as np
 
 from ..model.weights import Prepared, load_prepared
-
 from .worker import Worker
 
 
 @dataclasses.dataclass
 class Lent:
-    """What a worker needs to map the weights: per array, its IPC handle, shape and dtype; the config; checksums."""
+    """What a worker needs to map the weights: per array, its IPC handle, shape and dtype; the config."""
     cfg: object
     source: str
     arrays: dict            # name → (handle bytes, shape, dtype str)
-    checksums: dict
 
 
 def _checksum(a) -> int:
@@ -40,7 +38,6 @@ class _HolderService:
 
     def _load(self):
         import cupy
-
         model, weights, seed, max_seq = self.spec
         self.p = load_prepared(model, weights, seed=seed, xp=cupy, max_seq=max_seq, progress=False)
         self.sums = {k: _checksum(v) for k, v in self.p.arrays().items()}
@@ -49,7 +46,7 @@ class _HolderService:
         import cupy
         rt = cupy.cuda.runtime
         arrays = {k: (rt.ipcGetMemHandle(v.data.ptr), tuple(v.shape), v.dtype.str) for k, v in self.p.arrays().items()}
-        return Lent(self.p.cfg, self.p.source, arrays, dict(self.sums))
+        return Lent(self.p.cfg, self.p.source, arrays)
 
     def check(self) -> list[str]:
         """Names of the arrays whose contents changed (a wild write through IPC); they are prepared again."""
@@ -85,12 +82,10 @@ class WeightHolder:
 def open_lent(lent: Lent):
     """The lent weights as a Prepared whose arrays live in the holder's allocations (this process maps them)."""
     import cupy
-
     rt = cupy.cuda.runtime
     arrays = {}
     for name, (handle, shape, dtype) in lent.arrays.items():
         ptr = rt.ipcOpenMemHandle(handle)
-        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        mem = cupy.cuda.UnownedMemory(ptr, nbytes, owner=None)
+        mem = cupy.cuda.UnownedMemory(ptr, int(np.prod(shape)) * np.dtype(dtype).itemsize, owner=None)
         arrays[name] = cupy.ndarray(shape, np.dtype(dtype), cupy.cuda.MemoryPointer(mem, 0))
     return Prepared(lent.cfg, **arrays, xp=cupy, source=lent.source + " (lent by the weight holder)")

@@ -7,6 +7,7 @@ in an error or a hang leaves nothing behind that disturbs the next.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import threading
@@ -166,10 +167,8 @@ class _Mapped:
         return self.dev + 4 * offset_words
 
     def __del__(self):
-        try:
+        with contextlib.suppress(Exception):
             self._rt.freeHost(self.host)
-        except Exception:
-            pass
 
 
 class RegisteredMapped:
@@ -199,10 +198,8 @@ class RegisteredMapped:
 
     def close(self):
         if self.host:
-            try:
+            with contextlib.suppress(Exception):
                 self._rt.hostUnregister(self.host)
-            except Exception:
-                pass
             self.host = 0
         self.words = self._buf = None
 
@@ -316,8 +313,7 @@ class Monokernel:
         on_phase = on_phase or WORKER_CONTEXT.get("on_phase")
         # tells a watching parent what runs (its phase, the barrier timeout, the grid)
         self.on_phase = on_phase or (lambda phase, timeout_s=None, grid=None: None)
-        dev = cupy.cuda.Device()
-        self.n_sm = dev.attributes["MultiProcessorCount"]
+        self.n_sm = cupy.cuda.Device().attributes["MultiProcessorCount"]
         # one block per SM: all resident, so grid barriers cannot deadlock; the build is specialised to that grid
         self.grid = self.n_sm
         self.opt = with_fields(options, grid=self.grid)
@@ -335,8 +331,7 @@ class Monokernel:
         if self.grid > abi.MAX_BLOCKS:
             raise ValueError(f"{self.grid} blocks: the mapped block holds where-words for {abi.MAX_BLOCKS}")
         with _ALLOC_LOCK:                # two kernels built in parallel threads must not both count the same memory
-            free = free_device_bytes(cupy)
-            problem = schedule.memory_problem(self.cfg, free, self.launch, weights_resident=True)
+            problem = schedule.memory_problem(self.cfg, free_device_bytes(cupy), self.launch, weights_resident=True)
             if problem:                               # one line, not an allocator's traceback
                 raise GpuMemoryError(problem)
             self._alloc()
@@ -402,8 +397,7 @@ class Monokernel:
             fn = mod.get_function("wb_generate")
             fn.kernel                       # compile now, inside the try
         except cp.cuda.compiler.CompileException as e:
-            log = str(e)
-            raise compile_error(log, asm) from None
+            raise compile_error(str(e), asm) from None
         return mod, fn
 
     def _load_spliced(self, asm: Assembled):
@@ -448,7 +442,6 @@ class Monokernel:
         for b in plan.BUFFERS.values():
             if b.kind in _ALLOCATED_KINDS:
                 shape = b.shape(cfg, self.launch)
-                make = cp.zeros if b.kind in ("cache", "scratch") else cp.empty
                 if b.kind == "cache":
                     # one spare row past the end: the check of the kernel's own end-of-cache stop runs it with
                     # limits past the cache (workbench.check.stops), and a kernel that missed that stop would
@@ -456,13 +449,12 @@ class Monokernel:
                     n = int(np.prod(shape))
                     self.buffers[b.name] = cp.zeros(n + shape[-1], _NP_DTYPES[b.dtype])[:n].reshape(shape)
                 else:
-                    self.buffers[b.name] = make(shape, _NP_DTYPES[b.dtype])
+                    self.buffers[b.name] = (cp.zeros if b.kind == "scratch" else cp.empty)(shape, _NP_DTYPES[b.dtype])
         for name, arr in self.buffers.items():
             setattr(self, name, arr)
         for name, (shape, fill, _) in DEVICE_CONTROL.items():
             n, dtype = shape(self), _dtype(name)
-            buf = cp.empty(n, dtype) if fill is None else cp.full(n, fill, dtype)
-            setattr(self, _ATTR.get(name, name), buf)
+            setattr(self, _ATTR.get(name, name), cp.empty(n, dtype) if fill is None else cp.full(n, fill, dtype))
         self.mapped = self._external_mapped or _Mapped(abi.mapped_words(self.max_steps + 1))
         self.params_dev = cp.empty(ctypes.sizeof(Params), cp.uint8)
         self.stream = cp.cuda.Stream(non_blocking=True)
@@ -484,8 +476,7 @@ class Monokernel:
         pos0..: afterwards the kernel continues from the position after them (generate(..., pos0=...)) without
         replaying them. `options`: prefill's (gpu, tf32, timings). → prefill.Prefilled (its last token's
         logits, the seconds it took)."""
-        return prefill(self.p, tokens, self.k_cache, self.v_cache, pos0=pos0, chunk=chunk or PREFILL_CHUNK,
-                       **options)
+        return prefill(self.p, tokens, self.k_cache, self.v_cache, pos0=pos0, chunk=chunk or PREFILL_CHUNK, **options)
 
     # -- run -----------------------------------------------------------------------------------------------------
     def stream_tokens(self, prompt: list[int], max_new: int, sampling: Sampling = Sampling(), *, pos0: int = 0,
@@ -590,7 +581,9 @@ class Monokernel:
         # written. Found by a run whose module came from CuPy's cache, so no compile time hid the race.
         self.cp.cuda.Device().synchronize()
         with self.stream:
-            self._write_inputs(req)
+            self.tokens_in[:len(req.prompt)].set(np.asarray(req.prompt, np.int32), stream=self.stream)
+            if req.eos:
+                self.eos[:len(req.eos)].set(np.asarray(req.eos, np.int32), stream=self.stream)
             self._prepare_debug(req)
             self._reset_control()
             self._poison_outputs(req)
@@ -598,11 +591,6 @@ class Monokernel:
                 self.timing[:req.timing_steps * req.n_slots * self.grid * 2].fill(0)
             self.params_dev.set(np.frombuffer(bytes(self._params(req)), np.uint8), stream=self.stream)
             self.stream.synchronize()
-
-    def _write_inputs(self, req: _Request):
-        self.tokens_in[:len(req.prompt)].set(np.asarray(req.prompt, np.int32), stream=self.stream)
-        if req.eos:
-            self.eos[:len(req.eos)].set(np.asarray(req.eos, np.int32), stream=self.stream)
 
     def _prepare_debug(self, req: _Request):
         """The slot of each tapped and recorded step (-1: none), their buffers poisoned (an unwritten tap or logit
@@ -643,12 +631,10 @@ class Monokernel:
         P = Params()
         for name, _ in abi.params_fields():
             if name not in plan.BUFFERS:
-                value = self._control_value(name, req)
-            elif plan.BUFFERS[name].kind in ("weight", "table"):
-                value = getattr(self.p, name).data.ptr
+                setattr(P, name, self._control_value(name, req))
             else:
-                value = self.buffers[name].data.ptr
-            setattr(P, name, value)
+                held = getattr(self.p, name) if plan.BUFFERS[name].kind in ("weight", "table") else self.buffers[name]
+                setattr(P, name, held.data.ptr)
         return P
 
     def _control_value(self, name: str, req: _Request):
@@ -736,8 +722,7 @@ class Monokernel:
         if not self.opt.timing or not getattr(self, "timing_steps", 0):
             return None
         n = self.timing_steps * schedule.n_slots(self.cfg) * self.grid * 2
-        side = getattr(self, "_side", None) or self.cp.cuda.Stream(non_blocking=True)
-        self._side = side
+        self._side = side = getattr(self, "_side", None) or self.cp.cuda.Stream(non_blocking=True)
         out = np.empty(n, np.uint64)
         self.timing[:n].get(stream=side, out=out)
         side.synchronize()
@@ -748,8 +733,7 @@ class Monokernel:
         self.mapped.words[M_ABORT] = 1
 
     def generate(self, prompt, max_new, sampling: Sampling = Sampling(), **kw) -> Result:
-        it = self.stream_tokens(prompt, max_new, sampling, **kw)
-        for _ in it:
+        for _ in self.stream_tokens(prompt, max_new, sampling, **kw):
             pass
         return self.last
 
@@ -761,8 +745,7 @@ class Monokernel:
         if code == ERROR["ok"]:
             return
         if code == ERROR["hang"]:
-            s = int(st[STATUS["stage"]])
-            stage = abi.stage_name(s)
+            stage = abi.stage_name(int(st[STATUS["stage"]]))
             layer = f" of layer {st[STATUS['layer']]}" if st[STATUS["layer"]] >= 0 else ""
             raise KernelHang(
                 f"grid barrier timed out after the {stage} stage{layer} at step {st[STATUS['step']]}: block "

@@ -24,6 +24,7 @@ lives on.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -111,10 +112,7 @@ def block_states(where_words: np.ndarray, previous: np.ndarray | None, grid: int
         w = int(where_words[b]) & 0xFFFFFFFF
         d = abi.decode_where(w) if w else None
         moved = previous is not None and b < len(previous) and int(previous[b]) != int(where_words[b])
-        if d is None:
-            out.append(BlockState(b, None, -1, -1, False, moved))
-        else:
-            out.append(BlockState(b, d[0], d[1], d[2], d[3], moved))
+        out.append(BlockState(b, *(d or (None, -1, -1, False)), moved))
     return out
 
 
@@ -124,8 +122,7 @@ def summarize_blocks(blocks: list[BlockState], limit: int = 6) -> str:
         return "no block state"
     groups: dict = {}
     for b in blocks:
-        key = (b.stage, b.layer, b.step, b.waiting)
-        groups.setdefault(key, []).append(b.block)
+        groups.setdefault((b.stage, b.layer, b.step, b.waiting), []).append(b.block)
     ordered = sorted(groups.items(), key=lambda kv: (kv[0][3], len(kv[1])))      # not-waiting, fewest first
     parts = []
     for (stage, layer, step, waiting), bs in ordered[:limit]:
@@ -140,17 +137,14 @@ def _describe(e: BaseException) -> tuple:
     if isinstance(e, CompileError):
         return ("CompileError", str(e), {"messages": e.messages, "log": e.log})
     code = getattr(e, "status", None)
-    name = type(e).__name__
     extra = {"code": code} if isinstance(code, int) else {}
     if getattr(e, "where", None) is not None:
         extra["where"] = tuple(e.where)
     if hasattr(e, "result"):
-        try:
+        with contextlib.suppress(Exception):
             pickle.dumps(e.result)
             extra["result"] = e.result
-        except Exception:
-            pass
-    return (name, str(e), extra, traceback.format_exc())
+    return (type(e).__name__, str(e), extra, traceback.format_exc())
 
 
 def _rebuild(desc: tuple) -> BaseException:
@@ -173,11 +167,7 @@ def _sticky(e: BaseException) -> int | None:
     code = getattr(e, "status", None)
     if isinstance(code, int) and code in STICKY and code not in NOT_STICKY:
         return code
-    text = str(e)
-    for c, name in STICKY.items():
-        if c not in NOT_STICKY and name.split()[0] in text:
-            return c
-    return None
+    return next((c for c, name in STICKY.items() if c not in NOT_STICKY and name.split()[0] in str(e)), None)
 
 
 # ---- the worker's side ------------------------------------------------------------------------------------------
@@ -200,11 +190,9 @@ def _exit(code: int):
     """os._exit, after what a multiprocessing child runs on its way out (its finalizers: they unlink any named
     semaphore made here), which os._exit would skip; the rest of the interpreter's unwinding is skipped on
     purpose (see the end of _child)."""
-    try:
+    with contextlib.suppress(Exception):                 # exiting regardless
         from multiprocessing import util
         util._exit_function()
-    except Exception:                                     # noqa: BLE001 - exiting regardless
-        pass
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -284,7 +272,6 @@ class Worker:
         self._starting = False
         self.starts = 0
         self.calls: collections.deque[CallTime] = collections.deque(maxlen=32)   # the last calls, timed both sides
-        self.last_failure: WorkerFailure | None = None
 
     # -- the shared block --
     @property
@@ -303,8 +290,7 @@ class Worker:
 
     def status(self) -> dict:
         o = HEADER + abi.mapped_offset("status")
-        st = self.words[o:o + abi.STATUS_LEN]
-        return {name: int(st[i]) for i, name in enumerate(abi.STATUS_WORDS)}
+        return {name: int(self.words[o + i]) for i, name in enumerate(abi.STATUS_WORDS)}
 
     def progress(self) -> int:
         return int(self.words[HEADER + abi.mapped_offset("progress")])
@@ -376,30 +362,22 @@ class Worker:
 
     def close(self):
         if self.proc is not None and self.proc.is_alive():
-            try:
+            with contextlib.suppress(OSError, BrokenPipeError):
                 self.conn.send(None)
                 self.proc.join(5)
-            except (OSError, BrokenPipeError):
-                pass
         self.kill()
         if self.shm is None:
             return
         self.words = None                                  # the view must go before the mapping can
-        try:
+        with contextlib.suppress(BufferError):             # a view still alive somewhere: the unlink frees it
             self.shm.close()
-        except BufferError:                                # a view still alive somewhere: the unlink frees it
-            pass
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.shm.unlink()
-        except FileNotFoundError:
-            pass
         self.shm = None
 
     def __del__(self):
-        try:
+        with contextlib.suppress(Exception):
             self.close()
-        except Exception:
-            pass
 
     # -- calls --
     def call(self, method: str, *args, on_poll=None, **kwargs):
@@ -411,8 +389,7 @@ class Worker:
         t0 = time.perf_counter()
         self.conn.send((method, args, kwargs))
         last_where, last_prog, last_move = None, -1, time.monotonic()
-        compile_since = None
-        aborted_at = None
+        compile_since = aborted_at = None
         hang_s = self.hang_s
         try:
             while True:
@@ -430,7 +407,8 @@ class Worker:
                         self.calls.append(CallTime(name, time.perf_counter() - t0, inner))
                         return result
                     if kind == "fault":
-                        self._reap()
+                        if self.proc is not None:
+                            self.proc.join(5)
                         code = payload[-1]
                         raise self._failure("fault", f"the kernel faulted: {STICKY.get(code, code)} "
                                                      f"({payload[1]})", t0)
@@ -509,10 +487,6 @@ class Worker:
                 break
         self.kill()                                       # it would not stop: a new worker next time
 
-    def _reap(self):
-        if self.proc is not None:
-            self.proc.join(5)
-
     def _failure(self, kind, message, t0, status=None, kill: bool = True) -> WorkerFailure:
         blocks = self.blocks()
         status = status or self.status()
@@ -522,7 +496,6 @@ class Worker:
                         f"{status['missing_block']}, last seen in {abi.describe_where(status['missing_where'])}")
         f = WorkerFailure(kind, message, blocks, status, time.perf_counter() - t0)
         f.killed = kill
-        self.last_failure = f
         if kill:
             self.kill()
         return f

@@ -59,14 +59,10 @@ GRID_HOVER = ("grid: %{customdata[0]} %{customdata[1]}<br>%{customdata[2]:.2f} �
               "to %{customdata[4]:.2f} µs<extra></extra>")
 
 
-def work_hover(label: str) -> str:
-    return (f"block %{{y}}<br>{label} %{{customdata[0]}}<br>work %{{customdata[1]:.2f}} µs, "
-            "from %{customdata[2]:.2f} µs to %{customdata[3]:.2f} µs<extra></extra>")
-
-
-def wait_hover(label: str) -> str:
-    return (f"block %{{y}}<br>wait after {label} %{{customdata[0]}}<br>wait %{{customdata[1]:.2f}} µs, "
-            "from %{customdata[2]:.2f} µs to %{customdata[3]:.2f} µs<extra></extra>")
+def block_hover(label: str, part: str = "work") -> str:
+    """A block's work or wait bar: customdata [layer text, length, start, end]."""
+    return (f"block %{{y}}<br>{'wait after ' if part == 'wait' else ''}{label} %{{customdata[0]}}<br>{part} "
+            "%{customdata[1]:.2f} µs, from %{customdata[2]:.2f} µs to %{customdata[3]:.2f} µs<extra></extra>")
 
 
 def short_name(stage: str) -> str:
@@ -292,17 +288,11 @@ class BlockGrid:
             return "<div class='wb-blocks' style='color:#777'>no hang or fault to show</div>"
         n_sus = sum(c["suspect"] for c in self.cells)
         n_wait = sum(c["short"] == "w" for c in self.cells)
-        rows, row = [], []
-        for c in self.cells:
-            border = "2px solid #cf222e" if c["suspect"] else "1px solid #fff"
-            row.append(f"<td title='{html.escape(c['text'], quote=True)}' style='background:{c['colour']};"
-                       f"border:{border};width:34px;height:22px;text-align:center;font-size:9px;color:#111'>"
-                       f"{c['block']}<br>{html.escape(c['short'])}</td>")
-            if len(row) == self.COLUMNS:
-                rows.append("<tr>" + "".join(row) + "</tr>")
-                row = []
-        if row:
-            rows.append("<tr>" + "".join(row) + "</tr>")
+        cells = [f"<td title='{html.escape(c['text'], quote=True)}' style='background:{c['colour']};border:"
+                 f"{'2px solid #cf222e' if c['suspect'] else '1px solid #fff'};width:34px;height:22px;"
+                 f"text-align:center;font-size:9px;color:#111'>{c['block']}<br>{html.escape(c['short'])}</td>"
+                 for c in self.cells]
+        rows = ["<tr>" + "".join(cells[i:i + self.COLUMNS]) + "</tr>" for i in range(0, len(cells), self.COLUMNS)]
         suspects = [c["text"] for c in self.cells if c["suspect"]][:4]
         head = (f"<b>Blocks</b> {html.escape(self.title)} — {len(self.cells)} blocks: {n_wait} waiting at the "
                 f"barrier, {n_sus} stopped inside their stage")
@@ -322,17 +312,13 @@ def gantt_data(stamps: np.ndarray, cfg: ModelConfig, step: int, blocks=None, lay
     iv = intervals(t)
     names, step0 = layout or (slot_names(cfg), first_step_label(cfg))
     names = names_at(names, step0, int(step))
-    n_blocks = t.shape[2]
-    blocks = np.arange(n_blocks) if blocks is None else np.asarray(list(blocks))
+    blocks = np.arange(t.shape[2]) if blocks is None else np.asarray(list(blocks))
     s = int(step)
-    if s > 0 and iv.leave[s - 1, -1].min() > 0:
-        t0 = int(iv.leave[s - 1, -1].max())
-    else:
-        t0 = int(iv.start[s][iv.known[s]].min()) if iv.known[s].any() else 0
+    t0 = (int(iv.leave[s - 1, -1].max()) if s > 0 and iv.leave[s - 1, -1].min() > 0
+          else int(iv.start[s][iv.known[s]].min()) if iv.known[s].any() else 0)
     stage_of = np.array([n for n, _ in names])
     layer_of = np.array([l for _, l in names])
-    known = iv.known[s][:, blocks]                                         # [slots, blocks]
-    k_idx, b_idx = np.nonzero(known)
+    k_idx, b_idx = np.nonzero(iv.known[s][:, blocks])                      # of [slots, blocks]
     b = blocks[b_idx]
     start = (iv.start[s][k_idx, b] - t0) / 1e3
     arrive = (iv.arrive[s][k_idx, b] - t0) / 1e3
@@ -342,8 +328,7 @@ def gantt_data(stamps: np.ndarray, cfg: ModelConfig, step: int, blocks=None, lay
         m = stage_of[k_idx] == label
         work[label] = (b[m], start[m], arrive[m] - start[m], layer_of[k_idx[m]])
     wait = (b, arrive, leave - arrive, stage_of[k_idx], layer_of[k_idx])      # block, start, dur, stage, layer
-    full = iv.known[s].all(axis=1)                                         # slots stamped by every block
-    g_idx = np.flatnonzero(full)
+    g_idx = np.flatnonzero(iv.known[s].all(axis=1))                        # slots stamped by every block
     g_start = np.array([(iv.start[s][k].max() if not (s == 0 and k == 0) else iv.start[0, 0, 0]) for k in g_idx])
     g_end = iv.leave[s][g_idx].max(axis=1) if g_idx.size else np.zeros(0)
     grid = (stage_of[g_idx], (g_start - t0) / 1e3 if g_idx.size else np.zeros(0),
@@ -389,9 +374,20 @@ def _rows_of(x, cfg: ModelConfig | None = None, pos0: int = 0) -> tuple[list[Sta
     return rows, "run"
 
 
+class _Shown:
+    """A panel set that shows itself (its `widget`) in a notebook."""
+
+    def show(self):
+        from IPython.display import display
+        display(self.widget)
+
+    def _ipython_display_(self):
+        self.show()
+
+
 # -- A/B -----------------------------------------------------------------------------------------------------------
 
-class ABView:
+class ABView(_Shown):
     """Two runs' per-stage times side by side (grouped bars, p10–p90 error bars) and a table of the differences."""
 
     def __init__(self, a=None, b=None, labels: tuple[str, str] | None = None, title: str | None = None):
@@ -426,8 +422,7 @@ class ABView:
         rb, lb = _rows_of(b, cfg)
         la, lb = labels or (la, lb)
         if title is None:
-            ta = a.title if isinstance(a, Trace) else None
-            tb = b.title if isinstance(b, Trace) else None
+            ta, tb = (x.title if isinstance(x, Trace) else None for x in (a, b))
             title = ta if ta == tb else " vs ".join(t for t in (ta, tb) if t) or None
         self.rows = ab_rows(ra, rb)
         self.labels = (la, lb)
@@ -449,6 +444,7 @@ class ABView:
 
     def _html(self) -> str:
         la, lb = (html.escape(x) for x in self.labels)
+        td = "<td style='text-align:right;padding:2px 8px'>"
         head = "".join(f"<th style='text-align:right;padding:2px 8px'>{c}</th>"
                        for c in ("stage", f"A: {la}", f"B: {lb}", "B − A", "B − A %"))
         body = []
@@ -456,12 +452,9 @@ class ABView:
             colour = "#1a7f37" if r["delta_us"] < -0.5 else "#cf222e" if r["delta_us"] > 0.5 else "inherit"
             cells = [r["stage"], f"{r['a_us']:.1f} µs", f"{r['b_us']:.1f} µs",
                      f"<span style='color:{colour}'>{r['delta_us']:+.1f} µs</span>", f"{r['delta_pct']:+.1f}%"]
-            body.append("<tr>" + "".join(f"<td style='text-align:right;padding:2px 8px'>{c}</td>" for c in cells)
-                        + "</tr>")
+            body.append("<tr>" + "".join(f"{td}{c}</td>" for c in cells) + "</tr>")
         tot = self.rows[-1] if self.rows else None
-        foot = (f"<tr><td style='text-align:right;padding:2px 8px'>tok/s</td>"
-                f"<td style='text-align:right;padding:2px 8px'>{tot['a_tok_s']:,.0f}</td>"
-                f"<td style='text-align:right;padding:2px 8px'>{tot['b_tok_s']:,.0f}</td><td></td><td></td></tr>"
+        foot = (f"<tr>{td}tok/s</td>{td}{tot['a_tok_s']:,.0f}</td>{td}{tot['b_tok_s']:,.0f}</td><td></td><td></td></tr>"
                 if tot else "")
         return ("<table class='wb-ab' style='border-collapse:collapse;font-size:12px'>"
                 f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}{foot}</tbody></table>")
@@ -472,17 +465,10 @@ class ABView:
         _synced(self.fig)
         return self._box
 
-    def show(self):
-        from IPython.display import display
-        display(self.widget)
-
-    def _ipython_display_(self):
-        self.show()
-
 
 # -- the dashboard -------------------------------------------------------------------------------------------------
 
-class Dashboard:
+class Dashboard(_Shown):
     """Live or recorded timing dashboard; see the module docstring. `figures` maps panel names to FigureWidgets."""
 
     def __init__(self, cfg: ModelConfig | None = None, *, roofline_tbps: float | None = None,
@@ -582,12 +568,12 @@ class Dashboard:
             for label in labels:
                 fig.add_bar(name=label, orientation="h", y=[], x=[], base=[], marker_color=color_of(label),
                             customdata=[], legendgroup=label, width=0.9, marker_line_width=0,
-                            hovertemplate=work_hover(label))
+                            hovertemplate=block_hover(label))
                 self._gantt_stage_traces[label] = len(fig.data) - 1
             for k, label in enumerate(labels):
                 fig.add_bar(name=WAIT_TRACE, orientation="h", y=[], x=[], base=[], marker_color=WAIT_COLOR,
                             customdata=[], width=0.9, marker_line_width=0, legendgroup="wait", showlegend=k == 0,
-                            hovertemplate=wait_hover(label))
+                            hovertemplate=block_hover(label, "wait"))
                 self._gantt_wait_traces[label] = len(fig.data) - 1
         self._gantt_labels = labels
         self._gantt_key = None
@@ -743,13 +729,6 @@ class Dashboard:
         _synced(*self.figures.values(), self.ab.fig)
         return self._box
 
-    def show(self):
-        from IPython.display import display
-        display(self.widget)
-
-    def _ipython_display_(self):
-        self.show()
-
     # -- drawing -------------------------------------------------------------------------------------------------
     @property
     def title(self) -> str:
@@ -859,7 +838,7 @@ class Dashboard:
         r3 = lambda a: np.round(np.asarray(a, dtype=float), 3)
 
         def hover(layers, start, dur):
-            """customdata: [layer text, length, start, end] per bar (see work_hover)."""
+            """customdata: [layer text, length, start, end] per bar (see block_hover)."""
             return [[_layer_text(l), float(x), float(s0), float(e)]
                     for l, x, s0, e in zip(layers, r3(dur), r3(start), r3(np.asarray(start) + np.asarray(dur)))]
 
