@@ -1,6 +1,6 @@
-"""The mutation suite on a GPU: every deliberately wrong edit of workbench/check/mutants.py applied through the
-editing loop (Workbench.edit + reload), the verdict read, the edit undone; a table of what was caught, what the
-loop named and how long each verdict took, and the score.
+"""The mutation suite on a GPU: every mutant (a deliberately wrong edit, declared in the kernel file it edits:
+workbench/check/mutants.py) applied through the editing loop (Workbench.edit + reload), the verdict read, the edit
+undone; a table of what was caught, what the loop named and how long each verdict took, and the score.
 
     python scripts/mutation_suite.py [--model llama-3.2-1b] [--only NAME ...] [--json out.json]
 

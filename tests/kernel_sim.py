@@ -6,7 +6,7 @@ them. The LM head's per-block partials are dealt the kernel's way, the sampler d
 masses, inverse CDF in index order, radix-style thresholds), publish feeds and streams tokens. A `hook(stage, layer,
 step, outputs)` makes one stage deliberately wrong, as a mutant of the kernel would be, and `sampler_bug` /
 `publish_bug` break the two stages that have no fp reference; `stop_bug` breaks one rule of the stop decision as
-the publish mutant of that name does (workbench/check/mutants.py).
+the publish mutant of that name does (declared in kernels/sections/publish.cuh).
 """
 from __future__ import annotations
 

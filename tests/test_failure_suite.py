@@ -3,6 +3,8 @@
 more shared memory than a block can have). The compiler hang is not compiled here: that is what it is for."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from workbench.compiler.assemble import BuildOptions, assemble, section_path
@@ -99,5 +101,8 @@ def test_a_runtime_compile_log_of_too_much_shared_data_lands_at_the_declaration(
     text = str(e)
     assert f"kernels/sections/{inj.section}.cuh:{line}: error: static shared memory" in text
     assert "uses too much shared data" in text
+    # and never at the declaration the section's wb:checks block quotes (a comment)
+    named = [int(n) for n in re.findall(rf"kernels/sections/{inj.section}\.cuh:(\d+)", text)]
+    assert named and max(named) < 1 + mutated.splitlines().index("/* wb:checks")
     # the user's section before the library's own arrays (the timing build's stamps)
     assert text.index(f"kernels/sections/{inj.section}.cuh") < text.index("kernels/lib/grid_sync.cuh")

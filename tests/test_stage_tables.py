@@ -1,10 +1,10 @@
 """The tables outside the plan that hold something per stage, keyed by the plan's stage names and held to them: the
 prefill's GPU implementations (run/prefill_gpu.IMPLEMENTS, found through each stage's math), the mutants by the
-section each edits (check/mutants.MUTANTS) and the failure injections likewise (check/failures.INJECTIONS). Every
-key is a stage of the plan (a table of edits may also name a library file); every stage is covered, or declared
-exempt with the reason in the table's <TABLE>_EXEMPT. A stage added to the plan fails here, by name, until each
-table has an entry for it or says why not. `pytest -v` lists each table's stages, one test apiece named covered or
-exempt."""
+section each edits (check/mutants.MUTANTS, read from the kernel files) and the failure injections likewise
+(check/failures.INJECTIONS). Every key is a stage of the plan (a table of edits may also name a library file); every
+stage is covered, or declared exempt with the reason in the table's <TABLE>_EXEMPT. A stage added to the plan fails
+here, by name, until each table has an entry for it or says why not. `pytest -v` lists each table's stages, one test
+apiece named covered or exempt."""
 from __future__ import annotations
 
 import pytest

@@ -229,3 +229,12 @@ __device__ __forceinline__ void wb_maybe_hang(const Params* __restrict__ P, int 
 #else
 #define wb_maybe_hang(P, stage, layer) ((void)0)
 #endif
+
+/* wb:checks
+inject barrier-skipped [expect=hang, block=5]: block 5 skips the barrier after qkv_rope_append of layer 1
+-bool grid_sync(const Params* __restrict__ P, u32 where, int slot, int early = 0) {
+-    wb_syncthreads();
++bool grid_sync(const Params* __restrict__ P, u32 where, int slot, int early = 0) {
++    if (wb_bid() == 5 && wb_where_stage(where) == ST_QKV_ROPE_APPEND && wb_where_layer(where) == 1) return false;
++    wb_syncthreads();
+*/

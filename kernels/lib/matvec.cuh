@@ -313,3 +313,8 @@ __device__ __forceinline__ void load_rms_normalized(float* __restrict__ dst, con
 }
 
 
+/* wb:checks
+mutant eps-x10 [expect=qkv_rope_append, count=2]: RMSNorm's eps ten times too large (library: every normalising stage)
+-/ (float)n + WB_RMS_EPS);
++/ (float)n + 10.f * WB_RMS_EPS);
+*/

@@ -66,3 +66,17 @@ __device__ __forceinline__ void x_add(fx64* x, int i, float v) {
     else
         wb_atomic_exch_fx(x + i, WB_X_POISON);
 }
+
+// The checks below: x-sum-drops-last-part is named at qkv_rope_append, since the first reader of what down
+// adds is the next layer's norm; x-parts-not-cleared at o_proj_residual, since a whole value stored over
+// down's sums of the layer before makes o_proj's x at layer 1 the first wrong output.
+/* wb:checks
+mutant x-sum-drops-last-part [expect=qkv_rope_append]: x's value, as the norms read it, leaves out its last part
+-for (int k = 0; k < WB_X_PARTS; ++k) {
+-        const wb_u4 a
++for (int k = 0; k < WB_X_PARTS - 1; ++k) {
++        const wb_u4 a
+
+mutant x-parts-not-cleared [expect=o_proj_residual]: a stored value leaves x's other parts as they were
+-for (int k = 1; k < WB_X_PARTS; ++k) x[(long long)k * WB_D + i] = 0;
+*/

@@ -358,3 +358,55 @@ WB_SECTION void stage_attention_decode(const float* q, const bf16* k_cache, cons
         o[(kvh * ATT_GQ + g) * HD + d] = A / L;
     }
 }
+
+// spin-in-attention (below): o_proj loads early by default, so the other blocks enter it, issue their first
+// loads and wait at the barrier after attention inside it; the picture must show them waiting there, and
+// block 4 alone inside its stage.
+/* wb:checks
+mutant merge-drops-last-split: the split merge leaves out the last split (only S ≥ 2)
+-const bool in = s0 + j < S;
++const bool in = s0 + j < S - 1;
+
+mutant attn-ring-skips-step: a warp's third step is never fetched (the ring's refill re-fetches the step in flight): only where a warp has three steps of a chunk
+-if (j + WB_ATTN_BUFS - 1 < mine) issue(j + WB_ATTN_BUFS - 1);
++if (j + WB_ATTN_BUFS - 1 < mine) issue(j + WB_ATTN_BUFS - 2);
+
+mutant attn-step-tail-unmasked: the first position past a chunk's end is not masked (a zero key and value weigh in): only where a chunk ends inside a step
+-if (k0 + g + 8 >= left) s[2] = s[3] = -WB_INF;
++if (k0 + g + 8 > left) s[2] = s[3] = -WB_INF;
+
+mutant gqa-wrong-head: a kv head reads the next group's queries
+-const float* qh = q + (kvh * ATT_GQ + g) * HD;
++const float* qh = q + (((kvh + 1) % WB_KV_HEADS) * ATT_GQ + g) * HD;
+
+mutant attn-scale-1e-4: scores scaled 1e-4 too much
+-const float scale = wb_rsqrt((float)HD);
++const float scale = wb_rsqrt((float)HD) * 1.0001f;
+
+mutant attn-long-context-short: from 4,096 on, the newest position is left out
+-const int n = pos + 1, S
++const int n = pos + (pos >= 4096 ? 0 : 1), S
+
+mutant softmax-no-rescale: the running sum is not rescaled when the max grows
+-l0 = l0 * c0 + s[0] + s[2];
++l0 = l0 + s[0] + s[2];
+
+mutant merge-warps-drops-first: the warp merge leaves out the first warp's sum (the last warps read no positions on NVIDIA, so leaving out the last one changed nothing)
+-    for (int w = 0; w < wb_nwarps(); ++w) {
+-        const float* st
++    for (int w = 1; w < wb_nwarps(); ++w) {
++        const float* st
+
+inject spin-in-attention [expect=hang, block=4, alone]: block 4 spins in attention while the others wait inside o_proj
+-    u32* qf = (u32*)(smem + WB_SMEM_ATTENTION_DECODE_Q);
++    u32* qf = (u32*)(smem + WB_SMEM_ATTENTION_DECODE_Q);
++    if (wb_bid() == 4) { volatile u32* never = qf; if (wb_tid() == 0) *never = 0;
++                         while (*never == 0) { } }
+
+inject too-much-shared [expect=compile error]: asks for 256 KB of static shared memory
+-    u32* qf = (u32*)(smem + WB_SMEM_ATTENTION_DECODE_Q);
++    __shared__ float huge[64 * 1024];
++    huge[wb_tid()] = 1.f;
++    u32* qf = (u32*)(smem + WB_SMEM_ATTENTION_DECODE_Q);
++    if (huge[(wb_tid() * 7) % 1024] == 2.f) o[0] = 0.f;
+*/

@@ -70,3 +70,33 @@ WB_SECTION void stage_down_residual(const float* hmlp, const bf16* __restrict__ 
         x_add(x, i, t);
     }
 }
+
+// illegal-address (below) writes through a null pointer, not far past a buffer: a far address can land in
+// another allocation and not fault.
+/* wb:checks
+mutant down-scale-1e-4: x + 1.0001·y instead of x + y
+-x_add(x, i, t);
++x_add(x, i, t * 1.0001f);
+
+mutant down-residual-one-layer: the last layer loses its MLP output
+-x_add(x, i, t);
++if (layer != WB_LAYERS - 1) x_add(x, i, t);
+
+mutant down-last-row: the last output rows are never added to
+-for (int i = wb_tid(); i < WB_D; i += wb_ntid()) {
++for (int i = wb_tid(); i < WB_D - 4; i += wb_ntid()) {
+
+mutant down-unit-skipped: each block leaves out its last column of Wd
+-wb_block_units(WB_FF, u0, u1);
++wb_block_units(WB_FF, u0, u1);
++    --u1;
+
+mutant down-column-swapped: every fourth column takes its left neighbour's weight
+-acc[3] = wb_fma(bf16_hi(w[k].y), a, acc[3]);
++acc[3] = wb_fma(bf16_lo(w[k].y), a, acc[3]);
+
+inject illegal-address [expect=fault, block=9]: block 9 writes through a null pointer
+-    float* sum = smem + WB_SMEM_DOWN_RESIDUAL_SUM;
++    float* sum = smem + WB_SMEM_DOWN_RESIDUAL_SUM;
++    if (wb_bid() == 9 && wb_tid() == 0) { volatile fx64* null = x + (0 - (long long)(size_t)x / 8); *null = 1; }
+*/

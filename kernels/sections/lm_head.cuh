@@ -27,3 +27,22 @@ WB_SECTION void stage_lm_head(const fx64* x, const bf16* __restrict__ lm_head, f
         blk_arg[wb_bid()] = arg;
     }
 }
+
+/* wb:checks
+mutant logits-last-row: the last vocabulary row is never written
+-(lm_head, WB_VOCAB, act,
++(lm_head, WB_VOCAB - 1, act,
+
+mutant partial-wrong-index: each block's argmax partial is off by one
+-blk_arg[wb_bid()] = arg;
++blk_arg[wb_bid()] = arg + 1;
+
+mutant logits-scale-1e-4: logits 1e-4 too large
+-if (wb_lane() == 0) logits[v] = y[0];
++if (wb_lane() == 0) logits[v] = y[0] * 1.0001f;
+
+inject shared-out-of-bounds [expect=fault, block=11]: block 11 writes 16 MB past its shared memory
+-    float* act = smem + WB_SMEM_LM_HEAD_ACT;
++    float* act = smem + WB_SMEM_LM_HEAD_ACT;
++    if (wb_bid() == 11 && wb_tid() == 0) ((volatile float*)smem)[1 << 22] = 1.f;
+*/

@@ -17,3 +17,23 @@ WB_SECTION void stage_o_proj_residual(const float* o, const bf16* __restrict__ w
         }
     });
 }
+
+/* wb:checks
+mutant o-residual-one-layer: layer 1 loses its attention residual
+-const float v = x_value(x, r) + y[0];
++const float v = (layer == 1 ? 0.f : x_value(x, r)) + y[0];
+
+mutant o-last-row: the last output row is never written
+-(wo, WB_D, act,
++(wo, WB_D - 1, act,
+
+mutant o-h-1e-4: h, the MLP norm's copy of x, 1e-4 off
+-h[r] = v;
++h[r] = v * 1.0001f;
+
+inject spin-on-flag [expect=hang, block=3]: block 3 spins on a flag nobody sets, outside any barrier
+-    float* act = smem + WB_SMEM_O_PROJ_RESIDUAL_ACT;
++    float* act = smem + WB_SMEM_O_PROJ_RESIDUAL_ACT;
++    if (wb_bid() == 3) { volatile int* never = (volatile int*)act; if (wb_tid() == 0) *never = 0;
++                         while (*never == 0) { } }
+*/

@@ -41,3 +41,45 @@ WB_SECTION int stage_publish(int sampled, const Params* __restrict__ P, int step
     wb_syncthreads();
     return next;
 }
+
+// The stop decision's mutants (below) break a rule at a time: workbench/check/stops.py gives each run limits
+// past every other rule.
+/* wb:checks
+mutant forced-one-short: the prompt's last token is replaced by a sampled one
+-const bool forced = step + 1 < P->n_in;
++const bool forced = step + 2 < P->n_in;
+
+mutant stops-one-early: generation stops one token before max_new
+-done |= g + 1 >= P->max_new;
++done |= g + 2 >= P->max_new;
+
+mutant streams-wrong-token: streams token + 1 (feeds the right one)
+-P->tokens_out[g] = next;
++P->tokens_out[g] = next + 1;
+
+mutant eos-only-first-id: only the first of several EOS ids ends the run
+-for (int e = 0; e < P->n_eos; ++e)
++for (int e = 0; e < P->n_eos && e < 1; ++e)
+
+mutant max-new-ignored: max_new never ends the run (n_steps still does)
+-done |= g + 1 >= P->max_new;
++(void)0;
+
+mutant n-steps-ignored: n_steps never ends the run
+-done |= step + 1 >= P->n_steps || 
++done |= 
+
+mutant cache-end-one-early: the run ends a position before the cache's last
+-P->pos0 + step + 1 >= WB_MAX_SEQ
++P->pos0 + step + 2 >= WB_MAX_SEQ
+
+mutant abort-ignored: the host's abort word is never acted on
+-wb_load_volatile(P->host_abort)
++(0 && wb_load_volatile(P->host_abort))
+
+mutant nan-runs-on: a step with no valid token (NaN logits) does not end the run
+-next = 0;
+-            done = 1;
++next = 0;
++            done = 0;
+*/

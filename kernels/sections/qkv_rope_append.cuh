@@ -105,3 +105,61 @@ WB_SECTION void stage_qkv_rope_append(const fx64* x, const bf16* __restrict__ wq
         }
     });
 }
+
+/* wb:checks
+mutant rope-sign [not_with=qk_norm]: rotates by −angle (sin term's sign)
+-const float lo = r[0] * c - r[1] * s, hi = r[1] * c + r[0] * s;
++const float lo = r[0] * c + r[1] * s, hi = r[1] * c - r[0] * s;
+
+mutant rope-pair [not_with=qk_norm]: rotates pair p by the angle of pair p^1
+-const float c = cs[p], s = sn[p];
++const float c = cs[p ^ 1], s = sn[p ^ 1];
+
+mutant rope-long-position: rope angle of position − 1 from 4,096 on (off by one, long only)
+-rope_cos + (long long)pos * HALF
++rope_cos + (long long)(pos < 4096 ? pos : pos - 1) * HALF
+
+mutant kv-wrong-slot: appends k and v at pos + 1
+-const long long kv_base = (long long)pos * WB_HEAD_DIM;
++const long long kv_base = (long long)(pos + 1) * WB_HEAD_DIM;
+
+mutant k-truncated [not_with=qk_norm]: k to bf16 by truncation instead of rounding
+-k[p] = f32_to_bf16(lo);
++k[p] = (bf16)(wb_float_as_u32(lo) >> 16);
+
+mutant q-scale-1e-4 [not_with=qk_norm]: q's first halves 1e-4 too large
+-q[head * WB_HEAD_DIM + p] = lo;
++q[head * WB_HEAD_DIM + p] = lo * 1.0001f;
+
+mutant qk-norm-k-takes-q-gain [needs=qk_norm]: k heads normalised with q's gain
+-qk_gain + WB_HEAD_DIM, cs, sn,
++qk_gain, cs, sn,
+
+mutant qk-norm-rope-sign [needs=qk_norm]: a normalised head rotated by −angle (sin term's sign)
+-qk_put(out + p, a * c - b * s);
+-        qk_put(out + p + HALF, b * c + a * s);
++qk_put(out + p, a * c + b * s);
++        qk_put(out + p + HALF, b * c - a * s);
+
+mutant qk-norm-k-truncated [needs=qk_norm]: a normalised k to bf16 by truncation instead of rounding
+-__device__ __forceinline__ void qk_put(bf16* o, float v) { *o = f32_to_bf16(v); }
++__device__ __forceinline__ void qk_put(bf16* o, float v) { *o = (bf16)(wb_float_as_u32(v) >> 16); }
+
+mutant qk-norm-scale-1e-4 [needs=qk_norm]: the per-head RMS 1e-4 too large (q and k 1e-4 too small)
+-wb_warp_sum(ss) / (float)WB_HEAD_DIM + WB_RMS_EPS
++wb_warp_sum(ss) / (float)WB_HEAD_DIM * 1.0002f + WB_RMS_EPS
+
+mutant qk-norm-last-pair-unwritten [needs=qk_norm]: each q and k head's last rope pair is never written
+-if (p >= HALF) continue;
++if (p >= HALF - 1) continue;
+
+mutant qkv-bias-dropped [needs=qkv_bias]: the bias of each pair's first row is not added
+-WB_QKV_BIAS ? y[0] + bqkv[row] : y[0]
++y[0]
+
+mutant v-dims-swapped: v's two dims of a pair swapped
+-v[rr % WB_HEAD_DIM] = f32_to_bf16(r[0]);
+-            v[rr % WB_HEAD_DIM + 1] = f32_to_bf16(r[1]);
++v[rr % WB_HEAD_DIM] = f32_to_bf16(r[1]);
++            v[rr % WB_HEAD_DIM + 1] = f32_to_bf16(r[0]);
+*/

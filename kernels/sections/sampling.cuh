@@ -148,3 +148,26 @@ WB_SECTION int stage_sampling(const float* logits, const float* blk_max, const i
     wb_syncthreads();
     return token;
 }
+
+/* wb:checks
+mutant greedy-off-by-one: the greedy token is the argmax + 1
+-best_i = bv > -WB_INF ? bi : -1;
++best_i = bv > -WB_INF ? bi + 1 : -1;
+
+mutant top-k-one-more: top-k keeps k + 1 tokens
+-(u64)P->top_k, false, sc);
++(u64)P->top_k + 1, false, sc);
+
+mutant top-p-drops-boundary: top-p drops the token that reaches p
+-floor_ord = p_ord > floor_ord ? p_ord : floor_ord;
++floor_ord = p_ord + 1 > floor_ord ? p_ord + 1 : floor_ord;
+
+mutant draw-wrong-step: the draws use the next step's random numbers
+-samp_uniform(P->seed, step, d)
++samp_uniform(P->seed, step + 1, d)
+
+inject sampler-loops [expect=hang, block=0]: the sampler never returns (block 0 spins)
+-    // max logit and greedy argmax from the LM head's per-block partials
++    if (wb_tid() == 0) { volatile int spin = 1; while (spin) { } }
++    // max logit and greedy argmax from the LM head's per-block partials
+*/

@@ -8,7 +8,7 @@ each run gives the kernel limits past every rule but the one under test (`stream
 the run must end exactly where that rule says, with exactly the tokens of an unconstrained greedy stream up to it.
 
 Each branch is one `Check` of stage `publish` (the stage that decides), so a wrong rule is named like any wrong
-stage; `workbench/check/mutants.py` holds a mutant for each.
+stage; publish.cuh's wb:checks block holds a mutant for each (workbench/check/mutants.py).
 """
 from __future__ import annotations
 

@@ -142,18 +142,19 @@ def option_from_text(field: str, text: str):
 FILES = plan.FILES
 
 
-def section_path(name: str, variant: str | None = None) -> Path:
+def section_path(name: str, variant: str | None = None, *, kernels: Path | None = None) -> Path:
     """The file of a kernel section: kernels/lib/NAME.cuh for the library, kernels/sections/NAME.cuh for a stage,
     kernels/monokernel.cuh for the kernel entry; NAME@VARIANT.cuh beside it for a named variant, NAME@VARIANT.ptx
-    for a stage's variant written in PTX (a variant named ptx..., see workbench.compiler.ptx)."""
+    for a stage's variant written in PTX (a variant named ptx..., see workbench.compiler.ptx). `kernels`: the
+    kernels folder (default: the workspace, paths.kernels_dir())."""
     if name not in FILES:
         raise ValueError(f"unknown section {name!r}; sections: {', '.join(FILES)}")
-    k = paths.kernels_dir()
+    k = kernels or paths.kernels_dir()
     if name == "monokernel":
         if variant:
             raise ValueError("kernels/monokernel.cuh has no variants")
         return k / "monokernel.cuh"
-    folder = k / "lib" if name in plan.LIBRARY else paths.sections_dir()
+    folder = k / "lib" if name in plan.LIBRARY else k / "sections"
     if is_ptx_variant(variant):
         if name not in plan.STAGE_NAMES:
             raise ValueError(f"{name} is not a stage: only a stage's function can be written in PTX")

@@ -64,9 +64,12 @@ def resource_messages(log: str, asm: Assembled | None, where: str = "ptxas") -> 
     out = [(where, 0, "error", m["text"].strip(), "")]
     # the sections first: they are what a user edits; the library's own arrays (timing stamps) after
     for _, path, text in sorted(asm.pieces, key=lambda piece: not piece[1].startswith("kernels/sections/")):
-        for n, line in enumerate(text.splitlines(), 1):
+        # not in a block comment (the wb:checks block of workbench.check.mutants quotes declarations): its lines kept
+        code = re.sub(r"/\*.*?\*/", lambda c: "\n" * c[0].count("\n"), text, flags=re.S)
+        for n, (line, shown) in enumerate(zip(code.splitlines(), text.splitlines()), 1):
             if _SHARED_ARRAY.search(line.split("//")[0]) and "extern" not in line:
-                out.append((path, n, "error", "static shared memory declared here counts against that limit", line))
+                out.append((path, n, "error", "static shared memory declared here counts against that limit",
+                            shown))
     return out
 
 
