@@ -13,7 +13,7 @@ from workbench.cli import main
 from workbench.measure import simulate as S
 from workbench.measure import trace as T
 from workbench.model.config import get_config
-from workbench.worklists import attention_split, work_lists
+from workbench.worklists import attention_split, handoffs, unit_blocks, work_lists
 
 MODELS = ("llama-3.2-1b", "llama-3.1-8b", "qwen3-0.6b")
 
@@ -116,3 +116,21 @@ def test_the_cli_prices_designs_and_refuses_bad_input_in_one_line(capsys, tmp_pa
     assert main(["simulate", trace, "--design", "x:nope=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("error: ") for line in err)
+
+
+def test_handoffs_name_each_dependencys_fan_in():
+    """Today's deals make nearly every dependency grid-wide; the exceptions are attention's reads of q, k and v
+    (a kv head's rows, written by the blocks its row pairs are dealt to) and down's read of its own block's hmlp."""
+    cfg, launch = get_config("llama-3.2-1b"), plan.Launch()
+    rows = {(h.consumer, h.buffer): h for h in handoffs(cfg, launch, 128)}
+    assert rows["down_residual", "hmlp"].kind == "block" and rows["down_residual", "hmlp"].fan_in == (1, 1, 1)
+    assert rows["qkv_rope_append", "x"].kind == "grid"
+    assert rows["gate_up_silu", "h"].kind == "grid"
+    k = rows["attention_decode", "k_cache"]
+    # a kv head's k: head_dim / 2 row pairs, dealt block-fastest to consecutive blocks, one each
+    assert k.kind == "counter" and k.fan_in == (cfg.head_dim // 2,) * 3 and k.consumers == cfg.n_kv_heads
+    # every unit is on exactly the blocks unit_blocks says: each row pair once
+    qkv = plan.stage("qkv_rope_append")
+    assert len(unit_blocks(cfg, qkv, launch)) == qkv.units(cfg, launch)
+    assert main(["plan", "--handoffs", "128"]) == 0
+    assert main(["plan", "--handoffs", str(cfg.max_seq)]) == 2

@@ -42,6 +42,7 @@ from .plan import Launch
 from .run.runtime import WORKER_CONTEXT, KernelError, Monokernel, RegisteredMapped, Sampling
 from .run.worker import Worker, WorkerFailure, phase_setter
 from .tp.shard import Sharding
+from .worklists import format_handoffs, handoffs
 
 # -- argument types: argparse reports an ArgumentTypeError as "argument --x: <message>" ---------------------------
 
@@ -801,6 +802,9 @@ def _parser() -> argparse.ArgumentParser:
                          "(docs/decode_step.MODEL.cuh) instead of printing anything")
     pl.add_argument("--gpus", type=positive_int, default=1,
                     help="also how N GPUs split each layer (tensor parallel) and what a token exchanges")
+    pl.add_argument("--handoffs", type=int, nargs="?", const=128, metavar="POSITION",
+                    help="also each dependency's fan-in (producer blocks a consumer block waits for) and hand-off, "
+                         "at a position (default 128: attention's split depends on it)")
     be = sub.add_parser("bench", help="monokernel vs torch.compile, HF generate() and the bandwidth roofline (GPU)")
     be.add_argument("--model", default=DEFAULT_MODEL, type=non_empty)
     be.add_argument("--tokens", type=positive_int, default=128, help="decode steps per timed run")
@@ -838,13 +842,15 @@ def _check_plan(args):
     if args.write:
         if not args.decode_step:
             raise UsageError("--write: give --decode-step too (it writes the repository's copies of the decode step)")
-        if args.model != DEFAULT_MODEL or args.max_seq is not None or args.gpus > 1:
+        if args.model != DEFAULT_MODEL or args.max_seq is not None or args.gpus > 1 or args.handoffs is not None:
             raise UsageError("--write: the copies are of fixed models at their presets' shapes; give no --model, "
-                             "--max-seq or --gpus")
+                             "--max-seq, --gpus or --handoffs")
         if not paths.source_checkout():
             raise UsageError("--write: the decode step's copies live in a source checkout's docs/, and this "
                              "installation is not one")
-    _config(args.model, args.max_seq)
+    cfg = _config(args.model, args.max_seq)
+    if args.handoffs is not None and not 0 <= args.handoffs < cfg.max_seq:
+        raise UsageError(f"--handoffs {args.handoffs}: a position from 0 to the context's last, {cfg.max_seq - 1}")
 
 
 def cmd_plan(args) -> int:
@@ -861,6 +867,10 @@ def cmd_plan(args) -> int:
     if args.gpus > 1:
         print()
         print(Sharding(cfg, args.gpus).describe())
+    if args.handoffs is not None:
+        print(f"\nhand-offs at position {args.handoffs}: which producer blocks each consumer block waits for, and "
+              "the cheapest order that serves (a grid barrier only where every block needs every producer)")
+        print(format_handoffs(handoffs(cfg, plan.Launch(), args.handoffs)))
     return 0
 
 

@@ -93,3 +93,96 @@ def work_lists(cfg: ModelConfig, launch: plan.Launch = plan.Launch(), pos: int =
                 lists[b].append(Item(name, layer, slot_of[name, layer], units, round(units * per_unit), cache,
                                      positions, merges))
     return lists
+
+
+# ---- hand-offs: which producer blocks each consumer block waits for ------------------------------------------------
+
+def unit_blocks(cfg: ModelConfig, stage: plan.Stage, launch: plan.Launch, pos: int = 0) -> list[tuple[int, ...]]:
+    """[unit] → the blocks that run it (several for a kv head whose positions are split over blocks)."""
+    n, grid = stage.units(cfg, launch), launch.grid
+    if stage.runs_on == "block0":
+        return [(0,)] * n
+    if any(plan.BUFFERS[u.buffer].kind == "cache" and u.positions == "0..pos" for u in stage.reads):
+        s, _ = attention_split(cfg, launch, pos)
+        return [tuple(range(u * s, (u + 1) * s)) for u in range(n)]
+    if stage.deal == "blocks":
+        out = []
+        for b in range(grid):
+            out += [(b,)] * len(plan.block_units(n, grid, b))
+        return out
+    warps = launch.consumer_warps
+    lanes = grid * warps
+    if stage.deal == "across":
+        return [((u % lanes) % grid,) for u in range(n)]
+    return [((u % lanes) // warps,) for u in range(n)]
+
+
+def _rows_by_block(cfg, stage, use, launch, pos) -> dict:
+    """{block: set of (start, stop) rows} the stage's units on each block touch through `use` (None: all rows)."""
+    out: dict = {}
+    for u, blocks in enumerate(unit_blocks(cfg, stage, launch, pos)):
+        rows = None if use.rows is None else tuple(use.rows(cfg, u))
+        for b in blocks:
+            if rows is None or out.get(b, ()) is None:
+                out[b] = None
+            elif rows:
+                out.setdefault(b, set()).update(rows)
+    return out
+
+
+def _overlap(a, b) -> bool:
+    if a is None or b is None:
+        return True
+    ends = sorted(b)
+    return any(x0 < y1 and y0 < x1 for x0, x1 in a for y0, y1 in ends)
+
+
+@dataclasses.dataclass(frozen=True)
+class Handoff:
+    consumer: str
+    buffer: str
+    producer: str
+    kind: str                  # "block": a block barrier (each block needs only itself); "counter": each block
+    #                            waits for some producer blocks; "grid": every block for every producer block
+    fan_in: tuple              # (min, median, max) producer blocks a consumer block waits for
+    producers: int             # producer blocks in all
+    consumers: int             # consumer blocks
+
+
+def handoffs(cfg: ModelConfig, launch: plan.Launch = plan.Launch(), pos: int = 0) -> list[Handoff]:
+    """For every read of something the same step wrote (schedule.producer), which producer blocks each consumer
+    block needs and so the cheapest hand-off that orders them: the dataflow schedule's choice, dependency by
+    dependency (the barrier design spends a grid barrier wherever schedule.slots puts one)."""
+    out = []
+    for s in plan.STAGES:
+        layer = 1 if (s.scope == "layer" and cfg.n_layers > 1) else (0 if s.scope == "layer" else -1)
+        for use in s.reads:
+            if not use.active(cfg) or plan.BUFFERS[use.buffer].kind == "weight":
+                continue
+            prod = schedule.producer(cfg, use.buffer, s.name, layer)
+            if prod is None:
+                continue
+            p = plan.stage(prod[0])
+            wrote = _rows_by_block(cfg, p, next(w for w in p.writes if w.buffer == use.buffer), launch, pos)
+            need = _rows_by_block(cfg, s, use, launch, pos)
+            fan = {c: {b for b, rows in wrote.items() if _overlap(want, rows)} for c, want in need.items()}
+            sizes = sorted(len(v) for v in fan.values())
+            if all(v <= {c} for c, v in fan.items()):
+                kind = "block"
+            elif all(len(v) == len(wrote) for v in fan.values()):
+                kind = "grid"
+            else:
+                kind = "counter"
+            out.append(Handoff(s.name, use.buffer, p.name, kind,
+                               (sizes[0], sizes[len(sizes) // 2], sizes[-1]) if sizes else (0, 0, 0),
+                               len(wrote), len(need)))
+    return out
+
+
+def format_handoffs(rows: list[Handoff]) -> str:
+    out = [f"{'consumer':18s} {'reads':10s} {'from':18s} {'hand-off':9s} {'fan-in min/median/max':>22s} "
+           f"{'of':>4s} {'blocks':>6s}"]
+    for h in rows:
+        out.append(f"{h.consumer:18s} {h.buffer:10s} {h.producer:18s} {h.kind:9s} "
+                   f"{'/'.join(map(str, h.fan_in)):>22s} {h.producers:4d} {h.consumers:6d}")
+    return "\n".join(out)
