@@ -80,7 +80,7 @@ def gpu_present(monkeypatch):
      "argument --variant: matvec is not a stage: only a stage's function can be written in PTX"),
     (["build", "--variant", "embedding=nope"], "--variant embedding=nope: kernels/sections/embedding@nope.cuh does not exist"),
     (["frobnicate"],
-     "argument command: invalid choice: 'frobnicate' (choose from 'generate', 'verify', 'build', 'sanitize', 'plan', 'bench')"),
+     "argument command: invalid choice: 'frobnicate' (choose from 'generate', 'verify', 'build', 'sanitize', 'plan', 'bench', 'simulate')"),
     ([], "the following arguments are required: command (see python -m workbench --help)"),
     (["generate", "--bogus"], "unrecognized arguments: --bogus (see python -m workbench --help)"),
 ])
