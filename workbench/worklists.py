@@ -12,12 +12,11 @@ hand-offs of `schedule.dependencies`.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 from . import plan, schedule
 from .model.config import ModelConfig
-
-NV_WARP = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,19 +35,9 @@ class Item:
         return self.weight_bytes + self.cache_bytes
 
 
-def units_of_block(stage: plan.Stage, n: int, launch: plan.Launch, block: int) -> int:
-    """How many of a stage's n units block `block` takes, as the stage's deal gives them (kernels/lib/stream.cuh)."""
-    grid = launch.grid
-    if stage.runs_on == "block0":
-        return n if block == 0 else 0
-    if stage.deal == "blocks":
-        return len(plan.block_units(n, grid, block))
-    warps = launch.consumer_warps
-    if stage.deal == "across":                  # unit u on warp u % (grid·warps), warps numbered block-fastest
-        lanes = grid * warps
-        return sum(len(range(w * grid + block, n, lanes)) for w in range(warps))
-    lanes = grid * warps                        # "warps": numbered block by block
-    return sum(len(range(block * warps + w, n, lanes)) for w in range(warps))
+def reads_cache(stage: plan.Stage) -> bool:
+    """Whether the stage reads the cache's positions 0..pos (attention: its units are split by positions)."""
+    return any(plan.BUFFERS[u.buffer].kind == "cache" and u.positions == "0..pos" for u in stage.reads)
 
 
 def attention_split(cfg: ModelConfig, launch: plan.Launch, pos: int) -> tuple[int, int]:
@@ -79,16 +68,19 @@ def work_lists(cfg: ModelConfig, launch: plan.Launch = plan.Launch(), pos: int =
         for st in sl.stages:
             slot_of[st] = sl.index
     lists: list[list[Item]] = [[] for _ in range(launch.grid)]
+    counts: dict = {}                         # stage → {block: units}, the same at every layer
     for name, layer in schedule.execution(cfg):
         st = plan.stage(name)
         n = st.units(cfg, launch)
         per_unit = schedule.stage_weight_bytes(cfg, name) / max(1, n)
-        reads_cache = any(plan.BUFFERS[u.buffer].kind == "cache" and u.positions == "0..pos" for u in st.reads)
+        split = reads_cache(st)
+        if name not in counts and not split:
+            counts[name] = collections.Counter(b for blocks in unit_blocks(cfg, st, launch) for b in blocks)
         for b in range(launch.grid):
-            if reads_cache:
+            if split:
                 units, positions, cache, merges = _attention(cfg, launch, pos, b)
             else:
-                units, positions, cache, merges = units_of_block(st, n, launch, b), 0, 0, 0
+                units, positions, cache, merges = counts[name][b], 0, 0, 0
             if units:
                 lists[b].append(Item(name, layer, slot_of[name, layer], units, round(units * per_unit), cache,
                                      positions, merges))
@@ -102,7 +94,7 @@ def unit_blocks(cfg: ModelConfig, stage: plan.Stage, launch: plan.Launch, pos: i
     n, grid = stage.units(cfg, launch), launch.grid
     if stage.runs_on == "block0":
         return [(0,)] * n
-    if any(plan.BUFFERS[u.buffer].kind == "cache" and u.positions == "0..pos" for u in stage.reads):
+    if reads_cache(stage):
         s, _ = attention_split(cfg, launch, pos)
         return [tuple(range(u * s, (u + 1) * s)) for u in range(n)]
     if stage.deal == "blocks":
@@ -128,13 +120,6 @@ def _rows_by_block(cfg, stage, use, launch, pos) -> dict:
             elif rows:
                 out.setdefault(b, set()).update(rows)
     return out
-
-
-def _overlap(a, b) -> bool:
-    if a is None or b is None:
-        return True
-    ends = sorted(b)
-    return any(x0 < y1 and y0 < x1 for x0, x1 in a for y0, y1 in ends)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +150,7 @@ def handoffs(cfg: ModelConfig, launch: plan.Launch = plan.Launch(), pos: int = 0
             p = plan.stage(prod[0])
             wrote = _rows_by_block(cfg, p, next(w for w in p.writes if w.buffer == use.buffer), launch, pos)
             need = _rows_by_block(cfg, s, use, launch, pos)
-            fan = {c: {b for b, rows in wrote.items() if _overlap(want, rows)} for c, want in need.items()}
+            fan = {c: {b for b, rows in wrote.items() if schedule._overlap(want, rows)} for c, want in need.items()}
             sizes = sorted(len(v) for v in fan.values())
             if all(v <= {c} for c, v in fan.items()):
                 kind = "block"

@@ -31,10 +31,11 @@ import numpy as np
 
 from .. import plan, schedule
 from ..model.config import ModelConfig
-from ..worklists import Item, work_lists
+from ..worklists import Item, reads_cache, work_lists
 from . import timing
 
-ATTENTION = "attention_decode"
+# the stage whose units split the cache's positions over blocks (attention): its latency grows with them
+ATTENTION = next(s.name for s in plan.STAGES if reads_cache(s))
 SM_GBPS = 60.0          # one SM streaming alone (scripts/sm_bandwidth.py; NOTES.md, the simulator's calibration)
 
 
