@@ -10,6 +10,7 @@ import pytest
 
 from workbench import plan, schedule
 from workbench.cli import main
+from workbench.measure import dataflow
 from workbench.measure import simulate as S
 from workbench.measure import trace as T
 from workbench.model.config import get_config
@@ -103,7 +104,7 @@ def test_designs_are_parsed_and_priced(recorded, costs):
     assert S.simulate(cfg, costs, 128, design=S.Design(early_bytes=200_000)).us_per_token < today
     assert S.simulate(cfg, costs, 128, design=S.Design(handoff="flag")).us_per_token < today
     assert S.simulate(cfg, costs, 128, dataclasses.replace(plan.Launch(), early=()), S.Design()).us_per_token > 0
-    table = S.predict(cfg, costs, ["today", "flag:handoff=flag"], [128])
+    table = dataflow.predict(cfg, costs, ["today", "flag:handoff=flag"], [128])
     assert "flag" in table and "+0.0%" in table
 
 

@@ -32,7 +32,7 @@ from .compiler.compile import CUDA_ARCHS, HIP_ARCHS, CompileError
 from .compiler.header import decode_step, write_step_files
 from .errors import GpuMemoryError, NoDeviceError, UsageError, UserError
 from .measure.bench import bench_positions, cache_positions, ttft_lengths
-from .measure import simulate
+from .measure import dataflow, simulate
 from .measure.bench import main as bench_main
 from .measure.trace import load_trace
 from .model import weights
@@ -694,7 +694,7 @@ def cmd_simulate(args) -> int:
     for tr in checks:
         print("\nnot fitted on: " + simulate.compare(tr, costs))
     if args.design:
-        print("\n" + simulate.predict(traces[0].cfg, costs, ["today", *args.design],
+        print("\n" + dataflow.predict(traces[0].cfg, costs, ["today", *args.design],
                                       args.positions or sorted({t.pos0 for t in traces + checks})))
     return 0
 
@@ -831,7 +831,7 @@ def _parser() -> argparse.ArgumentParser:
     si.add_argument("--sm-gbps", type=float, default=simulate.SM_GBPS,
                     help="one SM's streaming read alone (default: measured on the H200 by scripts/sm_bandwidth.py)")
     si.add_argument("--design", action="append", default=[], metavar="NAME:FIELD=VALUE,...",
-                    help="a design to price against today's: fields of simulate.Design (early_bytes, handoff) or of "
+                    help="a design to price against today's: fields of simulate.Design (early_bytes, handoff, deal) or of "
                          "the plan's Launch (attn_min_chunk, attn_single, early, ...); repeatable")
     si.add_argument("--positions", type=positive_int, nargs="+", help="positions to price designs at (default: "
                                                                       "the traces')")

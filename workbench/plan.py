@@ -159,6 +159,8 @@ class Buffer:
     kind: str                       # weight | table | activation | cache | scratch | value
     doc: str
     per_layer: bool = False
+    heads: bool = False             # its row is heads of head_dim: the query heads (q, o), or per position the kv
+    #                                 heads (the cache); a kv head's share of the row is row / n_kv_heads
 
     def layer_shape(self, cfg: ModelConfig, launch: Launch = Launch()) -> tuple:
         s = self.shape(cfg, launch)
@@ -187,8 +189,8 @@ class Buffer:
         return DTYPES[self.dtype][0]
 
 
-def _b(name, dtype, shape, kind, doc, per_layer=False):
-    return Buffer(name, dtype, shape, kind, doc, per_layer)
+def _b(name, dtype, shape, kind, doc, per_layer=False, heads=False):
+    return Buffer(name, dtype, shape, kind, doc, per_layer, heads)
 
 
 BUFFERS: dict[str, Buffer] = {b.name: b for b in [
@@ -215,15 +217,15 @@ BUFFERS: dict[str, Buffer] = {b.name: b for b in [
     _b("h", "f32", lambda c, l: (c.hidden,), "activation",
        "the residual after attention [D], read by the MLP's norm: x's value after o_proj, in a buffer of its own "
        "so that down's adds into x cannot reach a block still reading it"),
-    _b("q", "f32", lambda c, l: (c.q_dim,), "activation", "queries, rotated [Hq·hd]"),
-    _b("o", "f32", lambda c, l: (c.q_dim,), "activation", "attention output [Hq·hd]"),
+    _b("q", "f32", lambda c, l: (c.q_dim,), "activation", "queries, rotated [Hq·hd]", heads=True),
+    _b("o", "f32", lambda c, l: (c.q_dim,), "activation", "attention output [Hq·hd]", heads=True),
     _b("hmlp", "f32", lambda c, l: (c.intermediate,), "activation", "silu(gate) ⊙ up [F]"),
     _b("logits", "f32", lambda c, l: (c.vocab,), "activation", "next-token logits [V]"),
     # state that outlives the step
     _b("k_cache", "bf16", lambda c, l: (c.n_layers, c.n_kv_heads, c.max_seq, c.head_dim), "cache",
-       "keys [L, Hkv, max_seq, hd]: position p holds the key of the token fed at p", True),
+       "keys [L, Hkv, max_seq, hd]: position p holds the key of the token fed at p", True, True),
     _b("v_cache", "bf16", lambda c, l: (c.n_layers, c.n_kv_heads, c.max_seq, c.head_dim), "cache",
-       "values [L, Hkv, max_seq, hd]", True),
+       "values [L, Hkv, max_seq, hd]", True, True),
     # cross-block scratch: contracts between the blocks of one stage, or between two stages
     _b("attn_part", "f32", lambda c, l: (c.n_heads, l.max_splits(c), c.head_dim + 2), "scratch",
        "per (query head, split): max, sum, unnormalised output, merged by the last split's block"),

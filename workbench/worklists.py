@@ -89,11 +89,15 @@ def work_lists(cfg: ModelConfig, launch: plan.Launch = plan.Launch(), pos: int =
 
 # ---- hand-offs: which producer blocks each consumer block waits for ------------------------------------------------
 
-def unit_blocks(cfg: ModelConfig, stage: plan.Stage, launch: plan.Launch, pos: int = 0) -> list[tuple[int, ...]]:
-    """[unit] → the blocks that run it (several for a kv head whose positions are split over blocks)."""
+def unit_blocks(cfg: ModelConfig, stage: plan.Stage, launch: plan.Launch, pos: int = 0,
+                deal: str | None = None) -> list[tuple[int, ...]]:
+    """[unit] → the blocks that run it (several for a kv head whose positions are split over blocks). `deal`
+    overrides the stage's own: "heads" is the dataflow design's (see `head_group`)."""
     n, grid = stage.units(cfg, launch), launch.grid
     if stage.runs_on == "block0":
         return [(0,)] * n
+    if (deal or stage.deal) == "heads":
+        return _head_deal(cfg, stage, launch, pos)
     if reads_cache(stage):
         s, _ = attention_split(cfg, launch, pos)
         return [tuple(range(u * s, (u + 1) * s)) for u in range(n)]
@@ -109,10 +113,91 @@ def unit_blocks(cfg: ModelConfig, stage: plan.Stage, launch: plan.Launch, pos: i
     return [((u % lanes) // warps,) for u in range(n)]
 
 
-def _rows_by_block(cfg, stage, use, launch, pos) -> dict:
+# ---- the dataflow design's deal: each kv head on a group of blocks -------------------------------------------------
+# What a schedule without grid barriers inside the attention block needs (NOTES.md, round 21): a kv head's q, k and
+# v row pairs, its attention and its share of the O-projection on one group of blocks, so that each of those
+# hand-offs waits for the group's blocks only. Priced by workbench.measure.dataflow before the kernel has it.
+
+def head_group(cfg: ModelConfig, launch: plan.Launch, head: int) -> range:
+    """The blocks of kv head `head`'s group: the grid cut into n_kv_heads contiguous groups."""
+    return plan.block_units(launch.grid, cfg.n_kv_heads, head)
+
+
+def _head_width(cfg: ModelConfig, buffer: str) -> int | None:
+    """Elements of one kv head's share of a row of `buffer` (None: a buffer not laid out by heads, Buffer.heads)."""
+    b = plan.BUFFERS[buffer]
+    if not b.heads:
+        return None
+    return (cfg.kv_dim if b.kind == "cache" else b.value_elements(cfg)) // cfg.n_kv_heads
+
+
+def kv_head_of(cfg: ModelConfig, stage: plan.Stage, unit: int) -> int | None:
+    """The kv head a unit works for: the head of the first rows it writes or reads of a buffer laid out by heads
+    (None: it touches none, or all of one)."""
+    for use in stage.writes + stage.reads:
+        width = _head_width(cfg, use.buffer) if use.rows is not None else None
+        rows = use.rows(cfg, unit) if width else ()
+        if rows:
+            lo, hi = rows[0]
+            if hi - lo <= width and lo // width == (hi - 1) // width:
+                return lo // width
+    return None
+
+
+def split_by_heads(cfg: ModelConfig, stage: plan.Stage) -> plan.Stage:
+    """The stage with each unit split by kv heads: unit (h, u) reads only head h's part of the activation laid out
+    by heads that unit u reads whole, and only the matching columns of its weight row, and adds its share into
+    what u wrote (split-K; the adds in fixed point, so their order does not change the sum). The O-projection
+    split this way needs only its own kv head's attention (a stage that reads no such activation whole is
+    returned as it is)."""
+    whole = [u for u in stage.reads if _head_width(cfg, u.buffer) and plan.BUFFERS[u.buffer].kind == "activation"
+             and (u.rows is None or u.rows(cfg, 0) == ((0, plan.BUFFERS[u.buffer].value_elements(cfg)),))]
+    weight = [u for u in stage.reads if plan.BUFFERS[u.buffer].kind == "weight" and u.rows is not None]
+    if len(whole) != 1 or len(weight) != 1:
+        return stage
+    act, w = whole[0], weight[0]
+    width, n = _head_width(cfg, act.buffer), cfg.n_kv_heads
+    inner = stage.units
+
+    def head_rows(c, unit):
+        h = unit // inner(c, plan.Launch())
+        return ((h * width, (h + 1) * width),)
+
+    def weight_rows(c, unit):
+        h, u = divmod(unit, inner(c, plan.Launch()))
+        (lo, _), = w.rows(c, u)
+        return ((lo + h * width, lo + (h + 1) * width),)
+
+    reads = tuple(dataclasses.replace(u, rows=head_rows) if u is act else
+                  dataclasses.replace(u, rows=weight_rows) if u is w else u for u in stage.reads)
+    writes = tuple(dataclasses.replace(u, rows=None, atomic=True) for u in stage.writes)
+    return dataclasses.replace(stage, reads=reads, writes=writes, units=lambda c, l: n * inner(c, l),
+                               unit=f"{stage.unit}'s share of one kv head", deal="heads")
+
+
+def _head_deal(cfg: ModelConfig, stage: plan.Stage, launch: plan.Launch, pos: int) -> list[tuple[int, ...]]:
+    """The "heads" deal: each unit on its kv head's group of blocks, the group's units contiguous by blocks;
+    attention's positions split over the first blocks of its head's group."""
+    n = stage.units(cfg, launch)
+    if reads_cache(stage):
+        s, _ = attention_split(cfg, launch, pos)
+        return [tuple(head_group(cfg, launch, u)[:s]) for u in range(n)]
+    heads = [kv_head_of(cfg, stage, u) for u in range(n)]
+    if None in heads:
+        raise ValueError(f"{stage.name}: a unit touches no one kv head's rows, so it cannot be dealt by heads")
+    out: list = [None] * n
+    for h in range(cfg.n_kv_heads):
+        mine = [u for u in range(n) if heads[u] == h]
+        group = head_group(cfg, launch, h)
+        for k, u in enumerate(mine):
+            out[u] = (group[k * len(group) // len(mine)],)
+    return out
+
+
+def _rows_by_block(cfg, stage, use, launch, pos, deal=None) -> dict:
     """{block: set of (start, stop) rows} the stage's units on each block touch through `use` (None: all rows)."""
     out: dict = {}
-    for u, blocks in enumerate(unit_blocks(cfg, stage, launch, pos)):
+    for u, blocks in enumerate(unit_blocks(cfg, stage, launch, pos, deal)):
         rows = None if use.rows is None else tuple(use.rows(cfg, u))
         for b in blocks:
             if rows is None or out.get(b, ()) is None:
@@ -134,12 +219,54 @@ class Handoff:
     consumers: int             # consumer blocks
 
 
-def handoffs(cfg: ModelConfig, launch: plan.Launch = plan.Launch(), pos: int = 0) -> list[Handoff]:
+def _merged(rows):
+    """Row ranges as sorted disjoint [start, stop] intervals (None: every row)."""
+    if rows is None:
+        return None
+    out: list = []
+    for lo, hi in sorted(rows):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return out
+
+
+def _meets(a, b) -> bool:
+    """Whether two sorted interval lists share a row (None: every row)."""
+    if a is None or b is None:
+        return True
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i][0] < b[j][1] and b[j][0] < a[i][1]:
+            return True
+        if a[i][1] <= b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return False
+
+
+def fan_in(cfg: ModelConfig, consumer: plan.Stage, use: plan.Use, producer: plan.Stage, launch: plan.Launch,
+           pos: int = 0) -> dict[int, tuple[int, ...]]:
+    """{consumer block: the producer blocks it waits for}: those that wrote a row of `use.buffer` the block's units
+    read (the stages as given: a design may deal them otherwise than the plan)."""
+    wrote = _rows_by_block(cfg, producer, next(w for w in producer.writes if w.buffer == use.buffer), launch, pos)
+    wrote = {b: _merged(rows) for b, rows in wrote.items()}
+    need = _rows_by_block(cfg, consumer, use, launch, pos)
+    return {c: tuple(b for b, rows in wrote.items() if _meets(_merged(want), rows)) for c, want in need.items()}
+
+
+def handoffs(cfg: ModelConfig, launch: plan.Launch = plan.Launch(), pos: int = 0,
+             stages: dict | None = None) -> list[Handoff]:
     """For every read of something the same step wrote (schedule.producer), which producer blocks each consumer
     block needs and so the cheapest hand-off that orders them: the dataflow schedule's choice, dependency by
-    dependency (the barrier design spends a grid barrier wherever schedule.slots puts one)."""
+    dependency (the barrier design spends a grid barrier wherever schedule.slots puts one). `stages`: the plan's
+    stages as a design deals them (default the plan's own)."""
+    stages = stages or {s.name: s for s in plan.STAGES}
     out = []
     for s in plan.STAGES:
+        s = stages[s.name]
         layer = 1 if (s.scope == "layer" and cfg.n_layers > 1) else (0 if s.scope == "layer" else -1)
         for use in s.reads:
             if not use.active(cfg) or plan.BUFFERS[use.buffer].kind == "weight":
@@ -147,12 +274,11 @@ def handoffs(cfg: ModelConfig, launch: plan.Launch = plan.Launch(), pos: int = 0
             prod = schedule.producer(cfg, use.buffer, s.name, layer)
             if prod is None:
                 continue
-            p = plan.stage(prod[0])
+            p = stages[prod[0]]
+            fan = fan_in(cfg, s, use, p, launch, pos)
             wrote = _rows_by_block(cfg, p, next(w for w in p.writes if w.buffer == use.buffer), launch, pos)
-            need = _rows_by_block(cfg, s, use, launch, pos)
-            fan = {c: {b for b, rows in wrote.items() if schedule._overlap(want, rows)} for c, want in need.items()}
             sizes = sorted(len(v) for v in fan.values())
-            if all(v <= {c} for c, v in fan.items()):
+            if all(set(v) <= {c} for c, v in fan.items()):
                 kind = "block"
             elif all(len(v) == len(wrote) for v in fan.values()):
                 kind = "grid"
@@ -160,7 +286,7 @@ def handoffs(cfg: ModelConfig, launch: plan.Launch = plan.Launch(), pos: int = 0
                 kind = "counter"
             out.append(Handoff(s.name, use.buffer, p.name, kind,
                                (sizes[0], sizes[len(sizes) // 2], sizes[-1]) if sizes else (0, 0, 0),
-                               len(wrote), len(need)))
+                               len(wrote), len(fan)))
     return out
 
 

@@ -61,9 +61,19 @@ class Design:
     many bytes, filled while the block waits with the weights of its next items in decode order, across stages).
     handoff: "barrier" (blocks leave over the trace's spread of departures, label by label) or "flag" (every
     block sees its producers counter_us after the last of them arrived: no spread; what per-block flags or
-    data-as-flag would give if nothing else queued the polls)."""
+    data-as-flag would give if nothing else queued the polls), both slot by slot; or "counter": block by block
+    (workbench.measure.dataflow), each item waiting for its own producer blocks only.
+    deal: "today" (the plan's deals) or "heads" (each kv head's qkv rows, attention and O-projection share on a
+    group of blocks: worklists.head_group), priced block by block."""
     early_bytes: int | None = None
     handoff: str = "barrier"
+    deal: str = "today"
+
+    def __post_init__(self):
+        if self.handoff not in ("barrier", "flag", "counter"):
+            raise ValueError(f"handoff {self.handoff!r}: barrier, flag or counter")
+        if self.deal not in ("today", "heads"):
+            raise ValueError(f"deal {self.deal!r}: today or heads")
 
 
 def _jitter(n: int, mean: float, salt: int) -> np.ndarray:
@@ -387,15 +397,3 @@ def parse_design(text: str) -> tuple[str, Design, dict]:
             v = tuple(filter(None, value.split("+")))
         (design if key in d_fields else launch)[key] = v
     return name or "today", Design(**design), launch
-
-
-def predict(cfg: ModelConfig, costs: Costs, designs: list[str], positions: list[int]) -> str:
-    """µs per token and tok/s of each design at each position, against today's kernel simulated alike."""
-    out = [f"{'design':28s} {'position':>8s} {'µs/token':>9s} {'tok/s':>7s} {'vs today':>9s}"]
-    for pos in positions:
-        today = simulate(cfg, costs, pos).us_per_token
-        for text in designs:
-            name, design, fields = parse_design(text)
-            us = simulate(cfg, costs, pos, dataclasses.replace(plan.Launch(), **fields), design).us_per_token
-            out.append(f"{name:28s} {pos:8d} {us:9.1f} {1e6 / us:7.0f} {100 * (today / us - 1):+8.1f}%")
-    return "\n".join(out)

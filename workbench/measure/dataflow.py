@@ -1,0 +1,348 @@
+"""Schedules priced block by block: every block runs its own list of items, an item starts once the producer items
+it reads from have finished (a hand-off), and a block loads the weights of its next items while it waits.
+
+`workbench.measure.simulate` prices the barrier design slot by slot: every block leaves a barrier together. This
+module runs the same costs (`simulate.Costs`, calibrated on the kernel's traces) as events, so that a design in
+which blocks wait for a few producers, not the grid, can be priced before it is built (DESIGN.md, the simulator):
+
+* **Items and hand-offs** come from the plan: `worklists.unit_blocks` says which blocks run a stage's units,
+  `worklists.handoffs`' rule (the rows a consumer block reads against the rows each producer block wrote) says
+  which producer blocks each consumer block waits for. With `handoff="barrier"` every item of a slot waits for
+  every block to finish the slot before, and leaves over the trace's spread of departures: the slot simulator's
+  model, run as events (the two agree: tests/test_dataflow.py). With "counter", an item waits for its own
+  producers and sees them `counter_us` after the last of them finished (plus `merge_us` for a split kv head's
+  partials).
+* **Deals.** `Design(deal="heads")` prices the deal a dataflow step needs (worklists.head_group): each kv head's q,
+  k and v row pairs, its attention and its share of the O-projection (split by heads, `worklists.split_by_heads`)
+  on one group of blocks.
+* **Memory.** The fluid model of `simulate._share`: the transfers in flight share `hbm_tbps` evenly, each at most
+  `sm_gbps`. A block streams its item's bytes after its latency; while it waits for inputs or pays a latency it
+  loads the weight bytes of its next items, in order, up to what it may hold (`Design.early_bytes`; None: today's
+  early loads, the first chunk of the next early stage behind a barrier). K/V bytes stream only once the item runs.
+
+Write-after-read hazards are not modelled: in the plan's step each is ordered through a chain of reads-after-write
+(the next layer's qkv, which overwrites q, waits for down, which waits for everything attention fed).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .. import plan, schedule
+from ..model.config import ModelConfig
+from ..worklists import attention_split, fan_in, kv_head_of, reads_cache, split_by_heads, unit_blocks
+from .simulate import Costs, Design, _jitter, parse_design, simulate
+
+WAIT, LATENCY, STREAM, DONE = range(4)
+
+
+@dataclasses.dataclass
+class Node:
+    """One block's share of one (stage, layer) of one token, or (stage None) the block's arrival at a barrier."""
+    key: int                   # token · len(execution) + the entry's index; a barrier: −(its index + 1)
+    block: int
+    stage: str | None
+    latency: float             # µs before its bytes
+    weight: float              # bytes it may load ahead
+    cache: float               # bytes it streams once it runs
+    deps: list                 # [(producer key, set id)]: it waits for those blocks to finish that key
+    delay: list                # per dep: µs after the last of them finished that this block sees it
+
+
+def stages_of(cfg: ModelConfig, design: Design) -> dict[str, plan.Stage]:
+    """The plan's stages as the design deals them: with deal "heads", every layer stage whose units each work for
+    one kv head goes to that head's group, and a stage that reads a whole activation laid out by heads is split by
+    heads first."""
+    out = {s.name: s for s in plan.STAGES}
+    if design.deal == "today":
+        return out
+    if design.deal != "heads":
+        raise ValueError(f"deal {design.deal!r}: today or heads")
+    for s in plan.STAGES:
+        if s.scope != "layer" or s.runs_on != "grid":
+            continue
+        split = split_by_heads(cfg, s)
+        if split is not s:
+            out[s.name] = split
+        elif reads_cache(s) or all(kv_head_of(cfg, s, u) is not None for u in range(s.units(cfg, plan.Launch()))):
+            out[s.name] = dataclasses.replace(s, deal="heads")
+    return out
+
+
+class _Graph:
+    """Nodes per block in order, and the producer sets they wait on."""
+
+    def __init__(self, cfg, costs, pos, launch, design, tokens):
+        self.cfg, self.grid = cfg, launch.grid
+        stages = stages_of(cfg, design)
+        seq = schedule.execution(cfg)
+        self.n_exec = len(seq)
+        slots = schedule.slots(cfg)
+        slot_of = {st: sl.index for sl in slots for st in sl.stages}
+        label_of = {sl.index: sl.label for sl in slots}
+        barrier = design.handoff == "barrier"
+        # which blocks run each stage, and how many units
+        blocks_of: dict = {}
+        for name in dict.fromkeys(n for n, _ in seq):
+            st = stages[name]
+            ub = unit_blocks(cfg, st, launch, pos)
+            per = {}
+            for blocks in ub:
+                for b in blocks:
+                    per[b] = per.get(b, 0) + 1
+            blocks_of[name] = (st, per, len(ub))
+        # fan-in sets: (consumer, buffer) → {consumer block: producer blocks}
+        self.sets: list[tuple] = []
+        self._set_ids: dict = {}
+        fan: dict = {}
+        s_att, chunk = attention_split(cfg, launch, pos)
+        early_cap = launch.stage_threads * schedule.EARLY_LOADS * 16 if launch.early and not launch.stream else 0
+        self.cap = float(design.early_bytes if design.early_bytes is not None else early_cap)
+        self.nodes: list[list[Node]] = [[] for _ in range(self.grid)]
+        first_of_slot: dict = {}                 # (token, slot, block) → already charged the slot's latency
+        jit = {}
+        for sl in slots:
+            busy = sorted({b for name, _ in sl.stages for b in blocks_of[name][1]})
+            j = _jitter(len(busy), costs.jitter_us.get(sl.label, 0.0), sl.index)
+            jit[sl.index] = dict(zip(busy, j))
+        for t in range(tokens):
+            for e, (name, layer) in enumerate(seq):
+                st, per, n_units = blocks_of[name]
+                key = t * self.n_exec + e
+                slot = slot_of[name, layer]
+                label = label_of[slot]
+                wbytes = schedule.stage_weight_bytes(cfg, name) / max(1, n_units)
+                deps_by_block = self._deps(cfg, stages, st, name, layer, t, launch, pos, fan, seq)
+                for b, units in per.items():
+                    lat = 0.0
+                    if (t, slot, b) not in first_of_slot:
+                        first_of_slot[t, slot, b] = True
+                        lat += max(0.0, costs.fixed_us.get(label, 0.0) + jit[slot].get(b, 0.0))
+                    cache = 0.0
+                    if reads_cache(st):
+                        k = unit_blocks(cfg, st, launch, pos)
+                        split = next(i for blocks in k for i, x in enumerate(blocks) if x == b)
+                        positions = max(0, min(chunk, pos + 1 - split * chunk))
+                        cache = positions * 4 * cfg.head_dim
+                        lat += positions * costs.position_ns / 1e3
+                    deps, delay = [], []
+                    if not barrier:
+                        for pkey, blocks, merge in deps_by_block.get(b, []):
+                            deps.append((pkey, self._set(blocks)))
+                            delay.append(costs.counter_us + (costs.merge_us if merge else 0.0))
+                    self.nodes[b].append(Node(key, b, name, lat, units * wbytes, cache, deps, delay))
+                if barrier and (b_slot := schedule.barrier_slot(cfg, name, layer)) is not None:
+                    for b in range(self.grid):         # every block's arrival at the barrier
+                        self.nodes[b].append(Node(-(t * 10_000 + b_slot + 1), b, None, 0.0, 0.0, 0.0, [], []))
+        if barrier:                          # a slot's first node on each block waits for the barrier before it
+            self._wire_barriers(costs, slots)
+        self.loadable = [[nd.weight if self._ahead_ok(nd, design, launch) else 0.0 for nd in lst]
+                         for lst in self.nodes]
+
+    def _ahead_ok(self, nd: Node, design: Design, launch) -> bool:
+        if nd.stage is None:
+            return False
+        return design.early_bytes is not None or nd.stage in launch.early
+
+    def _set(self, blocks) -> int:
+        blocks = tuple(sorted(blocks))
+        if blocks not in self._set_ids:
+            self._set_ids[blocks] = len(self.sets)
+            self.sets.append(blocks)
+        return self._set_ids[blocks]
+
+    def _deps(self, cfg, stages, st, name, layer, t, launch, pos, fan, seq):
+        """{consumer block: [(producer key, producer blocks, merge)]} for (stage, layer) of token t."""
+        out: dict = {}
+        e_of = {x: i for i, x in enumerate(seq)}
+        for use in st.reads:
+            if not use.active(cfg) or plan.BUFFERS[use.buffer].kind == "weight":
+                continue
+            prod = schedule.producer(cfg, use.buffer, name, layer)
+            tp = t
+            if prod is None:                     # the previous token wrote it
+                writers = [x for x in seq if stages[x[0]].writes_buffer(use.buffer)]
+                if not writers or t == 0:
+                    continue
+                prod, tp = writers[-1], t - 1
+            p = stages[prod[0]]
+            k = (name, use.buffer, prod[0])
+            if k not in fan:
+                fan[k] = fan_in(cfg, st, use, p, launch, pos)
+            merge = reads_cache(p) and attention_split(cfg, launch, pos)[0] > 1
+            pkey = tp * self.n_exec + e_of[prod]
+            for c, blocks in fan[k].items():
+                if blocks:
+                    out.setdefault(c, []).append((pkey, blocks, merge))
+        return out
+
+    def _wire_barriers(self, costs, slots):
+        """Every node after a barrier node waits for every block's arrival there, and leaves at its place in the
+        slot's spread of departures (the slot simulator's, block for block)."""
+        everyone = self._set(range(self.grid))
+        spread = {}
+        for sl in slots:
+            first, end = costs.barrier_us.get(sl.label, (costs.counter_us, costs.counter_us))
+            spread[sl.index] = np.random.default_rng(10_000 + sl.index).permutation(np.linspace(first, end, self.grid))
+        for b in range(self.grid):
+            last = None
+            for nd in self.nodes[b]:
+                if last is not None:
+                    nd.deps, nd.delay = [(last.key, everyone)], [float(spread[(-last.key - 1) % 10_000][b])]
+                last = nd if nd.stage is None else None
+
+
+def run(cfg: ModelConfig, costs: Costs, pos: int = 0, launch: plan.Launch = plan.Launch(),
+        design: Design = Design(), tokens: int = 2) -> tuple[float, dict]:
+    """(µs per token, {(key, block): (start, finish)}): the steady token's time, publish to publish, and every
+    node's span. The first token starts cold; the last token's span is the one measured."""
+    g = _Graph(cfg, costs, pos, launch, design, tokens)
+    grid, sets = g.grid, g.sets
+    members: dict = {}                                    # key → [set id] waited on, through blocks
+    for lst in g.nodes:
+        for nd in lst:
+            for pkey, sid in nd.deps:
+                members.setdefault(pkey, set()).add(sid)
+    left = {}                                             # (key, set id) → producer blocks not yet finished
+    last = {}                                             # (key, set id) → the latest finish so far
+    for pkey, sids in members.items():
+        for sid in sids:
+            left[pkey, sid] = len(g.sets[sid])
+            last[pkey, sid] = 0.0
+    in_set = [set(s) for s in sets]
+    cur = [0] * grid
+    phase = [WAIT] * grid
+    t_lat = [0.0] * grid
+    main = [0.0] * grid
+    held = [[0.0] * len(lst) for lst in g.nodes]
+    total_held = [0.0] * grid
+    cap_sm = costs.sm_gbps * 1e3
+    ring = design.early_bytes is not None
+    spans: dict = {}
+    start = [0.0] * grid
+    t = 0.0
+
+    known: dict = {}                                      # block → (its node, the time its inputs are seen)
+
+    def ready(b):
+        """When block b's current node sees all its inputs (None: not all finished yet)."""
+        got = known.get(b)
+        if got is not None and got[0] == cur[b]:
+            if got[1] is not None:
+                return got[1]
+            if left[got[2]] > 0:                          # still waiting on the same producers
+                return None
+        nd = g.nodes[b][cur[b]]
+        r = 0.0
+        for (pkey, sid), d in zip(nd.deps, nd.delay):
+            if left[pkey, sid] > 0:
+                known[b] = (cur[b], None, (pkey, sid))
+                return None
+            r = max(r, last[pkey, sid] + d)
+        known[b] = (cur[b], r, None)
+        return r
+
+    def finish(b, now):
+        nd = g.nodes[b][cur[b]]
+        spans[nd.key, b] = (start[b], now)
+        for sid in members.get(nd.key, ()):
+            if b in in_set[sid]:
+                left[nd.key, sid] -= 1
+                last[nd.key, sid] = max(last[nd.key, sid], now)
+        total_held[b] -= held[b][cur[b]]
+        cur[b] += 1
+        phase[b] = WAIT if cur[b] < len(g.nodes[b]) else DONE
+
+    def ahead(b):
+        """(node index, bytes left of it) a block loads ahead now (None: nothing). Today's early loads: while it
+        waits, the first bytes of the next node if that is an early stage. A ring: while it waits or pays a
+        latency, the weights of the nodes after, in order, as far as the ring holds."""
+        if total_held[b] >= g.cap - 1e-6 or phase[b] not in ((WAIT, LATENCY) if ring else (WAIT,)):
+            return None
+        lst, nodes = g.loadable[b], g.nodes[b]
+        j = cur[b] + (1 if phase[b] == LATENCY else 0)
+        while not ring and j < len(nodes) and nodes[j].stage is None:
+            j += 1
+        for j in range(j, len(lst) if ring else min(j + 1, len(lst))):
+            if held[b][j] < lst[j] - 1e-6:
+                return j, min(lst[j] - held[b][j], g.cap - total_held[b])
+        return None
+
+    while True:
+        changed = True
+        while changed:                                    # every transition due now
+            changed = False
+            for b in range(grid):
+                if phase[b] == WAIT:
+                    r = ready(b)
+                    if r is not None and r <= t + 1e-9:
+                        nd = g.nodes[b][cur[b]]
+                        start[b] = t
+                        phase[b], t_lat[b] = LATENCY, t + nd.latency
+                        changed = True
+                if phase[b] == LATENCY and t_lat[b] <= t + 1e-9:
+                    nd = g.nodes[b][cur[b]]
+                    main[b] = max(0.0, nd.weight - held[b][cur[b]]) + nd.cache
+                    phase[b] = STREAM
+                    changed = True
+                if phase[b] == STREAM and main[b] <= 1e-6:
+                    finish(b, t)
+                    changed = True
+        if all(p == DONE for p in phase):
+            break
+        loads = [ahead(b) for b in range(grid)]
+        streaming = [b for b in range(grid) if phase[b] == STREAM]
+        loading = [b for b in range(grid) if loads[b] is not None]
+        k = len(streaming) + len(loading)
+        rate = min(cap_sm, costs.hbm_tbps * 1e6 / k) if k else 0.0
+        events = []
+        for b in range(grid):
+            if phase[b] == WAIT:
+                r = ready(b)
+                if r is not None:
+                    events.append(r)
+            elif phase[b] == LATENCY:
+                events.append(t_lat[b])
+        events += [t + main[b] / rate for b in streaming]
+        events += [t + loads[b][1] / rate for b in loading]
+        if not events:
+            stuck = [(b, g.nodes[b][cur[b]].stage) for b in range(grid) if phase[b] == WAIT][:3]
+            raise RuntimeError(f"the schedule deadlocks: blocks wait on producers that never finish {stuck}")
+        t_next = max(min(events), t)
+        dt = t_next - t
+        for b in streaming:
+            main[b] -= rate * dt
+        for b in loading:
+            j, _ = loads[b]
+            held[b][j] += rate * dt
+            total_held[b] += rate * dt
+        t = t_next
+    n = g.n_exec
+    pub = [spans[k, 0][1] for k in ((tok + 1) * n - 1 for tok in range(tokens))]
+    return pub[-1] - pub[-2], spans
+
+
+def price(cfg: ModelConfig, costs: Costs, pos: int, launch: plan.Launch = plan.Launch(),
+          design: Design = Design()) -> float:
+    """µs per token of a design: slot by slot where every hand-off is a barrier or a flag on today's deals
+    (simulate.simulate), block by block otherwise (`run`)."""
+    if design.handoff != "counter" and design.deal == "today":
+        return simulate(cfg, costs, pos, launch, design).us_per_token
+    return run(cfg, costs, pos, launch, design)[0]
+
+
+def predict(cfg: ModelConfig, costs: Costs, designs: list[str], positions: list[int]) -> str:
+    """µs per token and tok/s of each design at each position, against today's kernel priced by the same model
+    (the slot model's or the block-by-block one's: they differ by ~1%, tests/test_dataflow.py)."""
+    out = [f"{'design':28s} {'position':>8s} {'µs/token':>9s} {'tok/s':>7s} {'vs today':>9s}"]
+    for pos in positions:
+        today = {}
+        for text in designs:
+            name, design, fields = parse_design(text)
+            events = design.handoff == "counter" or design.deal != "today"
+            if events not in today:
+                today[events] = (run(cfg, costs, pos)[0] if events else simulate(cfg, costs, pos).us_per_token)
+            us = price(cfg, costs, pos, dataclasses.replace(plan.Launch(), **fields), design)
+            out.append(f"{name:28s} {pos:8d} {us:9.1f} {1e6 / us:7.0f} {100 * (today[events] / us - 1):+8.1f}%")
+    return "\n".join(out)
