@@ -103,3 +103,17 @@ def test_the_cli_prices_a_dataflow_design(recorded, capsys):
     row = next(line for line in out if line.startswith("df "))
     assert row.split()[1] == "128" and row.split()[-1].endswith("%")
     assert schedule.n_slots(recorded.cfg) > 0
+
+
+def test_hbm_is_water_filled_and_bytes_in_flight_cost_the_latency_bound_moments(recorded, costs):
+    rates = D._water_fill({"a": 1.0, "b": 10.0, "c": 10.0}, 9.0)
+    assert rates == {"a": 1.0, "b": 4.0, "c": 4.0}                 # a capped transfer leaves its share to the rest
+    assert D._water_fill({"a": 1.0, "b": 2.0}, 9.0) == {"a": 1.0, "b": 2.0}
+    cfg = recorded.cfg
+    ring = S.Design(handoff="counter", early_bytes=200_000)
+    free = D.run(cfg, costs, 128, design=ring)[0]
+    queued = D.run(cfg, costs, 128, design=S.Design(handoff="counter", early_bytes=200_000, queue=1))[0]
+    metered = D.run(cfg, costs, 128, design=S.Design(handoff="counter", early_bytes=200_000, queue=1,
+                                                     inflight=32_768))[0]
+    # a ring that asks for all it may hold queues every hand-off behind it; a meter gives most of that back
+    assert free < metered < queued

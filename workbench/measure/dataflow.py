@@ -219,6 +219,7 @@ def run(cfg: ModelConfig, costs: Costs, pos: int = 0, launch: plan.Launch = plan
     total_held = [0.0] * grid
     cap_sm = costs.sm_gbps * 1e3
     ring = design.early_bytes is not None
+    queue_us = 0.0
     spans: dict = {}
     start = [0.0] * grid
     t = 0.0
@@ -279,7 +280,7 @@ def run(cfg: ModelConfig, costs: Costs, pos: int = 0, launch: plan.Launch = plan
                     if r is not None and r <= t + 1e-9:
                         nd = g.nodes[b][cur[b]]
                         start[b] = t
-                        phase[b], t_lat[b] = LATENCY, t + nd.latency
+                        phase[b], t_lat[b] = LATENCY, t + nd.latency + queue_us
                         changed = True
                 if phase[b] == LATENCY and t_lat[b] <= t + 1e-9:
                     nd = g.nodes[b][cur[b]]
@@ -294,8 +295,15 @@ def run(cfg: ModelConfig, costs: Costs, pos: int = 0, launch: plan.Launch = plan
         loads = [ahead(b) for b in range(grid)]
         streaming = [b for b in range(grid) if phase[b] == STREAM]
         loading = [b for b in range(grid) if loads[b] is not None]
-        k = len(streaming) + len(loading)
-        rate = min(cap_sm, costs.hbm_tbps * 1e6 / k) if k else 0.0
+        meter = design.inflight if design.inflight is not None else float("inf")
+        # each transfer's share of HBM: even, each at most its own cap (a metered loader: meter / round trip)
+        caps = {b: cap_sm for b in streaming}
+        caps.update({b: min(cap_sm, meter / max(costs.counter_us, 1e-3)) for b in loading})
+        rates = _water_fill(caps, costs.hbm_tbps * 1e6)
+        if design.queue:                                  # what a round trip starting now waits behind
+            window = cap_sm * costs.counter_us
+            flight = sum(min(main[b], window) for b in streaming) + sum(min(loads[b][1], meter) for b in loading)
+            queue_us = max(0.0, flight / (costs.hbm_tbps * 1e6) - costs.counter_us)
         events = []
         for b in range(grid):
             if phase[b] == WAIT:
@@ -304,30 +312,39 @@ def run(cfg: ModelConfig, costs: Costs, pos: int = 0, launch: plan.Launch = plan
                     events.append(r)
             elif phase[b] == LATENCY:
                 events.append(t_lat[b])
-        events += [t + main[b] / rate for b in streaming]
-        events += [t + loads[b][1] / rate for b in loading]
+        events += [t + main[b] / rates[b] for b in streaming]
+        events += [t + loads[b][1] / rates[b] for b in loading]
         if not events:
             stuck = [(b, g.nodes[b][cur[b]].stage) for b in range(grid) if phase[b] == WAIT][:3]
             raise RuntimeError(f"the schedule deadlocks: blocks wait on producers that never finish {stuck}")
         t_next = max(min(events), t)
         dt = t_next - t
         for b in streaming:
-            main[b] -= rate * dt
+            main[b] -= rates[b] * dt
         for b in loading:
             j, _ = loads[b]
-            held[b][j] += rate * dt
-            total_held[b] += rate * dt
+            held[b][j] += rates[b] * dt
+            total_held[b] += rates[b] * dt
         t = t_next
     n = g.n_exec
     pub = [spans[k, 0][1] for k in ((tok + 1) * n - 1 for tok in range(tokens))]
     return pub[-1] - pub[-2], spans
 
 
+def _water_fill(caps: dict, total: float) -> dict:
+    """An even share of `total` for each key, none above its cap, what a capped one leaves shared by the rest."""
+    out, left, keys = {}, total, sorted(caps, key=caps.get)
+    for i, b in enumerate(keys):
+        out[b] = min(caps[b], left / (len(keys) - i))
+        left -= out[b]
+    return out
+
+
 def price(cfg: ModelConfig, costs: Costs, pos: int, launch: plan.Launch = plan.Launch(),
           design: Design = Design()) -> float:
     """µs per token of a design: slot by slot where every hand-off is a barrier or a flag on today's deals
     (simulate.simulate), block by block otherwise (`run`)."""
-    if design.handoff != "counter" and design.deal == "today":
+    if design.handoff != "counter" and design.deal == "today" and not design.queue:   # the slot model's case
         return simulate(cfg, costs, pos, launch, design).us_per_token
     return run(cfg, costs, pos, launch, design)[0]
 
@@ -340,9 +357,11 @@ def predict(cfg: ModelConfig, costs: Costs, designs: list[str], positions: list[
         today = {}
         for text in designs:
             name, design, fields = parse_design(text)
-            events = design.handoff == "counter" or design.deal != "today"
+            # today's kernel priced by the same engine, with the same account of queueing
+            events = (design.handoff == "counter" or design.deal != "today" or bool(design.queue), design.queue)
             if events not in today:
-                today[events] = (run(cfg, costs, pos)[0] if events else simulate(cfg, costs, pos).us_per_token)
+                today[events] = price(cfg, costs, pos, design=Design(queue=design.queue)) if events[0] else \
+                    simulate(cfg, costs, pos).us_per_token
             us = price(cfg, costs, pos, dataclasses.replace(plan.Launch(), **fields), design)
             out.append(f"{name:28s} {pos:8d} {us:9.1f} {1e6 / us:7.0f} {100 * (today[events] / us - 1):+8.1f}%")
     return "\n".join(out)

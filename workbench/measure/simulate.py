@@ -64,10 +64,17 @@ class Design:
     data-as-flag would give if nothing else queued the polls), both slot by slot; or "counter": block by block
     (workbench.measure.dataflow), each item waiting for its own producer blocks only.
     deal: "today" (the plan's deals) or "heads" (each kv head's qkv rows, attention and O-projection share on a
-    group of blocks: worklists.head_group), priced block by block."""
+    group of blocks: worklists.head_group), priced block by block.
+    queue: 1 prices what the bytes in flight cost the latency-bound moments (block by block): a block that starts
+    an item, its hand-off and first round trip included, waits behind the bytes every SM has in flight beyond
+    what saturates HBM, (in flight)/hbm − counter_us. A streaming block keeps sm_gbps · counter_us in flight
+    (Little's law at its own rate); a block loading ahead keeps all it asked for (`inflight`: at most this many
+    bytes, a meter). What rounds 7 and 12 measured: bytes issued ahead of a latency-bound stage cost it."""
     early_bytes: int | None = None
     handoff: str = "barrier"
     deal: str = "today"
+    queue: int = 0
+    inflight: int | None = None
 
     def __post_init__(self):
         if self.handoff not in ("barrier", "flag", "counter"):
