@@ -38,6 +38,14 @@ def test_run_with_barriers_the_events_agree_with_the_slot_simulator(recorded, co
     assert all(0 <= a <= b for a, b in spans.values())
 
 
+def test_at_a_long_position_the_merge_of_split_heads_is_priced_alike(recorded):
+    both = [recorded, T.load_recorded(3700)]
+    costs = S.calibrate(both, hbm_tbps=recorded.roofline_tbps, sm_gbps=S.SM_GBPS)
+    assert costs.merge_us > 0
+    assert D.run(recorded.cfg, costs, 3709)[0] == pytest.approx(S.simulate(recorded.cfg, costs, 3709).us_per_token,
+                                                                rel=0.015)
+
+
 def test_counters_and_a_ring_are_priced_and_the_price_repeats(recorded, costs):
     cfg = recorded.cfg
     barrier = D.run(cfg, costs, 128)[0]

@@ -136,7 +136,10 @@ class _Graph:
                     for b in range(self.grid):         # every block's arrival at the barrier
                         self.nodes[b].append(Node(-(t * 10_000 + b_slot + 1), b, None, 0.0, 0.0, 0.0, [], []))
         if barrier:                          # a slot's first node on each block waits for the barrier before it
-            self._wire_barriers(costs, slots)
+            # a split kv head's last block folds the partials in before it arrives: the barrier after it waits
+            merge = {sl.index: costs.merge_us for sl in slots if s_att > 1 and any(reads_cache(stages[n])
+                                                                                   for n, _ in sl.stages)}
+            self._wire_barriers(costs, slots, merge, measured=not design.queue)
         self.loadable = [[nd.weight if self._ahead_ok(nd, design, launch) else 0.0 for nd in lst]
                          for lst in self.nodes]
 
@@ -177,14 +180,16 @@ class _Graph:
                     out.setdefault(c, []).append((pkey, blocks, merge))
         return out
 
-    def _wire_barriers(self, costs, slots):
+    def _wire_barriers(self, costs, slots, merge: dict, measured: bool):
         """Every node after a barrier node waits for every block's arrival there, and leaves at its place in the
-        slot's spread of departures (the slot simulator's, block for block)."""
+        slot's spread of departures (the slot simulator's, block for block); not `measured` (queue=1), every block
+        `counter_us` after the last arrival, and the queue it then starts behind is what spreads them."""
         everyone = self._set(range(self.grid))
         spread = {}
         for sl in slots:
-            first, end = costs.barrier_us.get(sl.label, (costs.counter_us, costs.counter_us))
-            spread[sl.index] = np.random.default_rng(10_000 + sl.index).permutation(np.linspace(first, end, self.grid))
+            first, end = costs.barrier_us.get(sl.label, (costs.counter_us,) * 2) if measured else (costs.counter_us,) * 2
+            spread[sl.index] = merge.get(sl.index, 0.0) + np.random.default_rng(10_000 + sl.index).permutation(
+                np.linspace(first, end, self.grid))
         for b in range(self.grid):
             last = None
             for nd in self.nodes[b]:

@@ -69,7 +69,9 @@ class Design:
     an item, its hand-off and first round trip included, waits behind the bytes every SM has in flight beyond
     what saturates HBM, (in flight)/hbm − counter_us. A streaming block keeps sm_gbps · counter_us in flight
     (Little's law at its own rate); a block loading ahead keeps all it asked for (`inflight`: at most this many
-    bytes, a meter). What rounds 7 and 12 measured: bytes issued ahead of a latency-bound stage cost it."""
+    bytes, a meter), and barriers release at counter_us, the queue spreading them instead of the trace. What
+    rounds 7 and 12 measured (bytes issued ahead of a latency-bound stage cost it), as a what-if that ranks designs
+    by their bytes in flight: it is not calibrated (today's kernel prices 5% under its trace with it)."""
     early_bytes: int | None = None
     handoff: str = "barrier"
     deal: str = "today"
