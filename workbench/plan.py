@@ -38,6 +38,8 @@ class Launch:
     attn_bufs: int = 3              # steps in a warp's ring: all but one in flight while the warp reads one
     stream: bool = False
     register_stages: tuple = ()     # in a stream build, stages that still read their weights straight to registers
+    stream_attn_warps: int = 1      # in a stream build, attention's warps that read K/V through rings of their own
+    #                                 (at most attn_kv_bytes' worth): the weight ring takes the shared memory left
     # stages whose first weight loads go out before the grid barrier they follow (H200, 1b: +3.7% at position 128;
     # DESIGN.md, "Early loads and owed waits")
     early: tuple = ("qkv_rope_append", "o_proj_residual", "gate_up_silu", "lm_head")
@@ -63,6 +65,8 @@ class Launch:
                              f"{self.attn_min_chunk!r}")
         if not (isinstance(self.attn_single, int) and self.attn_single >= 1):
             raise ValueError(f"attn_single must be a number of chunks, 1 or more, got {self.attn_single!r}")
+        if not (isinstance(self.stream_attn_warps, int) and self.stream_attn_warps >= 1):
+            raise ValueError(f"stream_attn_warps must be a number of warps, 1 or more, got {self.stream_attn_warps!r}")
         if not (isinstance(self.attn_bufs, int) and self.attn_bufs >= 2):
             raise ValueError(f"attn_bufs must be at least 2 (one step read while the next lands), got "
                              f"{self.attn_bufs!r}")
@@ -95,9 +99,10 @@ class Launch:
     def attn_warps(self, cfg: ModelConfig) -> int:
         """Warps of a block that read K/V in attention (WB_ATTN_WARPS), each through its own ring of attn_bufs steps
         of ATTN_STEP positions (K and V rows of hd bf16, padded by 8 bf16 against bank conflicts): as many as
-        attn_kv_bytes holds, at most the block's. A stream build gives attention one warp's ring at most: its weight
-        ring takes the shared memory beside the stages'."""
-        return min(1 if self.stream else self.consumer_warps, self.attn_kv_bytes // self.attn_ring_bytes(cfg))
+        attn_kv_bytes holds, at most the block's. A stream build gives attention stream_attn_warps' rings at most
+        (one by default): its weight ring takes the shared memory beside the stages'."""
+        most = min(self.stream_attn_warps, self.consumer_warps) if self.stream else self.consumer_warps
+        return min(most, self.attn_kv_bytes // self.attn_ring_bytes(cfg))
 
     def attn_ring_bytes(self, cfg: ModelConfig) -> int:
         """One warp's ring: attn_bufs steps, each ATTN_STEP K rows then ATTN_STEP V rows of attn_row(cfg) bf16."""
