@@ -74,16 +74,22 @@ def test_a_unit_that_is_not_whole_adjacent_rows_is_refused(monkeypatch):
         schedule.streams(get_config("tiny"))
 
 
-@pytest.mark.parametrize("name,attn_warps", [("tiny", 1), ("llama-3.2-1b", 1), ("llama-3.2-1b", 4)])
-def test_the_stream_build_compiles_without_spills(name, attn_warps):
-    """With attention given more warps' K/V rings (stream_attn_warps), the weight ring keeps fewer pages."""
-    opt = with_fields(STREAM, stream_attn_warps=attn_warps)
+@pytest.mark.parametrize("name,attn_warps,slot", [("tiny", 1, 4096), ("llama-3.2-1b", 1, 4096),
+                                                  ("llama-3.2-1b", 4, 4096), ("llama-3.2-1b", 1, 2048)])
+def test_the_stream_build_compiles_without_spills(name, attn_warps, slot):
+    """With attention given more warps' K/V rings (stream_attn_warps), the weight ring keeps fewer pages; with
+    smaller slots (slot_bytes), each row is cut into more pieces and the ring holds more, smaller pages."""
+    opt = with_fields(STREAM, stream_attn_warps=attn_warps, slot_bytes=slot)
     cfg = get_config(name)
     assert opt.launch.attn_warps(cfg) == attn_warps
     if attn_warps > 1:
         assert schedule.ring_slots(cfg, opt.launch) < schedule.ring_slots(cfg, STREAM.launch)
+    if slot < schedule.SLOT_BYTES:
+        assert schedule.ring_slots(cfg, opt.launch) > schedule.ring_slots(cfg, STREAM.launch)
+        assert all(x.pieces == 2 * y.pieces for x, y in zip(schedule.streams(cfg, opt.launch),
+                                                            schedule.streams(cfg, STREAM.launch)))
     asm = assemble(cfg, opt)
-    assert f"WB_ATTN_WARPS = {attn_warps}," in asm.source
+    assert f"WB_ATTN_WARPS = {attn_warps}," in asm.source and f"WB_SLOT_BYTES = {slot}," in asm.source
     assert "wb_stream_step" in asm.source and "static_assert(wb_pieces(" in asm.source
     (r,) = resource_usage(compile_cubin(asm)[0])
     assert r.kernel == "wb_generate" and r.stack == 0, r

@@ -40,6 +40,9 @@ class Launch:
     register_stages: tuple = ()     # in a stream build, stages that still read their weights straight to registers
     stream_attn_warps: int = 1      # in a stream build, attention's warps that read K/V through rings of their own
     #                                 (at most attn_kv_bytes' worth): the weight ring takes the shared memory left
+    slot_bytes: int = 4096          # a stream build's ring slot, one bulk copy's most: a page is a slot per consumer
+    #                                 warp, and the streamer's meter (WB_STREAM_INFLIGHT) counts pages, so a smaller
+    #                                 slot meters the bytes in flight more finely (rows longer than a slot are cut)
     # stages whose first weight loads go out before the grid barrier they follow (H200, 1b: +3.7% at position 128;
     # DESIGN.md, "Early loads and owed waits")
     early: tuple = ("qkv_rope_append", "o_proj_residual", "gate_up_silu", "lm_head")
@@ -65,6 +68,9 @@ class Launch:
                              f"{self.attn_min_chunk!r}")
         if not (isinstance(self.attn_single, int) and self.attn_single >= 1):
             raise ValueError(f"attn_single must be a number of chunks, 1 or more, got {self.attn_single!r}")
+        if not (isinstance(self.slot_bytes, int) and 512 <= self.slot_bytes <= 4096 and self.slot_bytes % 16 == 0):
+            raise ValueError(f"slot_bytes must be a number of bytes from 512 to 4096, a multiple of 16, got "
+                             f"{self.slot_bytes!r}")
         if not (isinstance(self.stream_attn_warps, int) and self.stream_attn_warps >= 1):
             raise ValueError(f"stream_attn_warps must be a number of warps, 1 or more, got {self.stream_attn_warps!r}")
         if not (isinstance(self.attn_bufs, int) and self.attn_bufs >= 2):

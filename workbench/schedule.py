@@ -251,7 +251,7 @@ def smem_bytes(cfg: ModelConfig, launch: plan.Launch = plan.Launch()) -> int:
     partial sums and the weight ring."""
     if not launch.stream:
         return 4 * smem_floats(cfg, launch)
-    return ring_offset(cfg, launch) + RING_ALIGN + ring_slots(cfg, launch) * launch.consumer_warps * SLOT_BYTES
+    return ring_offset(cfg, launch) + RING_ALIGN + ring_slots(cfg, launch) * launch.consumer_warps * launch.slot_bytes
 
 
 # ---- the weight stream: what the block's streamer copies into its shared-memory ring ------------------------
@@ -261,10 +261,10 @@ def smem_bytes(cfg: ModelConfig, launch: plan.Launch = plan.Launch()) -> int:
 # the step, in decode order, a page of one item per consumer warp at a time, into a ring of RING_SLOTS pages as fast
 # as pages free up, never waiting on an activation. The consumer side (kernels/lib/stream.cuh, matvec.cuh) walks
 # the same pages in the same order: both derive them from this table and the section's own unit count.
-SLOT_BYTES = 4096                   # one bulk copy: a row of up to 2,048 bf16, or a piece of a longer row
+SLOT_BYTES = plan.Launch.slot_bytes  # the default slot (Launch.slot_bytes): a row of up to 2,048 bf16, or a piece
 SMEM_LIMIT = 232448                 # shared memory a block may have on sm_90 (227 KB, opt-in)
 STATIC_SMEM = 4096                  # kept free for the kernel's static __shared__ (2.4 KB today: barrier words, mbarriers, stamps)
-MAX_RING_SLOTS = 4                  # pages in the ring
+MAX_RING_SLOTS = 4                  # pages in the ring at the default slot (more of smaller slots: the same bytes)
 RING_ALIGN = 128                    # the ring's slots start on this boundary of shared memory (stream.cuh)
 
 
@@ -285,10 +285,11 @@ class Stream:
     rows: int                       # rows of the matrix per unit
     k: int                          # elements per row
     scope: str                      # "layer" or "token", as the stage
+    slot_bytes: int = SLOT_BYTES    # the launch's ring slot (Launch.slot_bytes)
 
     @property
     def pieces(self) -> int:
-        return pieces(self.k)
+        return pieces(self.k, self.slot_bytes)
 
     @property
     def piece(self) -> int:
@@ -330,7 +331,7 @@ def weight_units(cfg: ModelConfig, s: plan.Stage, launch: "plan.Launch" = None) 
     per = hi - lo
     if lo != 0 or per % k or any(u.rows(cfg, x) != ((x * per, (x + 1) * per),) for x in (1, n - 1)):
         raise ValueError(f"stage {s.name}: a unit of {u.buffer} must be whole adjacent rows, unit u at u·rows")
-    return Stream(s.name, u.buffer, n, per // k, k, s.scope)
+    return Stream(s.name, u.buffer, n, per // k, k, s.scope, launch.slot_bytes)
 
 
 def streams(cfg: ModelConfig, launch: "plan.Launch" = None) -> tuple[Stream, ...]:
@@ -393,15 +394,16 @@ def partial_floats(cfg: ModelConfig, launch: "plan.Launch" = None) -> int:
 
 def ring_slots(cfg: ModelConfig, launch: "plan.Launch" = None) -> int:
     """Pages in the ring (a page: a slot per consumer warp): as many as fit beside the stages' shared memory,
-    up to MAX_RING_SLOTS."""
+    up to MAX_RING_SLOTS pages' bytes at the default slot."""
     launch = launch or plan.Launch()
     if not launch.stream:
         return 0
     free = SMEM_LIMIT - STATIC_SMEM - ring_offset(cfg, launch) - RING_ALIGN
-    n = min(MAX_RING_SLOTS, free // (launch.consumer_warps * SLOT_BYTES))
+    page = launch.consumer_warps * launch.slot_bytes
+    n = min(MAX_RING_SLOTS * SLOT_BYTES // launch.slot_bytes, free // page)
     if n < 1:
         raise ValueError(f"{launch.threads} threads leave no room for the weight ring: {launch.consumer_warps} "
-                         f"consumer warps need {launch.consumer_warps * SLOT_BYTES} B beside the stages' "
+                         f"consumer warps need {page} B beside the stages' "
                          f"{ring_offset(cfg, launch)} B (fewer threads, or stream=False)")
     return n
 

@@ -134,7 +134,7 @@ def stream_constants(cfg: ModelConfig, launch: plan.Launch) -> list[str]:
         "// the weight stream (schedule.streams): the block's last warp copies weight rows into a ring of pages, a slot",
         "// per consumer warp each; a page's tag is a where-word with its first item's index in place of the step",
         f"constexpr int WB_CONSUMER_WARPS = {launch.consumer_warps if on else 0};",
-        f"constexpr int WB_RING_SLOTS = {schedule.ring_slots(cfg, launch)}, WB_SLOT_BYTES = {schedule.SLOT_BYTES}, "
+        f"constexpr int WB_RING_SLOTS = {schedule.ring_slots(cfg, launch)}, WB_SLOT_BYTES = {launch.slot_bytes}, "
         f"WB_RING_OFFSET = {schedule.ring_offset(cfg, launch) if on else 0}, WB_RING_ALIGN = {schedule.RING_ALIGN};"
         "   // pages; bytes",
         f"constexpr int WB_SMEM_PARTIALS = {schedule.smem_floats(cfg, launch)}, "
