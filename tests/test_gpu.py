@@ -276,8 +276,15 @@ METERED = BuildOptions(launch=Launch(stream=True, register_stages=("o_proj_resid
                        defines=(("WB_STREAM_AHEAD", "1"), ("WB_STREAM_INFLIGHT", "1")))
 
 
+# attention with several warps' K/V rings beside the weight ring, and slots cut to half (two pieces a row of 1b,
+# partial sums combined): the layouts Launch.stream_attn_warps and Launch.slot_bytes give
+FINE = BuildOptions(launch=Launch(stream=True, stream_attn_warps=4, slot_bytes=2048),
+                    defines=(("WB_STREAM_INFLIGHT", "1"),))
+
+
 @pytest.mark.parametrize("name,opt", [("tiny", STREAM), ("llama-3.2-1b", STREAM),
-                                      ("tiny", METERED), ("llama-3.2-1b", METERED)])
+                                      ("tiny", METERED), ("llama-3.2-1b", METERED),
+                                      ("tiny", FINE), ("llama-3.2-1b", FINE)])
 def test_the_stream_build_verifies_stage_by_stage(name, opt):
     import cupy as cp
 
