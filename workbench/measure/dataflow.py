@@ -87,11 +87,12 @@ class _Graph:
         for name in dict.fromkeys(n for n, _ in seq):
             st = stages[name]
             ub = unit_blocks(cfg, st, launch, pos)
-            per = {}
+            per, split = {}, {}                  # units per block; a block's place among its unit's blocks
             for blocks in ub:
-                for b in blocks:
+                for i, b in enumerate(blocks):
                     per[b] = per.get(b, 0) + 1
-            blocks_of[name] = (st, per, len(ub))
+                    split[b] = i
+            blocks_of[name] = (st, per, len(ub), split)
         # fan-in sets: (consumer, buffer) → {consumer block: producer blocks}
         self.sets: list[tuple] = []
         self._set_ids: dict = {}
@@ -108,7 +109,7 @@ class _Graph:
             jit[sl.index] = dict(zip(busy, j))
         for t in range(tokens):
             for e, (name, layer) in enumerate(seq):
-                st, per, n_units = blocks_of[name]
+                st, per, n_units, split = blocks_of[name]
                 key = t * self.n_exec + e
                 slot = slot_of[name, layer]
                 label = label_of[slot]
@@ -120,10 +121,8 @@ class _Graph:
                         first_of_slot[t, slot, b] = True
                         lat += max(0.0, costs.fixed_us.get(label, 0.0) + jit[slot].get(b, 0.0))
                     cache = 0.0
-                    if reads_cache(st):
-                        k = unit_blocks(cfg, st, launch, pos)
-                        split = next(i for blocks in k for i, x in enumerate(blocks) if x == b)
-                        positions = max(0, min(chunk, pos + 1 - split * chunk))
+                    if reads_cache(st):               # the block's chunk of its kv head's positions
+                        positions = max(0, min(chunk, pos + 1 - split[b] * chunk))
                         cache = positions * 4 * cfg.head_dim
                         lat += positions * costs.position_ns / 1e3
                     deps, delay = [], []
