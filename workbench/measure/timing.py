@@ -181,11 +181,25 @@ def format_table(rows: list[StageRow], roofline_tbps: float | None = None, tok_s
 
 
 def _signed(v: float, width: int, digits: int = 1) -> str:
-    """v with its sign, right-aligned in `width`, and never "-0.0": a value that rounds to zero prints unsigned."""
+    return f"{signed(v, digits):>{width}s}"
+
+
+def signed(v: float, digits: int = 1, unit: str = "") -> str:
+    """v with its sign ("+1.2", "-0.4"), never "-0" or "+0": a value that rounds to zero prints unsigned; "—" for
+    a missing one (None or NaN). `unit` follows the number ("%")."""
+    if v is None or v != v:
+        return "—"
     text = f"{v:+.{digits}f}"
     if float(text) == 0:
         text = f"{0:.{digits}f}"
-    return f"{text:>{width}s}"
+    return text + unit
+
+
+def format_barrier(cost: dict) -> str:
+    """barrier_cost's figures as one line."""
+    return (f"barrier: the first block leaves {cost['first_out_ns'] / 1e3:.2f} µs and the last "
+            f"{cost['last_out_ns'] / 1e3:.2f} µs after the last arrival (medians), "
+            f"{cost['barriers_per_token']} barriers a token")
 
 
 def barrier_cost(t: np.ndarray, skip_first: int = 1) -> dict:
