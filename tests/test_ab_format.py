@@ -72,3 +72,24 @@ def test_the_barrier_line_is_words_not_a_dict():
     text = format_barrier(barrier_cost(T.load_recorded(0).stamps))
     _no_raw(text)
     assert text.startswith("barrier: the first block leaves ") and "66 barriers a token" in text
+
+
+def test_ab_rows_as_text_line_up_with_dashes_for_a_missing_stage():
+    from workbench.measure.timing import format_ab_rows
+    nan = float("nan")
+    rows = [{"stage": "qkv_rope_append", "a_us": 65.3, "b_us": 65.31, "delta_us": 0.01, "delta_pct": 0.015},
+            {"stage": "gate_up_silu+down_residual", "a_us": 416.3, "b_us": 410.0, "delta_us": -6.3,
+             "delta_pct": -1.5},
+            {"stage": "new_stage", "a_us": nan, "b_us": 3.0, "delta_us": nan, "delta_pct": nan},
+            {"stage": "total", "a_us": 481.6, "b_us": 478.31, "delta_us": -3.29, "delta_pct": -0.4,
+             "a_tok_s": 2076.0, "b_tok_s": 2090.0}]
+    text = format_ab_rows(rows)
+    _no_raw(text)
+    assert "-0%" not in text and "+0%" not in text
+    lines = text.splitlines()
+    ends = [m.end() for m in re.finditer(r"[AB] µs|B − A|%", lines[0])]
+    for line in lines[1:]:
+        assert [m.end() for m in re.finditer(r"\S+", line)][1:] == ends, line
+    assert lines[1].split()[1:] == ["65.3", "65.3", "0.0", "0%"]
+    assert lines[3].split()[1:] == ["—", "3.0", "—", "—"]
+    assert lines[4].split()[1:] == ["481.6", "478.3", "-3.3", "0%"]

@@ -195,6 +195,19 @@ def signed(v: float, digits: int = 1, unit: str = "") -> str:
     return text + unit
 
 
+def format_ab_rows(rows: list[dict]) -> str:
+    """The A/B differences per stage as text (the rows of ui.dashboard.ab_rows, or any dicts with stage, a_us, b_us,
+    delta_us, delta_pct): columns that line up whatever the stages' names, "—" for a stage one run lacks, changes
+    that round to nothing unsigned (never "-0%")."""
+    w = max([len("stage")] + [len(r["stage"]) for r in rows])
+    out = [f"{'stage':{w}s} {'A µs':>8s} {'B µs':>8s} {'B − A':>8s} {'%':>6s}"]
+    for r in rows:
+        a, b = (("—" if r[k] != r[k] else f"{r[k]:.1f}") for k in ("a_us", "b_us"))
+        out.append(f"{r['stage']:{w}s} {a:>8s} {b:>8s} {signed(r['delta_us']):>8s} "
+                   f"{signed(r['delta_pct'], 0, '%'):>6s}")
+    return "\n".join(out)
+
+
 def format_barrier(cost: dict) -> str:
     """barrier_cost's figures as one line."""
     return (f"barrier: the first block leaves {cost['first_out_ns'] / 1e3:.2f} µs and the last "
