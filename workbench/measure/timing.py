@@ -170,7 +170,9 @@ def format_table(rows: list[StageRow], roofline_tbps: float | None = None, tok_s
     elif tok_s:
         run = 1e6 / tok_s
         out.append(f"{'total (the steps)':{w}s} {total:9.1f}")
-        out.append(f"{'outside the steps':{w}s} {_signed(run - total, 9)}   (the launch, and steps the table skips)")
+        # from the printed figures, so that the three lines add up as printed
+        out.append(f"{'outside the steps':{w}s} {_signed(round(run, 1) - round(total, 1), 9)}   (the launch, and "
+                   "steps the table skips)")
         out.append(f"{'the run':{w}s} {run:9.1f}   = {tok_s:,.0f} tok/s, the run's steps over its launch time")
     else:
         out.append(f"{'total':{w}s} {total:9.1f}   = {1e6 / total:,.0f} tok/s, the mean stamped step (no launch)")
