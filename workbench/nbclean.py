@@ -22,6 +22,8 @@ import json
 import sys
 from pathlib import Path
 
+from .paths import ROOT
+
 # cell metadata a run or a front end adds (JupyterLab's execution timings, collapsed or scrolled outputs)
 RUN_CELL_METADATA = ("execution", "collapsed", "scrolled", "ExecuteTime", "trusted")
 # notebook metadata kept: which kernel runs it, and its language's name (not the version of whoever ran it last)
@@ -62,7 +64,6 @@ def clean_text(text: str) -> str:
 
 
 def notebooks_dir() -> Path:
-    from .paths import ROOT
     return ROOT / "notebooks"
 
 
