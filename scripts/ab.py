@@ -26,8 +26,9 @@ from workbench.cli import env_output_folder  # noqa: E402
 from workbench.model.config import get_config  # noqa: E402
 from workbench.model.weights import prepare, random_weights  # noqa: E402
 from workbench.run.runtime import Monokernel  # noqa: E402
+from workbench.measure.bench import format_ab  # noqa: E402
 from workbench.measure.timing import (barrier_cost, boundary_table, critical_table,  # noqa: E402
-                                      format_boundaries, format_critical, format_table, stage_table)
+                                      format_barrier, format_boundaries, format_critical, format_table, stage_table)
 from workbench.check.verify import verify  # noqa: E402
 
 KERNELS = paths.kernels_dir()                        # this checkout's kernels/
@@ -90,7 +91,8 @@ def main():
                 r = mkt.generate([1], 48, eos=[], timing_steps=48, pos0=sp)
                 row["stages"] += f"-- position {sp}\n" + format_table(stage_table(cfg, r.timing, sp)) + "\n" + \
                     format_boundaries(boundary_table(cfg, r.timing)) + "\n" + \
-                    format_critical(critical_table(cfg, r.timing)) + f"\nbarrier: {barrier_cost(r.timing)}\n"
+                    format_critical(critical_table(cfg, r.timing)) + "\n" + \
+                    format_barrier(barrier_cost(r.timing)) + "\n"
             del mkt
         results[name] = row
         print(f"{name:16s} {'PASS' if row['passed'] else 'FAIL'} " +
@@ -99,6 +101,7 @@ def main():
         if a.stages:
             print(row["stages"], flush=True)
         del mk
+    print(format_ab(results, a.positions))
     (out / "ab.json").write_text(json.dumps(results, indent=1))
 
 

@@ -113,9 +113,9 @@ for pos in (0, 3700):
     meta = T.recording_meta(cfg, position=pos, tok_s=r.tok_per_s, roofline_tbps=roof, commit=sys.argv[2])
     path = Path(sys.argv[1]) / T.RECORDED[pos]
     T.save_trace(path, r.timing, meta)
-    print(path.name, f"{r.tok_per_s:.0f} tok/s")
+    print(path.name)                                  # the table below gives the run's tok/s
     from workbench.measure.timing import format_table
-    print(format_table(T.load_trace(path).stage_table(), roof))
+    print(format_table(T.load_trace(path).stage_table(), roof, r.tok_per_s))
 """
 
 

@@ -25,9 +25,10 @@ PKG = Path(__file__).resolve().parent.parent / "workbench"
 
 # The layers, bottom to top: a layer imports only the layers below it (and those of its own rung). `tp` (how N GPUs
 # split a layer, over the reference's math) sits above the reference and below everything that runs a kernel;
-# `__main__` and the package's own __init__ (`workbench`: %load_ext) are the entry points, on top.
+# `__main__` and the package's own __init__ (`workbench`: %load_ext) are the entry points, on top. `nbclean` (the
+# notebooks saved without outputs) serves the notebooks' front end, beside the ui.
 LAYERS = (("errors", "paths"), ("model",), ("plan",), ("schedule", "abi", "worklists"), ("reference",), ("tp",), ("compiler",),
-          ("run",), ("check",), ("measure",), ("loop",), ("ui",), ("cli",), ("__main__", "workbench"))
+          ("run",), ("check",), ("measure",), ("loop",), ("ui", "nbclean"), ("cli",), ("__main__", "workbench"))
 RANK = {layer: i for i, rung in enumerate(LAYERS) for layer in rung}
 
 

@@ -47,7 +47,7 @@ def main():
         T.save_trace(path, r.timing, meta)
         print(f"{path.name}: timing build {r.tok_per_s:.0f} tok/s, plain build {runs[1]:.1f} tok/s "
               f"({', '.join(f'{x:.1f}' for x in runs)}), streaming read {roof:.2f} TB/s", flush=True)
-        print(format_table(T.load_trace(path).stage_table(), roof), flush=True)
+        print(format_table(T.load_trace(path).stage_table(), roof, r.tok_per_s), flush=True)
 
 
 if __name__ == "__main__":

@@ -138,3 +138,14 @@ def test_the_benchs_worker_has_room_for_every_step_its_kernel_runs(argv):
     steps = args.cache_positions                      # run_bench's Monokernel(max_steps=...)
     assert steps == cache_positions(args.positions or bench_positions("llama-3.2-1b"), 32, args.ttft)
     assert abi.mapped_words(worker_tokens(args)) >= abi.mapped_words(steps + 1)
+
+
+def test_a_path_above_the_roofline_gets_a_footnote_and_only_then():
+    import dataclasses
+    from workbench.measure.bench import ROOFLINE
+    roof = dataclasses.asdict(Row(ROOFLINE, 128, 570.0, 1754.0, (1754.0, 1754.0), 100.00000000000001, "", 100.0))
+    out = {"model": "llama-3.2-1b", "device": "H200", "tokens": 128, "repeats": 5, "roofline_tbps": 4.4}
+    fast = dataclasses.asdict(Row("monokernel", 128, 565.0, 1770.0, (1765.0, 1772.0), 100.9, "", 100.9))
+    slow = dataclasses.asdict(Row("monokernel", 128, 875.0, 1142.0, (1141.0, 1143.0), 65.3, "", 65.3))
+    assert "above 100% of the roofline" in format_rows({**out, "rows": [roof, fast]})
+    assert "above 100%" not in format_rows({**out, "rows": [roof, slow]})       # the roofline's own 100.0 is not

@@ -278,7 +278,8 @@ def test_info_columns_have_units(capsys):
     assert T.main(["info", str(T.recorded_path(0))]) == 0
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.startswith("stage"))
-    assert header.split()[1:] == ["µs/token", "p10–p90", "µs", "work", "µs", "wait", "µs", "MB", "TB/s", "%roof"]
+    assert header.split()[1:] == ["µs/token", "p10–p90", "µs", "work", "µs", "wait", "µs", "skew", "µs", "MB", "TB/s",
+                                  "%roof"]
 
 
 def test_perfetto_steps_out_of_range_is_an_error(tmp_path, capsys):
@@ -324,9 +325,10 @@ def test_recorded_fixtures_are_small_and_labelled():
 def test_recorded_stage_table_matches_the_notes():
     """The per-stage table of the recorded fixtures (re-recorded at 44eafba, weights loaded before the barriers,
     as `python -m workbench.measure.trace info` prints it, NOTES.md round 16): their 16 steps after step 0, from
-    the kernel generated from the plan. gate_up and down share a slot, so they are one row."""
-    notes = {SLOT0: 8.0, "qkv_rope_append": 65.3, "attention_decode": 86.8, "o_proj_residual": 89.3,
-             MLP: 416.3, "lm_head": 118.5}
+    the kernel generated from the plan. gate_up and down share a slot, so they are one row. Means over the steps
+    (the notes gave medians: 8.0, 65.3, 86.8, 89.3, 416.3, 118.5; a mean is what lets the rows add up)."""
+    notes = {SLOT0: 8.2, "qkv_rope_append": 65.2, "attention_decode": 87.5, "o_proj_residual": 89.4,
+             MLP: 416.3, "lm_head": 118.8}
     near = T.load_recorded(0)
     rows = {r.stage: r for r in near.stage_table()}
     assert list(rows) == list(notes)
@@ -336,7 +338,7 @@ def test_recorded_stage_table_matches_the_notes():
     mlp_bytes = sum(schedule.stage_bytes(near.cfg, st, 0) for st in ("gate_up_silu", "down_residual"))
     assert rows[MLP].bytes == mlp_bytes * near.cfg.n_layers                  # both stages' weights, every layer
     far = {r.stage: r for r in T.load_recorded(3700).stage_table()}
-    assert far["attention_decode"].us_per_token == pytest.approx(174.9, rel=0.02)
+    assert far["attention_decode"].us_per_token == pytest.approx(175.2, rel=0.02)
     assert far["attention_decode"].bytes == pytest.approx(121.5e6, rel=0.01)
 
 

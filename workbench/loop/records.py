@@ -5,6 +5,7 @@ import dataclasses
 import math
 
 from ..compiler.compile import CompileError
+from ..measure.timing import signed
 
 
 def format_compile_error(e: CompileError, limit: int = 12) -> str:
@@ -167,9 +168,17 @@ class ABRecord:
             state = err or ("verified" if ok else f"VERIFY FAILED: {fail}" if ok is False else "not verified")
             lines.append(f"{tag} ({name(v)}): " + (f"{tps:,.0f} tok/s, " if tps else "") + state)
         if self.speedup:
-            lines.append(f"B/A: {self.speedup:.3f}× ({100 * (self.speedup - 1):+.1f}%)")
-        for stage, ua, ub in self.stage_deltas():
-            lines.append(f"  {stage:18s} {ua:8.1f} → {ub:8.1f} µs/token ({ub - ua:+.1f})")
+            lines.append(f"B/A: {self.speedup:.3f}× ({signed(100 * (self.speedup - 1), 1, '%')})")
+        deltas = self.stage_deltas()
+        if deltas:
+            # the per-stage µs/token of each build's last timed run (a table whose columns line up, whatever the
+            # stages' names)
+            w = max(len("stage"), *(len(st) for st, _, _ in deltas))
+            lines.append(f"  {'stage':{w}s} {'A µs/token':>11s} {'B µs/token':>11s} {'B − A':>7s} {'%':>6s}")
+            for stage, ua, ub in deltas:
+                b = "—" if math.isnan(ub) else f"{ub:.1f}"
+                pct = signed(100 * (ub - ua) / ua, 0, "%") if ua and not math.isnan(ub) else "—"
+                lines.append(f"  {stage:{w}s} {ua:11.1f} {b:>11s} {signed(ub - ua):>7s} {pct:>6s}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:

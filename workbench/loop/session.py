@@ -369,7 +369,7 @@ class Workbench:
             tm = self.backend.time(self.time_steps, v.prompt if v is not None else None)
             rec.tok_per_s, rec.timing = tm.tok_per_s, tm.rows
             self.stamps = tm.stamps                     # the latest run's only (a record keeps its table)
-            rec.timing_text = format_table(tm.rows) if tm.rows else None
+            rec.timing_text = format_table(tm.rows, tok_s=tm.tok_per_s) if tm.rows else None
             if v is not None and v.tokens and rec.status == OK:
                 # the build that is timed must compute what the verified build computed
                 for i, (a, b) in enumerate(zip(v.tokens, tm.tokens)):

@@ -12,11 +12,18 @@ arriving to leaving; slot 0 of step s starts where the last slot of step s − 1
 is not stamped) at the first arrival. A slot's span runs from the previous barrier's release (the last block to
 leave) to its own. All blocks read one clock, so spans from different SMs line up.
 
+The span is not the mean block's work + wait: blocks leave a barrier over a microsecond or two, so the mean block
+starts a slot before the previous release (its head start) and leaves it before this release (its lag). Per slot
+span = work + wait + skew exactly, with work and wait the mean block's and skew = this barrier's lag − the previous
+barrier's, the lag being how long after the mean block the last block left. Over a whole step the skews telescope
+to the last barrier's lag less the previous step's: close to nothing.
+
 Slot names and bytes come from `workbench.plan`; nothing here lists the stages.
 """
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 
 import numpy as np
 
@@ -63,12 +70,14 @@ def stage_bytes(cfg: ModelConfig, stage: str, pos: int) -> int:
 @dataclasses.dataclass
 class StageRow:
     stage: str                 # a slot label: one stage, or several run between the same two barriers ("a+b")
-    us_per_token: float        # span summed over layers, median over steps
+    us_per_token: float        # span summed over layers, mean over steps (so that the rows add up to the mean step)
     spread: tuple              # (p10, p90) over steps
-    work_us: float             # mean over blocks of the work part, summed over layers
-    wait_us: float
+    work_us: float             # mean over blocks and steps of the work part, summed over layers
+    wait_us: float             # likewise the wait at the barrier
     bytes: int
     tbps: float                # bytes / span
+    skew_us: float = 0.0       # us_per_token − work − wait: the release's lag behind the mean block, this barrier's
+                               # less the previous one's (see the module's docstring)
 
 
 def _releases(t: np.ndarray):
@@ -106,7 +115,8 @@ def stage_table(cfg: ModelConfig, t: np.ndarray, pos0: int = 0, skip_first: int 
                 names: list[tuple[str, int]] | None = None) -> list[StageRow]:
     """One row per distinct slot label, in slot order (a layer stage's slots summed over the layers), over the
     steps from `skip_first` on. Bytes at the run's middle position. `names`: the trace's own slot layout (default
-    the plan's)."""
+    the plan's). Every statistic is a mean over the steps, so that each row's work + wait + skew is its µs/token
+    and the rows add up to the mean step (a median would not add up); the p10–p90 spread shows the steps' scatter."""
     labels = _by_label(cfg, t, names)
     span, work, wait = spans(t)
     steps = range(skip_first, t.shape[0])
@@ -115,27 +125,96 @@ def stage_table(cfg: ModelConfig, t: np.ndarray, pos0: int = 0, skip_first: int 
     for label, idx in labels:
         per_step = span[steps][:, idx].sum(axis=1) / 1e3
         nbytes = stage_bytes(cfg, label, mid) * len(idx)
-        us = float(np.median(per_step))
+        us = float(per_step.mean())
+        wk = float(work[steps][:, idx].mean(axis=(0, 2)).sum() / 1e3)
+        wt = float(wait[steps][:, idx].mean(axis=(0, 2)).sum() / 1e3)
         rows.append(StageRow(label, us, (float(np.percentile(per_step, 10)), float(np.percentile(per_step, 90))),
-                             float(work[steps][:, idx].mean(axis=(0, 2)).sum() / 1e3),
-                             float(wait[steps][:, idx].mean(axis=(0, 2)).sum() / 1e3), nbytes,
-                             nbytes / (us * 1e-6) / 1e12 if us > 0 else 0.0))
+                             wk, wt, nbytes, nbytes / (us * 1e-6) / 1e12 if us > 0 else 0.0, us - wk - wt))
     return rows
 
 
-def format_table(rows: list[StageRow], roofline_tbps: float | None = None) -> str:
+# printed under the stage table
+COLUMNS_NOTE = ("work, wait: the mean block's; skew: the rest of the µs/token (how long after the mean block the last "
+                "block left this barrier, less the same at the barrier before); the rows add up to the total")
+# printed under a table that shows a stage above 100% of the roofline
+ROOF_NOTE = ("* above 100% of the roofline: the roofline is a separate launch's streaming read of the weights, timed "
+             "whole with CUDA events (its launch, ramp-up and drain included), while a stage is timed between two "
+             "barriers of the running kernel, with none of those, and may find a little of its data in L2. Above "
+             "100% means the stage reads at the streaming read's full rate, not faster than the memory.")
+
+
+def wrap_note(text: str, width: int = 118) -> str:
+    return "\n".join(textwrap.wrap(text, width, subsequent_indent="  "))
+
+
+def format_table(rows: list[StageRow], roofline_tbps: float | None = None, tok_s: float | None = None) -> str:
+    """The stage table, with work + wait + skew = µs/token on every row and the rows adding up to the total (the
+    mean stamped step). `tok_s`: the run's own figure (steps over the launch's time), when known: the table then
+    says how much of the run's time per token lies outside the stamped steps (the launch, the first step, which
+    the table skips), so that one run shows one tok/s and the numbers add up to it."""
     total = sum(r.us_per_token for r in rows)
     w = max([18] + [len(r.stage) for r in rows])
-    out = [f"{'stage':{w}s} {'µs/token':>9s} {'p10–p90 µs':>15s} {'work µs':>8s} {'wait µs':>8s} {'MB':>8s} "
-           f"{'TB/s':>6s}" + (f" {'%roof':>6s}" if roofline_tbps else "")]
+    out = [f"{'stage':{w}s} {'µs/token':>9s} {'p10–p90 µs':>15s} {'work µs':>8s} {'wait µs':>8s} {'skew µs':>8s} "
+           f"{'MB':>8s} {'TB/s':>6s}" + (f" {'%roof':>6s}" if roofline_tbps else "")]
+    over = False
     for r in rows:
         line = (f"{r.stage:{w}s} {r.us_per_token:9.1f} {r.spread[0]:7.1f}–{r.spread[1]:<7.1f} {r.work_us:8.1f} "
-                f"{r.wait_us:8.1f} {r.bytes / 1e6:8.1f} {r.tbps:6.2f}")
+                f"{r.wait_us:8.1f} {_signed(r.skew_us, 8)} {r.bytes / 1e6:8.1f} {r.tbps:6.2f}")
         if roofline_tbps:
-            line += f" {100 * r.tbps / roofline_tbps:6.1f}"
+            pct = 100 * r.tbps / roofline_tbps
+            over |= round(pct, 1) > 100
+            line += f" {pct:6.1f}" + ("*" if round(pct, 1) > 100 else "")
         out.append(line)
-    out.append(f"{'total':{w}s} {total:9.1f}   ({1e6 / total:.0f} tok/s)" if total > 0 else f"{'total':{w}s} —")
+    if total <= 0:
+        out.append(f"{'total':{w}s} —")
+    elif tok_s:
+        run = 1e6 / tok_s
+        out.append(f"{'total (the steps)':{w}s} {total:9.1f}")
+        # from the printed figures, so that the three lines add up as printed
+        out.append(f"{'outside the steps':{w}s} {_signed(round(run, 1) - round(total, 1), 9)}   (the launch, and "
+                   "steps the table skips)")
+        out.append(f"{'the run':{w}s} {run:9.1f}   = {tok_s:,.0f} tok/s, the run's steps over its launch time")
+    else:
+        out.append(f"{'total':{w}s} {total:9.1f}   = {1e6 / total:,.0f} tok/s, the mean stamped step (no launch)")
+    out.append(wrap_note(COLUMNS_NOTE))
+    if over:
+        out.append(wrap_note(ROOF_NOTE))
     return "\n".join(out)
+
+
+def _signed(v: float, width: int, digits: int = 1) -> str:
+    return f"{signed(v, digits):>{width}s}"
+
+
+def signed(v: float, digits: int = 1, unit: str = "") -> str:
+    """v with its sign ("+1.2", "-0.4"), never "-0" or "+0": a value that rounds to zero prints unsigned; "—" for
+    a missing one (None or NaN). `unit` follows the number ("%")."""
+    if v is None or v != v:
+        return "—"
+    text = f"{v:+.{digits}f}"
+    if float(text) == 0:
+        text = f"{0:.{digits}f}"
+    return text + unit
+
+
+def format_ab_rows(rows: list[dict]) -> str:
+    """The A/B differences per stage as text (the rows of ui.dashboard.ab_rows, or any dicts with stage, a_us, b_us,
+    delta_us, delta_pct): columns that line up whatever the stages' names, "—" for a stage one run lacks, changes
+    that round to nothing unsigned (never "-0%")."""
+    w = max([len("stage")] + [len(r["stage"]) for r in rows])
+    out = [f"{'stage':{w}s} {'A µs':>8s} {'B µs':>8s} {'B − A':>8s} {'%':>6s}"]
+    for r in rows:
+        a, b = (("—" if r[k] != r[k] else f"{r[k]:.1f}") for k in ("a_us", "b_us"))
+        out.append(f"{r['stage']:{w}s} {a:>8s} {b:>8s} {signed(r['delta_us']):>8s} "
+                   f"{signed(r['delta_pct'], 0, '%'):>6s}")
+    return "\n".join(out)
+
+
+def format_barrier(cost: dict) -> str:
+    """barrier_cost's figures as one line."""
+    return (f"barrier: the first block leaves {cost['first_out_ns'] / 1e3:.2f} µs and the last "
+            f"{cost['last_out_ns'] / 1e3:.2f} µs after the last arrival (medians), "
+            f"{cost['barriers_per_token']} barriers a token")
 
 
 def barrier_cost(t: np.ndarray, skip_first: int = 1) -> dict:

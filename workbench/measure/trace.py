@@ -560,7 +560,7 @@ def _main(argv=None) -> int:
         labels = list(dict.fromkeys(n for n, _ in tr.slot_names))
         print(f"stamps {tuple(tr.stamps.shape)}, {tr.complete_steps} complete steps — {tr.title}")
         print(f"{len(tr.slot_names)} slots per step: {', '.join(labels)}")
-        print(format_table(tr.stage_table(), tr.roofline_tbps))
+        print(format_table(tr.stage_table(), tr.roofline_tbps, tr.tok_s))
         n = tr.complete_steps
         if n:
             print(format_critical(critical_table(tr.cfg, np.asarray(tr.stamps)[:n], names=tr.slot_names)))
