@@ -14,6 +14,16 @@ import pytest
 from workbench.model.config import get_config
 
 
+# torch is no dependency of any extra (pyproject.toml), so the README's install leaves it out: what compares with it
+# (or with transformers' models, which need it) skips, one line per module or test, rather than failing to import
+NEEDS_TORCH = "needs torch, which no extra installs: pip install torch==2.13.0 (its CPU build), as the README says"
+
+
+def needs_torch():
+    """torch, or a skip saying how to get it: for the fixtures and tests that build transformers' models."""
+    return pytest.importorskip("torch", reason=NEEDS_TORCH)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU through cupy (skipped without one)")
 
@@ -46,7 +56,7 @@ def _build_llama(hf_config: dict, seed: int = 0):
     qwen3 or qwen2), re-initialised so that every layer does something: projections with std 1/sqrt(fan_in),
     biases with std 0.1, norm gains 1 + 0.2·N(0, 1), embeddings with std 0.1 (HF's default init, std 0.02
     everywhere and unit gains, leaves the residual stream nearly untouched by the layers)."""
-    import torch
+    torch = needs_torch()
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -75,7 +85,7 @@ def _build_tiny_llama(seed: int = 0):
 def tiny_hf_checkpoint(tmp_path_factory):
     """A folder with config.json and a single model.safetensors of a random tiny Llama, stored in bf16 as HF
     checkpoints normally are."""
-    import torch
+    torch = needs_torch()
 
     path = tmp_path_factory.mktemp("tiny_hf")
     # safetensors is save_pretrained's default format (in transformers 5 the only one)
@@ -87,7 +97,7 @@ def tiny_hf_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_hf_checkpoint_sharded(tmp_path_factory):
     """The same weights as tiny_hf_checkpoint, split into several shards with a model.safetensors.index.json."""
-    import torch
+    torch = needs_torch()
 
     path = tmp_path_factory.mktemp("tiny_hf_sharded")
     _build_tiny_llama().to(torch.bfloat16).save_pretrained(path, max_shard_size="1MB")
@@ -120,7 +130,7 @@ def hf_checkpoint(tmp_path_factory):
     fields is built once per session."""
     import json
 
-    import torch
+    torch = needs_torch()
 
     made: dict = {}
 

@@ -21,7 +21,7 @@ from workbench.run.runtime import Sampling
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
-NO_GPU = "no CUDA GPU is visible"
+NO_GPU = cli.NO_GPU
 
 
 def run_cli(*argv, timeout=120) -> subprocess.CompletedProcess:

@@ -80,7 +80,8 @@ def gpu_present(monkeypatch):
      "argument --variant: matvec is not a stage: only a stage's function can be written in PTX"),
     (["build", "--variant", "embedding=nope"], "--variant embedding=nope: kernels/sections/embedding@nope.cuh does not exist"),
     (["frobnicate"],
-     "argument command: invalid choice: 'frobnicate' (choose from 'generate', 'verify', 'build', 'sanitize', 'plan', 'bench', 'simulate')"),
+     "argument command: invalid choice: 'frobnicate' (choose from 'generate', 'verify', 'build', 'sanitize', 'plan', 'bench', 'simulate', "
+     "'trace')"),
     ([], "the following arguments are required: command (see python -m workbench --help)"),
     (["generate", "--bogus"], "unrecognized arguments: --bogus (see python -m workbench --help)"),
 ])
@@ -152,8 +153,10 @@ def test_no_gpu_is_one_line_saying_what_runs_without_one(capsys, argv):
     why = cuda_failure()
     if why is None:
         pytest.skip("a GPU is visible here")
-    assert_error(capsys, argv, f"no CUDA GPU is visible ({why}); `{argv[0]}` needs one. Without one, `build` and "
-                               "the tests run: python -m workbench build --model M, python -m pytest -q")
+    rc, err = error_of(capsys, *argv)
+    assert rc == 2 and err.count("\n") == 1 and err.startswith(f"error: `{argv[0]}` needs an NVIDIA GPU, "), err
+    for runs in ("`python -m workbench plan`", "`python -m workbench build`", "the notebooks", "`python -m pytest -q`"):
+        assert runs in err, err
 
 
 def test_arguments_are_checked_before_the_gpu(capsys):
@@ -506,7 +509,7 @@ def test_a_text_prompt_goes_through_the_trained_tokenizer_before_the_gpu(capsys,
     capsys.readouterr()                                 # what building the checkpoint printed
     rc, err = error_of(capsys, "generate", "--model", folder, "--prompt", prompt)
     if vocab >= byte_bpe.get_vocab_size():
-        assert rc == 2 and err.startswith("error: no CUDA GPU is visible") and err.count("\n") == 1, err
+        assert rc == 2 and err.startswith(f"error: `generate` {cli.NO_GPU}") and err.count("\n") == 1, err
     else:
         first = next(t for t in ids if t >= vocab)
         assert (rc, err) == (2, f"error: --prompt: token id {first} is outside the vocabulary of ckpt (vocab_size "
@@ -654,7 +657,7 @@ def test_bench_positions_past_what_the_model_was_trained_for(capsys):
                  "of tiny")
 
 
-def test_sanitize_runs_each_tool_on_generate_and_says_why_a_run_ended(tmp_path, capsys):
+def test_sanitize_runs_each_tool_on_generate_and_says_why_a_run_ended(tmp_path, capsys, gpu_present):
     """The command lines `sanitize` gives compute-sanitizer (racecheck limited to the monokernel, the others on every
     kernel), and what it prints when the program under a tool fails: the tool's lines, then the program's last. A
     stand-in executable plays compute-sanitizer (the real one needs a GPU): it logs its arguments and answers as the

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import needs_torch
 
 from workbench.measure.bench import Row, bench_positions, cache_positions, format_rows
 
@@ -35,7 +36,7 @@ def test_the_torch_baseline_does_the_kernels_math(family):
     """The gpt-fast-style model the bench times against (uncompiled, on the CPU, in bf16 as the bench runs it)
     gives the reference's logits token by token, with the family's own step (Qwen3's q/k norms, Qwen2's biases);
     without that step it would be far off, so a baseline that skipped it would be caught here, not flattered."""
-    import torch
+    torch = needs_torch()
 
     from workbench.reference import forward
     from workbench.measure.baselines import gpt_fast_model, tensors_from_weights
@@ -61,7 +62,7 @@ def test_the_torch_baseline_does_the_kernels_math(family):
 def test_the_hf_baseline_is_the_familys_own_model(family):
     """HF generate() in the bench runs the family's transformers class (not a Llama for every model): on the CPU in
     fp32 its logits are the reference's over a teacher-forced run."""
-    import torch
+    torch = needs_torch()
 
     from workbench.reference import forward
     from workbench.measure.baselines import tensors_from_weights
@@ -84,7 +85,7 @@ def test_the_hf_baseline_is_the_familys_own_model(family):
 def test_the_ttft_baseline_computes_what_the_prefill_computes(family):
     """bench --ttft times HF's prefill against ours: on the CPU in fp32 the two give the same first-token logits
     (HF's of the whole prompt's last position; ours of the prefilled tokens' last, the kernel feeding none)."""
-    import torch
+    torch = needs_torch()
 
     from workbench.measure.baselines import tensors_from_weights
     from workbench.measure.bench import hf_model, hf_prefill, ttft_hf

@@ -3,6 +3,7 @@ import dataclasses
 import json
 
 import pytest
+from conftest import needs_torch
 
 from workbench.model.config import PRESETS, ConfigError, ModelConfig, RopeScaling, get_config
 from workbench.model.weights import expected_shapes
@@ -65,7 +66,7 @@ def test_weight_bytes_agree_with_tensor_shapes(name):
 
 
 def test_n_params_matches_transformers():
-    import torch
+    torch = needs_torch()
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = get_config("tiny")

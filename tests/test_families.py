@@ -10,7 +10,9 @@ import json
 
 import numpy as np
 import pytest
-import torch
+from conftest import NEEDS_TORCH
+
+torch = pytest.importorskip("torch", reason=NEEDS_TORCH)
 from test_reference import N_TOKENS, hf_logits, rel_err
 
 from workbench.model.config import get_config

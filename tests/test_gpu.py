@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import fresh_seed
+from conftest import fresh_seed, needs_torch
 from test_families import FAMILIES
 
 from workbench.compiler.assemble import BuildOptions
@@ -183,7 +183,7 @@ def test_nan_weights_are_reported_not_sampled(tiny):
 # ---- every head_dim the config accepts, on checkpoints Hugging Face made ------------------------------------------
 
 def _hf_checkpoint(tmp_path, head_dim, n_heads, n_kv, hidden=None):
-    import torch
+    torch = needs_torch()
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(head_dim * 100 + n_heads)
     hidden = hidden or n_heads * head_dim

@@ -5,7 +5,9 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
+from conftest import NEEDS_TORCH
+
+torch = pytest.importorskip("torch", reason=NEEDS_TORCH)
 
 from workbench.model import safetensors_io
 from workbench.model.config import get_config

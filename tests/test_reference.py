@@ -7,7 +7,9 @@ import inspect
 
 import numpy as np
 import pytest
-import torch
+from conftest import NEEDS_TORCH
+
+torch = pytest.importorskip("torch", reason=NEEDS_TORCH)
 
 from workbench import plan, schedule
 from workbench.model import stage_math as S

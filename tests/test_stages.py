@@ -5,7 +5,9 @@ import warnings
 
 import numpy as np
 import pytest
-import torch
+from conftest import NEEDS_TORCH
+
+torch = pytest.importorskip("torch", reason=NEEDS_TORCH)
 import torch.nn.functional as F
 
 from workbench import plan, schedule

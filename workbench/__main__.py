@@ -1,6 +1,6 @@
 """python -m workbench: the command line (workbench.cli)."""
 import sys
 
-from .cli import main
+from .cli import MODULE_PROG, main
 
-sys.exit(main())
+sys.exit(main(prog=MODULE_PROG))

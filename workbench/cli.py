@@ -1,4 +1,4 @@
-"""python -m workbench generate | verify | build | bench — see README.md.
+"""python -m workbench generate | verify | build | plan | bench | sanitize | simulate | trace — see README.md.
 
 One error path: what the user gave and the workbench cannot use (an argument, a config.json, a checkpoint, a machine
 without a GPU: a `UserError`) is reported as one line, `error: …`, with exit code 2; anything else is a bug and keeps
@@ -35,6 +35,9 @@ from .measure.bench import bench_positions, cache_positions, ttft_lengths
 from .measure import dataflow, simulate
 from .measure.bench import main as bench_main
 from .measure.trace import load_trace
+from .measure.trace import FORMAT as TRACE_FORMAT
+from .measure.trace import FORMAT_V1 as TRACE_V1
+from .measure.trace import main as trace_main
 from .model import weights
 from .model.config import DEFAULT_MODEL, PRESETS, ModelConfig, get_config, local_folder
 from .paths import ROOT, write_problem
@@ -275,16 +278,19 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message + hint)
 
 
+MODEL_HELP = f"preset ({', '.join(PRESETS)}) or a local HF folder (default {DEFAULT_MODEL})"
+MAX_SEQ_HELP = ("KV-cache length (default: the config's, at most 8192; at most max_position_embeddings, which `max` "
+                "asks for)")
+THREADS_HELP = "threads per block (one block per SM): a multiple of 64 from 64 to 1024 (default 512)"
+
+
 def _model_args(p: argparse.ArgumentParser):
-    p.add_argument("--model", default=DEFAULT_MODEL, type=non_empty,
-                   help=f"preset ({', '.join(PRESETS)}) or a local HF folder (default {DEFAULT_MODEL})")
+    p.add_argument("--model", default=DEFAULT_MODEL, type=non_empty, help=MODEL_HELP)
     p.add_argument("--weights", type=non_empty,
                    help="HF folder with safetensors (default: the --model folder, else random)")
     p.add_argument("--weights-seed", type=seed_arg, help="seed of random weights (default 0)")
-    p.add_argument("--max-seq", type=max_seq_arg, help="KV-cache length (default: the config's, at most 8192; at "
-                                                      "most max_position_embeddings, which `max` asks for)")
-    p.add_argument("--threads", type=threads, default=512,
-                   help="threads per block (one block per SM): a multiple of 64 from 64 to 1024")
+    p.add_argument("--max-seq", type=max_seq_arg, help=MAX_SEQ_HELP)
+    p.add_argument("--threads", type=threads, default=512, help=THREADS_HELP)
 
 
 # -- checks that need the config: before any weight is read and before the GPU is touched ---------------------------
@@ -455,17 +461,65 @@ def worker_tokens(args) -> int:
     return max(max_seq, getattr(args, "cache_positions", 0), 1 << 14) + 2
 
 
+def nvidia_gpu_present() -> bool:
+    """Whether the machine shows this process an NVIDIA GPU, usable or not: the driver's device files on Linux
+    (WSL's /dev/dxg). Elsewhere it cannot tell, and says yes, so that CUDA's own reason is what gets reported."""
+    if not sys.platform.startswith("linux"):
+        return True
+    return (any(Path("/dev").glob("nvidia[0-9]*")) or any(Path("/proc/driver/nvidia/gpus").glob("*"))
+            or Path("/dev/dxg").exists())
+
+
+NO_GPU = "needs an NVIDIA GPU"                  # in every answer of a GPU command on a machine without a usable one
+
+
 def gpu_problem() -> str | None:
-    """Why no CUDA GPU can be used here, or None when one can. Asks the CUDA runtime through CuPy and nothing
-    else: no weights, no compile."""
+    """Why no CUDA GPU can be used here, to follow "`generate` needs an NVIDIA GPU, ", or None when one can. Asks
+    the CUDA runtime through CuPy and nothing else: no weights, no compile. A machine with no NVIDIA GPU is told
+    just that: CUDA's reason there (cudaErrorInsufficientDriver, for a missing driver) would send its reader after
+    a driver that would not help."""
     try:
         import cupy
-        n = cupy.cuda.runtime.getDeviceCount()
     except ImportError as e:
-        return f"CuPy cannot be imported: {e}"
-    except Exception as e:                      # no driver, a driver too old, no libcuda: all mean "no GPU"
-        return str(e) or type(e).__name__
-    return None if n > 0 else "CuPy sees 0 devices"
+        if not nvidia_gpu_present():
+            return "and this machine has none"
+        return f"reached through CuPy, which cannot be imported ({e}; {paths.pip_install('cuda')} brings it)"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:                      # no driver, a driver too old, no libcuda
+        why = str(e) or type(e).__name__
+    else:
+        if n > 0:
+            return None
+        why = "CuPy sees 0 devices"
+    return f"and CUDA cannot use this machine's ({why})" if nvidia_gpu_present() else "and this machine has none"
+
+
+def without_gpu(prog: str) -> list[str]:
+    """What runs on a machine without a GPU, as commands to type from where the workbench was installed: each works
+    after the README's install (tests/test_cli_help.py runs the workbench's own). The recorded traces, the
+    notebooks and the tests come with a source checkout, not with a wheel."""
+    runs = [f"`{prog} plan`", f"`{prog} build`"]
+    if paths.source_checkout():
+        trace = _shown(paths.FIXTURES / "timing_h200_llama-3.2-1b_pos0.npz")
+        runs += [f"`{prog} simulate {trace}`", f"`{prog} trace info {trace}`",
+                 f"the notebooks (`jupyter lab {_shown(paths.ROOT / 'notebooks')}/`)",
+                 "the tests (`python -m pytest -q`" + ("" if paths.ROOT == Path.cwd() else f" in {paths.ROOT}") + ")"]
+    return runs
+
+
+def _shown(path: Path) -> str:
+    """A path as the user would type it from here: relative when it is below the current folder."""
+    try:
+        return str(path.relative_to(Path.cwd())) or "."
+    except ValueError:
+        return str(path)
+
+
+def no_gpu_message(cmd: str, why: str, prog: str) -> str:
+    """One sentence: what `cmd` needs and why this machine lacks it, and what runs without it."""
+    runs = without_gpu(prog)
+    return f"`{cmd}` {NO_GPU}, {why}; these run without one: {', '.join(runs[:-1])} and {runs[-1]}."
 
 
 def _load(args):
@@ -720,8 +774,8 @@ def _in_process_arg(p):
                         "hang or a fault is reported and Ctrl-C stops the kernel)")
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = _Parser(prog="python -m workbench", description="batch-1 decode monokernel workbench")
+def _parser(prog: str = "python -m workbench") -> argparse.ArgumentParser:
+    ap = _Parser(prog=prog, description="batch-1 decode monokernel workbench")
     sub = ap.add_subparsers(dest="cmd", metavar="command", required=True)
     g = sub.add_parser("generate", help="stream tokens from the monokernel (GPU)")
     _model_args(g)
@@ -751,10 +805,15 @@ def _parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="kernel vs reference, teacher-forced (GPU); exits 1 on failure")
     _in_process_arg(v)
     _model_args(v)
-    v.add_argument("--seeds", type=seed_arg, nargs="+", default=[0], help="from 0 to 2**64 - 1")
-    v.add_argument("--prompt-len", type=positive_int, default=8)
-    v.add_argument("--tokens", type=positive_int, default=24)
-    v.add_argument("--rtol", type=positive_float, default=None)
+    v.add_argument("--seeds", type=seed_arg, nargs="+", default=[0],
+                   help="seeds of the end-to-end runs' random prompts, one run each (default 0), from 0 to 2**64 - 1; "
+                        "the first also seeds the stage-local check and the stop decision's runs")
+    v.add_argument("--prompt-len", type=positive_int, default=8,
+                   help="prompt tokens of each end-to-end run (default 8)")
+    v.add_argument("--tokens", type=positive_int, default=24,
+                   help="tokens each end-to-end run generates after its prompt (default 24)")
+    v.add_argument("--rtol", type=positive_float, default=None,
+                   help=f"relative tolerance of the end-to-end logits (default {DEFAULT_RTOL:g})")
     v.add_argument("--sampling", action="store_true",
                    help="also every sampler mode, draw by draw, and the chi-square checks of its distribution")
     v.add_argument("--table", action="store_true", help="print the stage × layer table even when it passes")
@@ -765,11 +824,11 @@ def _parser() -> argparse.ArgumentParser:
                         "last token, end to end against the reference over the whole sequence")
     b = sub.add_parser("build", help="compile only (no GPU): registers, spills, shared memory")
     which = b.add_mutually_exclusive_group()
-    which.add_argument("--model", default=DEFAULT_MODEL, type=non_empty)
+    which.add_argument("--model", default=DEFAULT_MODEL, type=non_empty, help=MODEL_HELP)
     which.add_argument("--all-presets", action="store_true",
                        help=f"build every preset the kernel runs ({', '.join(PRESETS)})")
-    b.add_argument("--max-seq", type=max_seq_arg)
-    b.add_argument("--threads", type=threads, default=512)
+    b.add_argument("--max-seq", type=max_seq_arg, help=MAX_SEQ_HELP)
+    b.add_argument("--threads", type=threads, default=512, help=THREADS_HELP)
     b.add_argument("--target", choices=["cuda", "hip"],
                    help="cuda: NVRTC for NVIDIA; hip: clang-19 for AMD (default cuda, hip with --dump amdgcn)")
     b.add_argument("--arch", type=arch_arg, help="sm_90 for cuda, gfx942 for hip (the defaults); an AMD arch "
@@ -786,16 +845,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="build SECTION from kernels/sections/SECTION@VARIANT.cuh (.ptx for a variant named ptx...); "
                         "repeatable")
     sa = sub.add_parser("sanitize", help="generate under compute-sanitizer: memcheck, racecheck, synccheck, initcheck")
-    sa.add_argument("--model", default="tiny", type=non_empty)
-    sa.add_argument("--tool", choices=[*SANITIZER_TOOLS, "all"], default="all")
+    sa.add_argument("--model", default="tiny", type=non_empty,
+                    help=f"preset ({', '.join(PRESETS)}) or a local HF folder (default tiny: the tools are slow)")
+    sa.add_argument("--tool", choices=[*SANITIZER_TOOLS, "all"], default="all",
+                    help="the compute-sanitizer tool to run generate under (default all, one after another)")
     sa.add_argument("--tokens", type=positive_int, default=3, help="tokens to generate (racecheck is ~1000x slower)")
     sa.add_argument("--prompt-ids", type=token_ids, default=[1, 2, 3],
                     help="the prompt (each of its tokens is one more decode step under the tool)")
-    sa.add_argument("--threads", type=threads, default=512)
+    sa.add_argument("--threads", type=threads, default=512, help=THREADS_HELP)
     sa.add_argument("--sanitizer", default="compute-sanitizer", type=non_empty, help="the compute-sanitizer executable")
     pl = sub.add_parser("plan", help="the decode step as the plan declares it (no GPU)")
-    pl.add_argument("--model", default=DEFAULT_MODEL, type=non_empty)
-    pl.add_argument("--max-seq", type=max_seq_arg)
+    pl.add_argument("--model", default=DEFAULT_MODEL, type=non_empty, help=MODEL_HELP)
+    pl.add_argument("--max-seq", type=max_seq_arg, help=MAX_SEQ_HELP)
     pl.add_argument("--decode-step", action="store_true", help="also the C++ decode loop generated from it")
     pl.add_argument("--write", action="store_true",
                     help="with --decode-step: rewrite the repository's copies of the decode step "
@@ -806,9 +867,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="also each dependency's fan-in (producer blocks a consumer block waits for) and hand-off, "
                          "at a position (default 128: attention's split depends on it)")
     be = sub.add_parser("bench", help="monokernel vs torch.compile, HF generate() and the bandwidth roofline (GPU)")
-    be.add_argument("--model", default=DEFAULT_MODEL, type=non_empty)
+    be.add_argument("--model", default=DEFAULT_MODEL, type=non_empty, help=MODEL_HELP)
     be.add_argument("--tokens", type=positive_int, default=128, help="decode steps per timed run")
-    be.add_argument("--repeats", type=positive_int, default=5)
+    be.add_argument("--repeats", type=positive_int, default=5,
+                    help="timed runs of each contender at each position, the median reported (default 5)")
     be.add_argument("--json", type=output_file, help="write the table as JSON here (its folder must exist)")
     be.add_argument("--no-torch", action="store_true", help="skip the PyTorch paths")
     be.add_argument("--no-hf", action="store_true", help="skip HF generate()")
@@ -835,7 +897,41 @@ def _parser() -> argparse.ArgumentParser:
                          "the plan's Launch (attn_min_chunk, attn_single, early, ...); repeatable")
     si.add_argument("--positions", type=positive_int, nargs="+", help="positions to price designs at (default: "
                                                                       "the traces')")
+    _trace_parser(sub)
     return ap
+
+
+def _trace_parser(sub):
+    """`trace`: the command line of workbench.measure.trace (`python -m workbench.measure.trace`), option for
+    option, so that it is listed and explained with the others; main hands the arguments to that module, which
+    tests/test_cli_help.py holds this copy to."""
+    t = sub.add_parser("trace", help="timing traces (no GPU): pack a raw .npy, convert an older trace, print a "
+                                     "trace's table, export Perfetto JSON")
+    ts = t.add_subparsers(dest="trace_cmd", metavar="action", required=True)
+    p = ts.add_parser("pack", help="a raw stamps .npy (scripts/device_suite.py) → a trace .npz with metadata")
+    p.add_argument("npy", help="the stamps, uint64 [steps, slots, blocks, 2], as a timing build's run saved them")
+    p.add_argument("out", help="the trace file to write (.npz)")
+    p.add_argument("--model", required=True, help="the preset, or a config.json, the stamps were recorded on")
+    p.add_argument("--position", type=int, default=0, help="the position of the run's first step (default 0)")
+    p.add_argument("--steps", type=int, help="keep the first N steps")
+    p.add_argument("--device", required=True, help="the GPU it was recorded on, e.g. H200")
+    p.add_argument("--date", required=True, help="when it was recorded")
+    p.add_argument("--commit", required=True, help="the commit of the kernel recorded")
+    p.add_argument("--tok-s", type=float, help="the run's tok/s, to label the trace with")
+    p.add_argument("--roofline-tbps", type=float, help="the weights' streaming read measured beside it, in TB/s")
+    p.add_argument("--meta", default="{}", help="more metadata, a JSON object")
+    p.add_argument("--from-v1", action="store_true",
+                   help="the .npy was recorded with the older slot layout (first embedding in step 0 only, "
+                        "sampling last): convert it (convert_v1)")
+    c = ts.add_parser("convert", help=f"a {TRACE_V1} trace (the older slot layout) → a {TRACE_FORMAT} trace")
+    c.add_argument("old", help=f"the {TRACE_V1} trace")
+    c.add_argument("new", help="the trace file to write")
+    i = ts.add_parser("info", help="metadata and the per-stage table of a trace")
+    i.add_argument("trace", help="a trace file (.npz), e.g. one of fixtures/")
+    e = ts.add_parser("perfetto", help="export Chrome/Perfetto trace JSON (open it in ui.perfetto.dev)")
+    e.add_argument("trace", help="a trace file (.npz)")
+    e.add_argument("out", help="the JSON file to write")
+    e.add_argument("--steps", default="1", help="steps to export: N or A-B (default 1)")
 
 
 def _check_plan(args):
@@ -883,6 +979,10 @@ def _check_sanitize(args):
     _check_vocab(cfg, args.prompt_ids, "--prompt-ids")
     _fits(cfg, len(args.prompt_ids), args.tokens, f"--prompt-ids ({len(args.prompt_ids)} tokens) and --tokens "
           f"{args.tokens}", hint="")
+
+
+def _check_sanitizer(args):
+    """Looked for once the GPU is known to be there (main checks it): on a machine without one, that is the news."""
     if shutil.which(args.sanitizer) is None and not Path(args.sanitizer).is_file():
         raise UsageError(f"{args.sanitizer} is not on the PATH (compute-sanitizer comes with the CUDA toolkit; "
                          "--sanitizer PATH names it)")
@@ -905,6 +1005,7 @@ def sanitizer_summary(output: str) -> str:
 def cmd_sanitize(args) -> int:
     """`generate` under compute-sanitizer, once per tool, in this process (the sanitizer must see the kernel):
     a line per tool with its error count; exit 1 if any tool found an error."""
+    _check_sanitizer(args)
     tools = SANITIZER_TOOLS if args.tool == "all" else (args.tool,)
     worst = 0
     for tool in tools:
@@ -990,15 +1091,33 @@ def _in_worker(args) -> int:
 
 COMMANDS = {"generate": (cmd_generate, _check_generate, True), "verify": (cmd_verify, _check_verify, True),
             "build": (cmd_build, _check_build, False), "bench": (cmd_bench, _check_bench, True),
-            "plan": (cmd_plan, _check_plan, False), "sanitize": (cmd_sanitize, _check_sanitize, False),
+            "plan": (cmd_plan, _check_plan, False), "sanitize": (cmd_sanitize, _check_sanitize, True),
             "simulate": (cmd_simulate, _check_simulate, False)}
 BUG = "this is a bug in the workbench: please report it, with the traceback above and the command line"
 
 
-def main(argv=None) -> int:
-    """Run one command; user errors become one line and exit code 2, anything else a traceback and a bug report."""
+MODULE_PROG = "python -m workbench"
+
+
+def invoked_as(argv0: str) -> str:
+    """The command's name as the user typed it: the console script's own name (`monokernel-workbench`), or
+    `python -m workbench` when run as a module (argv[0] is then the module's file)."""
+    name = Path(argv0).name
+    if not name or name.endswith(".py") or name == "-c":
+        return MODULE_PROG
+    return name.removesuffix(".exe")
+
+
+def main(argv=None, prog: str | None = None) -> int:
+    """Run one command; user errors become one line and exit code 2, anything else a traceback and a bug report.
+    Called with no `argv`, the command line is sys.argv and the usage names the command as it was invoked."""
+    if argv is None:
+        argv, prog = sys.argv[1:], prog or invoked_as(sys.argv[0])
+    argv, prog = [str(a) for a in argv], prog or MODULE_PROG
     try:
-        args = _parser().parse_args(argv)
+        args = _parser(prog).parse_args(argv)
+        if args.cmd == "trace":                      # the module's own command line, already checked by ours
+            return trace_main(argv[argv.index("trace") + 1:])
         if getattr(args, "rtol", 0) is None:
             args.rtol = DEFAULT_RTOL
         run, check, needs_gpu = COMMANDS[args.cmd]
@@ -1007,9 +1126,8 @@ def main(argv=None) -> int:
         check(args)
         if needs_gpu:
             if (why := gpu_problem()) is not None:
-                raise NoDeviceError(f"no CUDA GPU is visible ({why}); `{args.cmd}` needs one. Without one, `build` "
-                                    "and the tests run: python -m workbench build --model M, python -m pytest -q")
-            if not args.in_process:
+                raise NoDeviceError(no_gpu_message(args.cmd, why, prog))
+            if not getattr(args, "in_process", True):       # sanitize runs its own processes
                 return _in_worker(args)
         return run(args)
     except UserError as e:
@@ -1031,4 +1149,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog=MODULE_PROG))

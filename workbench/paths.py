@@ -49,6 +49,14 @@ def source_checkout() -> bool:
     return (ROOT / "pyproject.toml").is_file() and (ROOT / "kernels").is_dir()
 
 
+def pip_install(extra: str) -> str:
+    """The command that installs one of the distribution's extras (pyproject.toml), as this installation needs it
+    said: an editable install of the checkout it runs from, else the distribution by name."""
+    if source_checkout():
+        return f"pip install -e '.[{extra}]' (in {ROOT})"
+    return f"pip install '{APP}[{extra}]'"
+
+
 def template_dir() -> Path:
     """The pristine kernel sources: the ones shipped in the wheel, else the repository's kernels/."""
     return TEMPLATE if TEMPLATE.is_dir() else ROOT / "kernels"

@@ -530,14 +530,20 @@ def dependencies(cfg: ModelConfig, launch: plan.Launch = plan.Launch()) -> dict:
     return out
 
 
+def _count(n: int, noun: str) -> str:
+    """"1 unit", "1,003 units": the nouns describe() counts all take an s."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+
+
 def describe(cfg: ModelConfig, launch: plan.Launch = plan.Launch()) -> str:
     """The plan as text: the decode step, stage by stage, with its buffers, weights and bytes."""
-    lines = [f"decode step of {cfg.name}: {len(plan.STAGES)} stages, {n_slots(cfg)} grid barriers per token"]
+    lines = [f"decode step of {cfg.name}: {_count(len(plan.STAGES), 'stage')}, {_count(n_slots(cfg), 'grid barrier')} "
+             "per token"]
     for s in plan.STAGES:
         wb = stage_weight_bytes(cfg, s.name)
         reads = ", ".join(u.buffer + (f"[{u.positions}]" if u.positions else "") for u in s.reads if u.active(cfg))
         writes = ", ".join(u.buffer + (f"[{u.positions}]" if u.positions else "") for u in s.writes if u.active(cfg))
         lines.append(f"  {s.name:16s} {s.scope:5s} {s.math}")
-        lines.append(f"  {'':16s}       reads {reads} → writes {writes}; {s.units(cfg, launch):,} units "
+        lines.append(f"  {'':16s}       reads {reads} → writes {writes}; {_count(s.units(cfg, launch), 'unit')} "
                      f"({s.unit}); {wb / 1e6:.1f} MB of weights" + (f"; taps {', '.join(s.taps)}" if s.taps else ""))
     return "\n".join(lines)

@@ -21,6 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .. import paths
 from .assemble import Assembled
 from .nvrtc import NVRTC_OPTIONS, CompileError, compile_error, nvrtc_program, parse_log
 from .ptx import ptxas_messages, splice
@@ -101,8 +102,9 @@ def cuda_tool(name: str) -> str:
             return str(p)
     found = shutil.which(name)
     if not found:
-        wheel = {"ptxas": "nvidia-cuda-nvcc"}.get(name, f"nvidia-cuda-{name}")
-        raise FileNotFoundError(f"{name} not found: install the CUDA toolkit, or pip install {wheel}")
+        # nvdisasm and cuobjdump come with the cuda extra; ptxas only with the toolkit or its own wheel
+        how = "pip install nvidia-cuda-nvcc" if name == "ptxas" else paths.pip_install("cuda")
+        raise FileNotFoundError(f"{name} not found: install the CUDA toolkit, or {how}")
     return found
 
 
@@ -154,6 +156,7 @@ def disassemble(cubin: bytes, inline: bool = False, ptx_lines: bool = False) -> 
 HIP_OPTIONS = ("-x", "hip", "-std=c++17", "-nogpulib", "-nogpuinc", "--cuda-device-only", "-O3",
                "-fno-color-diagnostics")
 CLANG_NAMES = ("clang-19", "clang-20", "clang-21", "clang")
+HIP_INSTALL = "apt-get install clang-19 lld-19 llvm-19 (on Debian or Ubuntu)"
 
 
 def clang_path() -> str:
@@ -166,8 +169,8 @@ def clang_path() -> str:
     for found in map(shutil.which, CLANG_NAMES):
         if found:
             return found
-    raise FileNotFoundError("clang not found (the AMD build needs clang >= 17 with the AMDGPU target): "
-                            "apt-get install clang-19")
+    raise FileNotFoundError("clang not found (the AMD build needs clang >= 17 with the AMDGPU target, lld to link "
+                            f"and LLVM's tools to read the code): {HIP_INSTALL}")
 
 
 def llvm_tool(name: str) -> str:
@@ -180,7 +183,7 @@ def llvm_tool(name: str) -> str:
     for found in map(shutil.which, ([f"{name}-{m[1]}"] if m else []) + [name]):
         if found:
             return found
-    raise FileNotFoundError(f"{name} not found: apt-get install llvm-19")
+    raise FileNotFoundError(f"{name} not found: {HIP_INSTALL}")
 
 
 def _clang(asm: Assembled, arch: str, args: list[str], out_name: str) -> tuple[bytes, str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 
+from .. import paths
 from ..paths import ROOT
 from .assemble import Assembled
 
@@ -117,8 +118,13 @@ def _nvrtc_cupy(source: str, options: list[str], cubin: bool = True) -> tuple[bo
     """NVRTC through CuPy's binding: PTX only (its getCUBIN drops the image's last byte, which cuobjdump then
     refuses), which is what a build with PTX sections asks of NVRTC."""
     if cubin:
-        raise FileNotFoundError("a cubin from NVRTC without a driver needs cuda-bindings (the cuda extra)")
-    from cupy_backends.cuda.libs import nvrtc
+        raise FileNotFoundError("a cubin from NVRTC without a driver needs cuda-bindings, of the cuda extra: "
+                                + paths.pip_install("cuda"))
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+    except ImportError:
+        raise FileNotFoundError("NVRTC needs cuda-bindings or CuPy, of the cuda extra: "
+                                + paths.pip_install("cuda")) from None
     prog = nvrtc.createProgram(source, "monokernel.cu", [], [])
     try:
         try:
