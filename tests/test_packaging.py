@@ -216,6 +216,7 @@ def test_beside_hugging_face_kernels(installed):
 def test_console_script(installed):
     proc = _check(_run([installed.bin / DIST, "--help"], env=installed.env(), cwd=installed.root, timeout=60))
     assert "generate" in proc.stdout and "build" in proc.stdout
+    assert proc.stdout.startswith(f"usage: {DIST} [-h] command"), proc.stdout     # named as it was invoked
 
 
 @pytest.mark.network
