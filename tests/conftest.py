@@ -163,3 +163,17 @@ def byte_bpe():
                                   special_tokens=["<eos>"])
     tok.train_from_iterator(TEXT, trainer)
     return tok
+
+
+# the recorded timing trace at position 0 (fixtures/) and the simulator's costs fitted on it: what the schedule
+# simulator's tests price designs with (tests/test_simulate.py, tests/test_dataflow.py)
+@pytest.fixture(scope="session")
+def recorded():
+    from workbench.measure import trace
+    return trace.load_recorded(0)
+
+
+@pytest.fixture(scope="session")
+def costs(recorded):
+    from workbench.measure import simulate
+    return simulate.calibrate([recorded], hbm_tbps=recorded.roofline_tbps, sm_gbps=simulate.SM_GBPS)

@@ -18,16 +18,6 @@ from workbench.worklists import handoffs, head_group, kv_head_of, split_by_heads
 MODELS = ("llama-3.2-1b", "llama-3.1-8b", "qwen3-0.6b")
 
 
-@pytest.fixture(scope="module")
-def recorded():
-    return T.load_recorded(0)
-
-
-@pytest.fixture(scope="module")
-def costs(recorded):
-    return S.calibrate([recorded], hbm_tbps=recorded.roofline_tbps, sm_gbps=S.SM_GBPS)
-
-
 @pytest.mark.parametrize("pos", [9, 128])
 def test_run_with_barriers_the_events_agree_with_the_slot_simulator(recorded, costs, pos):
     slots = S.simulate(recorded.cfg, costs, pos).us_per_token

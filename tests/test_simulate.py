@@ -67,16 +67,6 @@ def test_the_fluid_model_shares_hbm_and_caps_an_sm():
     assert arr[0] == pytest.approx(10.0) and arr[1] == pytest.approx(15.0)
 
 
-@pytest.fixture(scope="module")
-def recorded():
-    return T.load_recorded(0)
-
-
-@pytest.fixture(scope="module")
-def costs(recorded):
-    return S.calibrate([recorded], hbm_tbps=recorded.roofline_tbps, sm_gbps=S.SM_GBPS)
-
-
 def test_calibration_reproduces_the_trace_it_was_fitted_on(recorded, costs):
     sim = S.simulate(recorded.cfg, costs, recorded.pos0 + recorded.stamps.shape[0] // 2 + 1)
     assert sim.us_per_token == pytest.approx(S.measured_us(recorded), rel=0.02)
