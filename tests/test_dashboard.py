@@ -520,6 +520,7 @@ def test_gantt_synthetic():
     assert D.WAIT_COLOR not in {tr.marker.color for n, trs in by_name.items() if n != D.WAIT_TRACE for tr in trs}
     assert sum(len(tr.y) for tr in waits) == N_SLOTS * 4
     assert sum(bool(tr.showlegend) for tr in waits) == 1
+    assert all(len(tr.y) for tr in waits if tr.showlegend)        # plotly hides an empty trace's entry
     grid = g.data[0]
     assert list(grid.y) == [D.GRID_Y] * N_SLOTS
     assert sum(grid.x) == pytest.approx(STEP_NS / 1e3, abs=1e-2)

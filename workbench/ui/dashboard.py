@@ -859,10 +859,15 @@ class Dashboard(_Shown):
                 else:
                     tr.y, tr.base, tr.x, tr.customdata = [], [], [], []
             b, st, du, stg, layer = d["wait"]
+            legend = False
             for label, i in self._gantt_wait_traces.items():
                 m = stg == label
                 tr = fig.data[i]
                 tr.y, tr.base, tr.x, tr.customdata = b[m], r3(st[m]), r3(du[m]), hover(layer[m], st[m], du[m])
+                # plotly leaves an empty trace out of the legend (the first label's, the embedding alone, is empty
+                # after step 0): the grey's one entry goes on the first wait trace with bars
+                tr.showlegend = bool(m.any()) and not legend
+                legend = legend or bool(m.any())
             n_blocks = self.stamps.shape[2]
             fig.layout.yaxis.tickvals = [GRID_Y] + list(range(0, n_blocks, 8))
             fig.layout.yaxis.ticktext = ["grid"] + [str(i) for i in range(0, n_blocks, 8)]
