@@ -8,7 +8,7 @@
     dash.update_timing(res.timing, mk.cfg, pos0=0, tok_s=res.tok_per_s)
 
 Panels, each a FigureWidget (or an HTML table) the tests and notebooks can read back:
-  stages     per-stage time per token (summed over layers), median over tokens, p10–p90 as error bars; one bar per
+  stages     per-stage time per token (summed over layers), mean over tokens, p10–p90 as error bars; one bar per
              slot of the plan (a slot running several stages between two barriers is one bar, "a+b")
   bandwidth  achieved TB/s per stage (stage bytes / time) against the measured streaming-read roofline
   gantt      one token on every block: work (coloured by stage) and wait at the barrier (grey), stages labelled
@@ -498,9 +498,9 @@ class Dashboard(_Shown):
         self._follow = True
 
         stages = go.FigureWidget()
-        stages.add_bar(name="µs per token (median)", x=[], y=[], marker_color=[],
+        stages.add_bar(name="µs per token (mean)", x=[], y=[], marker_color=[],
                        error_y=dict(type="data", symmetric=False, array=[], arrayminus=[], color="#333"),
-                       customdata=[], hovertemplate="%{x}<br>median %{y:.1f} µs/token<br>p10–p90 %{customdata[0]:.1f}"
+                       customdata=[], hovertemplate="%{x}<br>mean %{y:.1f} µs/token<br>p10–p90 %{customdata[0]:.1f}"
                        "–%{customdata[1]:.1f} µs<br>work %{customdata[2]:.1f} µs, wait %{customdata[3]:.1f} µs"
                        "<extra></extra>")
         stages.update_layout(width=480, height=380, margin=dict(l=60, r=20, t=60, b=90), showlegend=False,
@@ -744,9 +744,9 @@ class Dashboard(_Shown):
             if self.progress is not None:
                 run += f" (kernel at step {self.progress})"
             bits.append(run + f", {self.stamps.shape[2]} blocks")
-        if self.rows:
+        if self.rows and not self.tok_s:        # one tok/s a run: the measured one where there is one
             total = sum(r.us_per_token for r in self.rows)
-            bits.append(f"trace: {total:,.1f} µs/token = {1e6 / total:,.0f} tok/s (median step)")
+            bits.append(f"trace: {total:,.1f} µs/token = {1e6 / total:,.0f} tok/s (the mean stamped step)")
         if self.tok_s:
             bits.append(f"measured {self.tok_s:,.0f} tok/s")
         if self.roofline_tbps:
