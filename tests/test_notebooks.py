@@ -130,6 +130,6 @@ def test_git_is_told_to_clean_the_notebooks():
     assert "notebooks/*.ipynb filter=nbclean" in (ROOT / ".gitattributes").read_text().splitlines()
     src = NOTEBOOKS[0]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    out = subprocess.run([sys.executable, "-m", "workbench.nbclean"], input=json.dumps(_ran(src)), text=True,
+    out = subprocess.run([sys.executable, "-m", "workbench", "nbclean"], input=json.dumps(_ran(src)), text=True,
                          capture_output=True, check=True, env=env, encoding="utf-8").stdout
     assert out == src.read_text(encoding="utf-8")

@@ -39,6 +39,7 @@ from .measure.trace import FORMAT as TRACE_FORMAT
 from .measure.trace import FORMAT_V1 as TRACE_V1
 from .measure.trace import main as trace_main
 from .model import weights
+from .nbclean import main as nbclean_main
 from .model.config import DEFAULT_MODEL, PRESETS, ModelConfig, get_config, local_folder
 from .paths import ROOT, write_problem
 from .plan import Launch
@@ -898,6 +899,9 @@ def _parser(prog: str = "python -m workbench") -> argparse.ArgumentParser:
     si.add_argument("--positions", type=positive_int, nargs="+", help="positions to price designs at (default: "
                                                                       "the traces')")
     _trace_parser(sub)
+    nb = sub.add_parser("nbclean", help="notebooks without outputs, execution counts or run metadata, as they are "
+                                        "committed (no GPU); with no files, stdin to stdout: a git clean filter")
+    nb.add_argument("files", nargs="*", help="notebooks (.ipynb) to clean in place")
     return ap
 
 
@@ -1118,6 +1122,8 @@ def main(argv=None, prog: str | None = None) -> int:
         args = _parser(prog).parse_args(argv)
         if args.cmd == "trace":                      # the module's own command line, already checked by ours
             return trace_main(argv[argv.index("trace") + 1:])
+        if args.cmd == "nbclean":
+            return nbclean_main(args.files)
         if getattr(args, "rtol", 0) is None:
             args.rtol = DEFAULT_RTOL
         run, check, needs_gpu = COMMANDS[args.cmd]

@@ -11,10 +11,10 @@ setting to be safe:
   holds the setting; JupyterLab reads it with JUPYTER_CONFIG_PATH pointing there:
   `JUPYTER_CONFIG_PATH=jupyter_config jupyter lab`;
 * a git clean filter, for a clone that sets it up once: `git config filter.nbclean.clean "python -m
-  workbench.nbclean"` (.gitattributes names the filter; git ignores it until it is configured).
+  workbench nbclean"` (.gitattributes names the filter; git ignores it until it is configured).
 
-`python -m workbench.nbclean` cleans a notebook from stdin to stdout; `python -m workbench.nbclean FILE...`
-cleans the files in place.
+`python -m workbench nbclean` cleans a notebook from stdin to stdout; `python -m workbench nbclean FILE...`
+cleans the files in place (`python -m workbench.nbclean` does the same).
 """
 from __future__ import annotations
 
