@@ -81,7 +81,7 @@ def gpu_present(monkeypatch):
     (["build", "--variant", "embedding=nope"], "--variant embedding=nope: kernels/sections/embedding@nope.cuh does not exist"),
     (["frobnicate"],
      "argument command: invalid choice: 'frobnicate' (choose from 'generate', 'verify', 'build', 'sanitize', 'plan', 'bench', 'simulate', "
-     "'trace')"),
+     "'trace', 'nbclean')"),
     ([], "the following arguments are required: command (see python -m workbench --help)"),
     (["generate", "--bogus"], "unrecognized arguments: --bogus (see python -m workbench --help)"),
 ])
