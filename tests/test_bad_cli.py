@@ -283,6 +283,10 @@ def test_numbers_and_names_out_of_range(argv, names):
     (["generate", "--model", "tiny", "--top-p", "0.9"], ("--top-p 0.9", "--temperature")),
     (["generate", "--model", "tiny", "--seed", "3"], ("--seed 3", "--temperature")),
     (["generate", "--model", "tiny", "--prefill", "--check-prefill", "--prompt-ids", "5"], ("--prefill",)),
+    (["generate", "--model", "tiny", "--check-prefill", "--prompt-ids", "5"], ("--check-prefill", "2 tokens")),
+    (["generate", "--model", "tiny", "--check-prefill"], ("--check-prefill", "the default prompt has 1")),
+    (["generate", "--model", "tiny", "--no-prefill", "--check-prefill", "--prompt-ids", "5,6"],
+     ("--check-prefill", "--no-prefill")),
     (["verify", "--model", "tiny", "--draws", "500"], ("--draws", "--sampling")),
     (["sanitize", "--model", "tiny", "--prompt-ids", "5000", "--sanitizer", sys.executable], ("--prompt-ids",)),
     (["sanitize", "--model", "tiny", "--tokens", "99999", "--sanitizer", sys.executable], ("--tokens 99999",)),
@@ -297,6 +301,18 @@ def test_weights_seed_with_real_weights(tiny_hf_checkpoint, seed):
     run_bad("verify", "--model", "tiny", "--weights", tiny_hf_checkpoint, "--weights-seed", seed,
             names=("--weights-seed",))
     assert passes_checks("generate", "--model", tiny_hf_checkpoint).weights_seed == 0
+
+
+@pytest.mark.parametrize("argv, prefilled", [
+    (["--prompt-ids", "5,6"], True),                  # the default: a prompt of 2 tokens or more is prefilled
+    (["--prompt-random", "300"], True),
+    (["--prompt-ids", "5,6", "--prefill"], True),
+    (["--prompt-ids", "5,6", "--no-prefill"], False),
+    (["--prompt-ids", "5"], False),                   # one token: it is the kernel's, nothing to prefill
+    ([], False),                                      # the default prompt, the BOS token alone
+])
+def test_prompts_are_prefilled_by_default(argv, prefilled):
+    assert passes_checks("generate", "--model", "tiny", *argv).prefill is prefilled
 
 
 def test_stop_on_eos_with_no_eos_token(tmp_path):

@@ -605,7 +605,7 @@ def test_generate_streams_text(capsys, monkeypatch, tmp_path, tiny_hf_checkpoint
     monkeypatch.setattr(cli, "_load", lambda args: types.SimpleNamespace(cfg=cfg))
     monkeypatch.setattr(cli, "_kernel", lambda args, p, **kw: Kernel())
     # in this process: the stand-ins are this process's (a worker would load the real ones)
-    assert main(["generate", "--in-process", "--model", str(folder), "--prompt", "café",
+    assert main(["generate", "--in-process", "--model", str(folder), "--prompt", "café", "--no-prefill",
                  "--tokens", str(len(out_ids))]) == 0
     out = capsys.readouterr().out
     assert seen == {"prompt": byte_bpe.encode("café").ids, "max_new": len(out_ids)}
@@ -688,9 +688,10 @@ exit 9
 
 
 def test_generate_prefills_the_prompt_and_continues_after_it(capsys, monkeypatch, tiny_hf_checkpoint, gpu_present):
-    """--prefill: all but the prompt's last token go through the batched prefill (the real one, on the CPU's copy
-    of the weights), and the kernel is fed the last token at the position after them; --check-prefill compares the
-    cache with the fp64 math. The kernel is a stand-in that holds the cache (no GPU here)."""
+    """By default (no --prefill given), all but the prompt's last token go through the batched prefill (the real
+    one, on the CPU's copy of the weights), and the kernel is fed the last token at the position after them;
+    --check-prefill compares the cache with the fp64 math. The kernel is a stand-in that holds the cache (no GPU
+    here)."""
     import types
 
     from workbench.model.weights import load_prepared
@@ -715,14 +716,15 @@ def test_generate_prefills_the_prompt_and_continues_after_it(capsys, monkeypatch
     monkeypatch.setattr(cli, "_load", lambda args: p)
     monkeypatch.setattr(cli, "_kernel", lambda args, p, **kw: Kernel())
     assert main(["generate", "--in-process", "--model", str(tiny_hf_checkpoint), "--prompt-random", "23",
-                 "--tokens", "2", "--prefill", "--check-prefill"]) == 0
+                 "--tokens", "2", "--check-prefill"]) == 0
     out = capsys.readouterr().out
     ids = np.random.default_rng(0).integers(0, cfg.vocab, 23).tolist()
     assert seen["prompt"] == ids[-1:] and seen["pos0"] == 22 and seen["cached"] >= 20
     assert "22 prompt tokens prefilled in" in out and "(5 chunks)" in out and "time to first token" in out
     assert "prefill passed" in out
-    assert_error(capsys, ["generate", "--model", str(tiny_hf_checkpoint), "--check-prefill"],
-                 "--check-prefill checks a prefill: give --prefill too")
+    assert_error(capsys, ["generate", "--model", str(tiny_hf_checkpoint), "--check-prefill", "--no-prefill",
+                          "--prompt-ids", "5,6"],
+                 "--check-prefill checks a prefill: leave out --no-prefill")
 
 
 @pytest.mark.parametrize("argv, message", [

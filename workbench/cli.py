@@ -371,11 +371,13 @@ def _check_generate(args):
         raise UsageError(f"--top-k {args.top_k} is larger than the vocabulary of {cfg.name} ({cfg.vocab}); "
                          "0 turns top-k off")
     _fits(cfg, len(ids), args.tokens, f"a {len(ids)}-token prompt and --tokens {args.tokens}")
-    if args.check_prefill and not args.prefill:
-        raise UsageError("--check-prefill checks a prefill: give --prefill too")
-    if args.prefill and len(ids) < 2:                      # else it did nothing, and --check-prefill checked nothing
-        raise UsageError(f"--prefill needs a prompt of at least 2 tokens (the last one is the kernel's); "
-                         f"{given} has {len(ids)}")
+    if args.check_prefill and args.prefill is False:
+        raise UsageError("--check-prefill checks a prefill: leave out --no-prefill")
+    if (args.prefill or args.check_prefill) and len(ids) < 2:   # else it did nothing, and --check-prefill checked nothing
+        raise UsageError(f"{'--prefill' if args.prefill else '--check-prefill'} needs a prompt of at least 2 tokens "
+                         f"(the last one is the kernel's); {given} has {len(ids)}")
+    # prefilled unless told not to: a one-token prompt has nothing to prefill (its token is the kernel's)
+    args.prefill = args.prefill is not False and len(ids) >= 2
     if args.temperature == 0:
         # greedy decoding takes the argmax: these would change nothing, and the run would not say so
         for given_, off in ((f"--top-k {args.top_k}", args.top_k == 0), (f"--top-p {args.top_p}", args.top_p == 1),
@@ -786,11 +788,12 @@ def _parser(prog: str = "python -m workbench") -> argparse.ArgumentParser:
     prompt.add_argument("--prompt-random", type=positive_int, metavar="N",
                         help="a prompt of N random token ids (seeded by --seed): long prompts for timing")
     g.add_argument("--tokens", type=positive_int, default=64, help="tokens to generate")
-    g.add_argument("--prefill", action="store_true",
-                   help="the prompt (all but its last token) as batched matrix products before the kernel starts, "
-                        "instead of one decode step per token; prints the time to first token")
+    g.add_argument("--prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="the prompt (all but its last token) as batched matrix products before the kernel starts "
+                        "(the default for a prompt of 2 tokens or more); --no-prefill feeds it to the kernel one "
+                        "decode step per token")
     g.add_argument("--check-prefill", action="store_true",
-                   help="with --prefill: compare its cache and last logits with an fp64 run (exits 1 on failure)")
+                   help="compare the prefill's cache and last logits with an fp64 run (exits 1 on failure)")
     g.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off")
     g.add_argument("--top-p", type=top_p, default=1.0, help="in (0, 1]; 1 = off")
