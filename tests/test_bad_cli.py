@@ -287,6 +287,10 @@ def test_numbers_and_names_out_of_range(argv, names):
     (["generate", "--model", "tiny", "--check-prefill"], ("--check-prefill", "the default prompt has 1")),
     (["generate", "--model", "tiny", "--no-prefill", "--check-prefill", "--prompt-ids", "5,6"],
      ("--check-prefill", "--no-prefill")),
+    (["generate", "--model", "tiny", "--no-prefill", "--prefill-precision", "bf16", "--prompt-ids", "5,6"],
+     ("--prefill-precision bf16", "--no-prefill")),
+    (["generate", "--model", "tiny", "--prefill-precision", "bf16"], ("--prefill-precision bf16", "1 token")),
+    (["verify", "--model", "tiny", "--prefill-precision", "bf16"], ("--prefill-precision bf16", "--prefill-len")),
     (["verify", "--model", "tiny", "--draws", "500"], ("--draws", "--sampling")),
     (["sanitize", "--model", "tiny", "--prompt-ids", "5000", "--sanitizer", sys.executable], ("--prompt-ids",)),
     (["sanitize", "--model", "tiny", "--tokens", "99999", "--sanitizer", sys.executable], ("--tokens 99999",)),
@@ -312,7 +316,14 @@ def test_weights_seed_with_real_weights(tiny_hf_checkpoint, seed):
     ([], False),                                      # the default prompt, the BOS token alone
 ])
 def test_prompts_are_prefilled_by_default(argv, prefilled):
-    assert passes_checks("generate", "--model", "tiny", *argv).prefill is prefilled
+    args = passes_checks("generate", "--model", "tiny", *argv)
+    assert args.prefill is prefilled and args.prefill_precision == "fp32"
+
+
+@pytest.mark.parametrize("argv", [["generate", "--prompt-ids", "5,6"], ["verify", "--prefill-len", "9"]])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_prefills_precision_reaches_the_run(argv, precision):
+    assert passes_checks(*argv, "--model", "tiny", "--prefill-precision", precision).prefill_precision == precision
 
 
 def test_stop_on_eos_with_no_eos_token(tmp_path):

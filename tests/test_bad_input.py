@@ -705,8 +705,9 @@ def test_generate_prefills_the_prompt_and_continues_after_it(capsys, monkeypatch
         shape = (cfg.n_layers, cfg.n_kv_heads, cfg.max_seq, cfg.head_dim)
         k_cache, v_cache = np.zeros(shape, np.uint16), np.zeros(shape, np.uint16)
 
-        def prefill(self, tokens):
-            return prefill(p, tokens, self.k_cache, self.v_cache, chunk=5)
+        def prefill(self, tokens, precision):
+            seen["precision"] = precision
+            return prefill(p, tokens, self.k_cache, self.v_cache, chunk=5, precision=precision)
 
         def stream_tokens(self, prompt, max_new, sampling, pos0=0, **kw):
             seen.update(prompt=prompt, pos0=pos0, cached=int((self.k_cache[0, 0, :, 0] != 0).sum()))
@@ -719,8 +720,9 @@ def test_generate_prefills_the_prompt_and_continues_after_it(capsys, monkeypatch
                  "--tokens", "2", "--check-prefill"]) == 0
     out = capsys.readouterr().out
     ids = np.random.default_rng(0).integers(0, cfg.vocab, 23).tolist()
-    assert seen["prompt"] == ids[-1:] and seen["pos0"] == 22 and seen["cached"] >= 20
-    assert "22 prompt tokens prefilled in" in out and "(5 chunks)" in out and "time to first token" in out
+    assert seen["prompt"] == ids[-1:] and seen["pos0"] == 22 and seen["cached"] >= 20 and seen["precision"] == "fp32"
+    assert "22 prompt tokens prefilled (fp32 products) in" in out and "(5 chunks)" in out
+    assert "time to first token" in out
     assert "prefill passed" in out
     assert_error(capsys, ["generate", "--model", str(tiny_hf_checkpoint), "--check-prefill", "--no-prefill",
                           "--prompt-ids", "5,6"],

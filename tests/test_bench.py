@@ -113,18 +113,22 @@ def test_the_ttft_baseline_computes_what_the_prefill_computes(family):
 def test_the_ttft_table_follows_the_decode_table():
     import dataclasses
 
-    from workbench.measure.bench import TtftRow
+    from workbench.measure.bench import TTFT_HF, TTFT_MONOKERNEL, TtftRow, ttft_speedups
+    rows = [TtftRow(f"{TTFT_MONOKERNEL} fp32", 4096, 61.0, (60.0, 63.0), "prefill 55.0 ms in 2 chunks"),
+            TtftRow(f"{TTFT_MONOKERNEL} bf16", 4096, 35.0, (34.0, 36.0), "prefill 29.0 ms in 2 chunks"),
+            TtftRow(f"{TTFT_MONOKERNEL} bf16", 1024, 9.0, (9.0, 9.5), "prefill 7.0 ms in 1 chunk"),
+            TtftRow(TTFT_HF, 4096, 70.0, (69.0, 71.0))]
     out = {"model": "llama-3.2-1b", "device": "H200", "tokens": 128, "repeats": 5, "roofline_tbps": 4.45,
-           "rows": [], "ttft": [dataclasses.asdict(TtftRow("monokernel (batched prefill)", 4096, 61.0, (60.0, 63.0),
-                                                           "prefill 55.0 ms in 2 chunks")),
-                                {**dataclasses.asdict(TtftRow("HF transformers prefill (sdpa)", 4096, 70.0,
-                                                              (69.0, 71.0))), "monokernel_speedup": 70 / 61}]}
+           "rows": [], "ttft": ttft_speedups([dataclasses.asdict(r) for r in rows])}
     lines = format_rows(out).splitlines()
     i = lines.index("time to first token (the prompt, then the first new token)")
-    ours, hf = lines[i + 2], lines[i + 3]
-    assert ours.startswith("monokernel (batched prefill)") and ours.split()[3:6] == ["4096", "61.0", "60.0–63.0"]
-    assert ours.endswith("prefill 55.0 ms in 2 chunks")
-    assert hf.startswith("HF transformers prefill (sdpa)") and hf.split()[-3:] == ["70.0", "69.0–71.0", "1.15"]
+    fp32, bf16, alone, hf = lines[i + 2:i + 6]
+    # ours ÷ HF's speed on our rows, at the same prompt only; none where HF did not run
+    assert fp32.startswith(f"{TTFT_MONOKERNEL} fp32") and fp32.split()[4:8] == ["4096", "61.0", "60.0–63.0", "1.15"]
+    assert fp32.endswith("prefill 55.0 ms in 2 chunks")
+    assert bf16.split()[4:8] == ["4096", "35.0", "34.0–36.0", "2.00"]
+    assert alone.split()[4:8] == ["1024", "9.0", "9.0–9.5", "prefill"]
+    assert hf.startswith(TTFT_HF) and hf.split()[-2:] == ["70.0", "69.0–71.0"]
 
 
 @pytest.mark.parametrize("argv", [["--ttft"], ["--positions", "128", "--ttft", "1024", "32768"], []])

@@ -611,6 +611,47 @@ def test_the_prefills_gpu_path_is_the_interpreters(family):
     assert pc.passed, pc.summary()
 
 
+@pytest.mark.parametrize("model", ["tiny", "llama-3.2-1b"])
+def test_the_bf16_prefill_is_within_its_bound_and_is_the_one_product_path(model):
+    """The bf16 precision (one product of the activation rounded to bf16, prefill_gpu.PRECISIONS) on random weights
+    at the model's shapes, all its layers: check_prefill passes at the bf16 bound against fp64, within half of it
+    (the argued ~6e-3 for the 1B's 16 layers against a bound of 2e-2). Its cache is not the fp32 precision's on the
+    same prompt: the one-product path ran, not the two."""
+    import cupy as cp
+
+    from workbench.check.prefill import PREFILL_RTOL, check_prefill
+    from workbench.model.weights import prepare, random_weights
+    from workbench.run.prefill import prefill
+    cfg = get_config(model).with_(max_seq=2100)
+    seed = fresh_seed()
+    p = prepare(random_weights(cfg, seed, xp=cp, progress=False), xp=cp, progress=False)
+    toks = np.random.default_rng(seed).integers(0, cfg.vocab, 2050)     # two chunks of 1,024 and a tail
+    shape = (cfg.n_layers, cfg.n_kv_heads, cfg.max_seq, cfg.head_dim)
+    worst, keys = {}, {}
+    for precision in ("fp32", "bf16"):
+        k, v = cp.zeros(shape, cp.uint16), cp.zeros(shape, cp.uint16)
+        pre = prefill(p, toks, k, v, chunk=1024, precision=precision)
+        assert pre.precision == precision
+        c = check_prefill(p, toks, pre, k, v)
+        print(model, c.summary())
+        assert c.passed and c.rtol == PREFILL_RTOL[precision], c.summary()
+        worst[precision], keys[precision] = max(c.k_rel + c.v_rel + [c.logits_rel]), k
+    differ = float((keys["fp32"] != keys["bf16"]).mean())
+    print(model, "worst rel err", worst, f"keys differing between the precisions {differ:.1%}")
+    assert differ > 0.01 and worst["bf16"] < PREFILL_RTOL["bf16"] / 2, (worst, differ)
+
+
+def test_a_bf16_prefilled_prompt_continues_within_its_bound(tiny):
+    """The decode after a bf16 prefill reads the cache it wrote: end to end against the reference teacher-forced
+    over the whole sequence, at the bf16 bound (verify_after_prefill's default for the precision)."""
+    from workbench.check.prefill import PREFILL_RTOL, verify_after_prefill
+    pc, rep = verify_after_prefill(tiny, prompt_len=1500, max_new=6, seed=fresh_seed(), precision="bf16")
+    print(pc.summary())
+    print(rep.summary())
+    assert pc.passed and pc.rtol == PREFILL_RTOL["bf16"], pc.summary()
+    assert rep.passed and rep.rtol == PREFILL_RTOL["bf16"] and rep.steps[0].position == 1499, rep.summary()
+
+
 def test_a_prefilled_prompt_continues_as_the_reference_does(tiny):
     """3,000 prompt tokens through the batched prefill into the kernel's cache, then the kernel from the last one:
     the cache and the prefill's last logits match the fp64 math, the kernel's logits after it match the reference

@@ -84,6 +84,10 @@ def test_check_prefill_passes_a_right_one_and_fails_wrong_ones(p):
     assert not c.passed and "NaN" in c.summary()
     off = dataclasses.replace(pre, logits=pre.logits * (1 + 1e-2))
     assert not check_prefill(p, toks, off, k, v).passed
+    # the bf16 precision's looser bound (PREFILL_RTOL) is chosen by the prefill's own precision: the same 1e-2 passes
+    # there, and a lost position still fails by far
+    assert check_prefill(p, toks, dataclasses.replace(off, precision="bf16"), k, v).passed
+    assert not check_prefill(p, toks, dataclasses.replace(pre, precision="bf16"), k, bad_v).passed
 
 
 def test_bad_input_is_refused(p):
@@ -103,6 +107,11 @@ def test_bad_input_is_refused(p):
         prefill(p, tokens(cfg, 4), k, v, pos0=5.0)
     with pytest.raises(ValueError, match="not contiguous"):
         prefill(p, tokens(cfg, 4), k[:, :, :, ::-1], v)
+    with pytest.raises(ValueError, match="the prefill has fp32, bf16"):
+        prefill(p, tokens(cfg, 4), k, v, precision="fp16")
+    # the interpreter has no bf16 activations: asked for bf16 here, it says so rather than run fp32 under its name
+    with pytest.raises(ValueError, match="bf16 prefill runs on the NVIDIA GPU path only"):
+        prefill(p, tokens(cfg, 4), k, v, precision="bf16")
     assert not k.any() and not v.any()                               # nothing was written by a refused one
 
 

@@ -43,6 +43,7 @@ from .nbclean import main as nbclean_main
 from .model.config import DEFAULT_MODEL, PRESETS, ModelConfig, get_config, local_folder
 from .paths import ROOT, write_problem
 from .plan import Launch
+from .run.prefill_gpu import PRECISIONS
 from .run.runtime import WORKER_CONTEXT, KernelError, Monokernel, RegisteredMapped, Sampling
 from .run.worker import Worker, WorkerFailure, phase_setter
 from .tp.shard import Sharding
@@ -378,6 +379,10 @@ def _check_generate(args):
                          f"(the last one is the kernel's); {given} has {len(ids)}")
     # prefilled unless told not to: a one-token prompt has nothing to prefill (its token is the kernel's)
     args.prefill = args.prefill is not False and len(ids) >= 2
+    if args.prefill_precision is not None and not args.prefill:
+        raise UsageError(f"--prefill-precision {args.prefill_precision} has no effect: "
+                         + ("--no-prefill is given" if len(ids) >= 2 else f"{given} has 1 token, nothing to prefill"))
+    args.prefill_precision = args.prefill_precision or "fp32"
     if args.temperature == 0:
         # greedy decoding takes the argmax: these would change nothing, and the run would not say so
         for given_, off in ((f"--top-k {args.top_k}", args.top_k == 0), (f"--top-p {args.top_p}", args.top_p == 1),
@@ -398,6 +403,10 @@ def _check_verify(args):
         raise UsageError(f"--draws {args.draws} counts the draws of --sampling: give --sampling too")
     args.draws = args.draws or 20000
     _fits(cfg, args.prompt_len, args.tokens, f"--prompt-len {args.prompt_len} and --tokens {args.tokens}")
+    if args.prefill_precision is not None and args.prefill_len is None:
+        raise UsageError(f"--prefill-precision {args.prefill_precision} is the precision of --prefill-len's prefill: "
+                         "give --prefill-len too")
+    args.prefill_precision = args.prefill_precision or "fp32"
     if args.prefill_len is not None:
         if args.prefill_len < 2:
             raise UsageError("--prefill-len needs at least 2 tokens (the last one is the kernel's)")
@@ -601,7 +610,7 @@ def cmd_generate(args) -> int:
     mk = _kernel(args, p, max_steps=len(fed) + args.tokens, max_record=max(64, len(record)))
     s = Sampling(args.temperature, args.top_k, args.top_p, args.seed or 0)
     timeout = getattr(args, "timeout", 5.0)
-    pre = mk.prefill(ids[:-1]) if prefilled else None
+    pre = mk.prefill(ids[:-1], precision=args.prefill_precision) if prefilled else None
     tokens = mk.stream_tokens(fed, args.tokens, s, pos0=len(ids) - len(fed), eos=None if args.stop_on_eos else [],
                               timeout_s=timeout, host_timeout_s=max(20.0, 4 * timeout), record=record)
     first = []
@@ -623,8 +632,9 @@ def cmd_generate(args) -> int:
     res = mk.last
     print()
     if first:
-        how = (f"{pre.n} prompt tokens prefilled in {1e3 * pre.seconds:.1f} ms ({pre.chunks} chunks), then the "
-               f"kernel" if pre else f"the kernel fed the {len(ids)}-token prompt step by step and")
+        how = (f"{pre.n} prompt tokens prefilled ({pre.precision} products) in {1e3 * pre.seconds:.1f} ms "
+               f"({pre.chunks} chunks), then the kernel" if pre
+               else f"the kernel fed the {len(ids)}-token prompt step by step and")
         print(f"time to first token {1e3 * first[0]:.1f} ms: {how} generated")
     if args.check_prefill and pre is not None:
         c = check_prefill(p, ids[:-1], pre, mk.k_cache, mk.v_cache)
@@ -665,7 +675,7 @@ def cmd_verify(args) -> int:
         ok &= rep.passed
     if args.prefill_len:
         pc, rep = verify_after_prefill(mk, prompt_len=args.prefill_len, max_new=args.tokens, seed=args.seeds[0],
-                                       rtol=args.rtol)
+                                       rtol=args.rtol, precision=args.prefill_precision)
         print(pc.summary())
         print(rep.summary())
         ok &= pc.passed and rep.passed
@@ -777,6 +787,13 @@ def _in_process_arg(p):
                         "hang or a fault is reported and Ctrl-C stops the kernel)")
 
 
+def _prefill_precision_arg(p: argparse.ArgumentParser):
+    p.add_argument("--prefill-precision", choices=tuple(PRECISIONS), default=None,
+                   help="the prefill's products: fp32 (each activation as two bf16 halves, two products; as "
+                        "accurate as fp32) or bf16 (one product, half the work; checked to a looser bound, see "
+                        "the README). Default fp32")
+
+
 def _parser(prog: str = "python -m workbench") -> argparse.ArgumentParser:
     ap = _Parser(prog=prog, description="batch-1 decode monokernel workbench")
     sub = ap.add_subparsers(dest="cmd", metavar="command", required=True)
@@ -792,6 +809,7 @@ def _parser(prog: str = "python -m workbench") -> argparse.ArgumentParser:
                    help="the prompt (all but its last token) as batched matrix products before the kernel starts "
                         "(the default for a prompt of 2 tokens or more); --no-prefill feeds it to the kernel one "
                         "decode step per token")
+    _prefill_precision_arg(g)
     g.add_argument("--check-prefill", action="store_true",
                    help="compare the prefill's cache and last logits with an fp64 run (exits 1 on failure)")
     g.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy")
@@ -826,6 +844,7 @@ def _parser(prog: str = "python -m workbench") -> argparse.ArgumentParser:
     v.add_argument("--prefill-len", type=positive_int, metavar="N",
                    help="also: a random N-token prompt prefilled (batched) and checked, then the kernel from its "
                         "last token, end to end against the reference over the whole sequence")
+    _prefill_precision_arg(v)
     b = sub.add_parser("build", help="compile only (no GPU): registers, spills, shared memory")
     which = b.add_mutually_exclusive_group()
     which.add_argument("--model", default=DEFAULT_MODEL, type=non_empty, help=MODEL_HELP)

@@ -7,14 +7,16 @@
 // |a − hi − lo| ≤ 2⁻¹⁷|a| (hi is a rounded, lo the rounded rest, which a − hi holds exactly in fp32), and the
 // product is W·hi + W·lo, accumulated in fp32. The weights are bf16 already, so the product is as accurate as an
 // fp32 one, 2⁻¹⁷ against TF32's 2⁻¹¹, at the cost of two bf16 products (each twice TF32's rate on the H200).
+// With halves = 1 (the bf16 precision, prefill_gpu.PRECISIONS argues its bound) only hi is written and read: one
+// product, an activation rounded to bf16 as HF's bf16 prefill rounds it.
 //
 // Set by the launcher: WB_THREADS (threads a block, a multiple of the warp).
 
 static_assert(WB_THREADS % WB_WARP == 0 && WB_THREADS <= 1024, "whole warps, one block");
 
-__device__ __forceinline__ void pf_split(float a, bf16& hi, bf16& lo) {
+__device__ __forceinline__ void pf_split(float a, bf16& hi, bf16& lo, int halves) {
     hi = f32_to_bf16(a);
-    lo = f32_to_bf16(a - bf16_to_f32(hi));
+    if (halves == 2) lo = f32_to_bf16(a - bf16_to_f32(hi));
 }
 
 __device__ __forceinline__ float pf_warp_sum(float v) {
@@ -37,34 +39,35 @@ __device__ __forceinline__ float pf_block_sum(float v) {
 // RMSNorm of each row (its gain is folded into the weights that read it, as the decode path's is), split for the
 // product: one block a row
 extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_norm_split(
-    const float* __restrict__ x, int cols, float eps, bf16* __restrict__ hi, bf16* __restrict__ lo)
+    const float* __restrict__ x, int cols, float eps, bf16* __restrict__ hi, bf16* __restrict__ lo, int halves)
 {
     const long long row = blockIdx.x;
     const float* xr = x + row * cols;
     float ss = 0.f;
     for (int i = threadIdx.x; i < cols; i += WB_THREADS) ss += xr[i] * xr[i];
     const float r = 1.f / sqrtf(pf_block_sum(ss) / (float)cols + eps);
-    for (int i = threadIdx.x; i < cols; i += WB_THREADS) pf_split(xr[i] * r, hi[row * cols + i], lo[row * cols + i]);
+    for (int i = threadIdx.x; i < cols; i += WB_THREADS)
+        pf_split(xr[i] * r, hi[row * cols + i], lo[row * cols + i], halves);
 }
 
 // an activation split for the product as it is (attention's output before o_proj, the MLP's before down)
 extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_split(
-    const float* __restrict__ a, long long count, bf16* __restrict__ hi, bf16* __restrict__ lo)
+    const float* __restrict__ a, long long count, bf16* __restrict__ hi, bf16* __restrict__ lo, int halves)
 {
     const long long step = (long long)gridDim.x * WB_THREADS;
     for (long long i = blockIdx.x * (long long)WB_THREADS + threadIdx.x; i < count; i += step)
-        pf_split(a[i], hi[i], lo[i]);
+        pf_split(a[i], hi[i], lo[i], halves);
 }
 
 // silu(gate)·up of each row's interleaved products (wgu's rows: gate j, then up j), split for the down product;
 // silu as stages.silu computes it, a / (1 + e^−a)
 extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_silu_mul_split(
-    const float* __restrict__ gu, long long count, bf16* __restrict__ hi, bf16* __restrict__ lo)
+    const float* __restrict__ gu, long long count, bf16* __restrict__ hi, bf16* __restrict__ lo, int halves)
 {
     const long long step = (long long)gridDim.x * WB_THREADS;
     for (long long i = blockIdx.x * (long long)WB_THREADS + threadIdx.x; i < count; i += step) {
         const float2 p = *(const float2*)(gu + 2 * i);
-        pf_split(p.x / (1.f + wb_exp_precise(-p.x)) * p.y, hi[i], lo[i]);
+        pf_split(p.x / (1.f + wb_exp_precise(-p.x)) * p.y, hi[i], lo[i], halves);
     }
 }
 

@@ -15,6 +15,12 @@ from ..run.runtime import Monokernel, Result, Sampling
 from .verify import DEFAULT_RTOL, VerifyReport, end_to_end, recorded_steps
 
 
+# The bound of each precision of the prefill's products (run.prefill_gpu.PRECISIONS argues both): fp32's is the
+# end-to-end one; bf16 rounds every activation of every product once more, ~6e-3 over the 1B's layers and ~9e-3
+# over the 8B's, and its bound is twice that.
+PREFILL_RTOL = {"fp32": DEFAULT_RTOL, "bf16": 2e-2}
+
+
 @dataclasses.dataclass
 class PrefillCheck:
     """The prefill's cache and last logits against an unchunked fp64 run of the same math."""
@@ -42,10 +48,11 @@ def check_prefill(p: Prepared, tokens, pre: Prefilled, k_cache, v_cache, rtol: f
     fp64 forward of the same tokens on the same weights. The tolerance is the end-to-end one (verify.DEFAULT_RTOL):
     the prefill computes in fp32 and rounds every layer's keys and values to bf16, as the decode path does, and a
     rounding that falls the other way in one layer moves every later one a little; a wrong stage, chunk or layout
-    is off by far more (a wrong row is off by its own size)."""
+    is off by far more (a wrong row is off by its own size). A prefill in the bf16 precision is held to its own
+    bound (PREFILL_RTOL)."""
     if pre.pos0 != 0:
         raise ValueError("check_prefill checks a prefill from position 0")
-    rtol = DEFAULT_RTOL if rtol is None else rtol
+    rtol = PREFILL_RTOL[pre.precision] if rtol is None else rtol
     cfg, xp = p.cfg, p.xp
     ctx = dataclasses.replace(p, cfg=dataclasses.replace(cfg, max_seq=pre.n))
     ref = KVCache.empty(ctx.cfg, np.float64, xp)
@@ -66,15 +73,18 @@ def check_prefill(p: Prepared, tokens, pre: Prefilled, k_cache, v_cache, rtol: f
 
 
 def verify_after_prefill(mk: Monokernel, *, prompt_len: int, max_new: int = 16, seed: int = 0,
-                         rtol: float = DEFAULT_RTOL, chunk: int | None = None):
-    """A random prompt's first prompt_len − 1 tokens prefilled into the kernel's cache (run.prefill), checked
-    against the fp64 math; then the kernel from the last prompt token at the position after them, greedy, its
-    recorded logits against the reference teacher-forced over the whole sequence → (PrefillCheck, VerifyReport)."""
+                         rtol: float | None = None, chunk: int | None = None, precision: str = "fp32"):
+    """A random prompt's first prompt_len − 1 tokens prefilled into the kernel's cache (run.prefill) in
+    `precision`, checked against the fp64 math; then the kernel from the last prompt token at the position after
+    them, greedy, its recorded logits against the reference teacher-forced over the whole sequence →
+    (PrefillCheck, VerifyReport). The decode reads the cache the prefill wrote, so its tolerance is the
+    precision's bound unless `rtol` is given."""
     if prompt_len < 2:
         raise ValueError("a prefill needs a prompt of at least 2 tokens (the last is the kernel's)")
+    rtol = PREFILL_RTOL[precision] if rtol is None else rtol
     cfg = mk.cfg
     prompt = np.random.default_rng(seed).integers(0, cfg.vocab, prompt_len).tolist()
-    pre = mk.prefill(prompt[:-1], chunk=chunk)
+    pre = mk.prefill(prompt[:-1], chunk=chunk, precision=precision)
     pc = check_prefill(mk.p, prompt[:-1], pre, mk.k_cache, mk.v_cache)
     record = recorded_steps(max_new, mk.max_record)
     res: Result = mk.generate(prompt[-1:], max_new, Sampling(), eos=[], pos0=prompt_len - 1, record=record)

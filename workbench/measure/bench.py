@@ -23,6 +23,7 @@ from ..check.verify import verify
 from ..compiler.assemble import with_fields
 from ..model.config import get_config
 from ..model.weights import prepare, random_weights
+from ..run.prefill_gpu import PRECISIONS
 from ..run.runtime import Monokernel
 from .timing import signed
 from .baselines import gpt_fast_model, gpt_fast_tok_per_s, stream_read_tbps, tensors_from_weights
@@ -62,6 +63,10 @@ def ttft_lengths(model: str) -> tuple[int, ...]:
     return (1024, 4096, 16384, 32768) if model == "llama-3.2-1b" else (4096,)
 
 
+TTFT_MONOKERNEL = "monokernel, prefill in"         # then the precision of its products
+TTFT_HF = "HF transformers prefill (sdpa)"
+
+
 @dataclasses.dataclass
 class TtftRow:
     path: str
@@ -71,25 +76,36 @@ class TtftRow:
     note: str = ""
 
 
-def ttft_monokernel(mk, prompt: list[int], **generate_kw) -> tuple[float, object]:
-    """Seconds from the prompt to the first new token: the prompt but its last token prefilled (batched), then the
-    kernel's first step from that token (one launch, its first token published). `generate_kw`: generate's (e.g.
-    timeout_s). → (seconds, the prefill's Prefilled)."""
+def ttft_speedups(rows: list[dict]) -> list[dict]:
+    """Each of our time-to-first-token rows gets hf_speedup, HF's time ÷ ours at the same prompt (above 1: ours is
+    faster), where HF ran."""
+    hf_ms = {r["prompt"]: r["ms"] for r in rows if r["path"] == TTFT_HF}
+    for r in rows:
+        if r["path"].startswith(TTFT_MONOKERNEL) and r["prompt"] in hf_ms:
+            r["hf_speedup"] = hf_ms[r["prompt"]] / r["ms"]
+    return rows
+
+
+def ttft_monokernel(mk, prompt: list[int], precision: str = "fp32", **generate_kw) -> tuple[float, object]:
+    """Seconds from the prompt to the first new token: the prompt but its last token prefilled (batched, its
+    products in `precision`), then the kernel's first step from that token (one launch, its first token
+    published). `generate_kw`: generate's (e.g. timeout_s). → (seconds, the prefill's Prefilled)."""
     import cupy as cp
     t0 = time.perf_counter()
-    pre = mk.prefill(prompt[:-1])
+    pre = mk.prefill(prompt[:-1], precision=precision)
     mk.generate(prompt[-1:], 1, eos=[], pos0=len(prompt) - 1, **generate_kw)
     cp.cuda.Device().synchronize()
     return time.perf_counter() - t0, pre
 
 
-def measure_ttft(mk, prompt: list[int], repeats: int, **generate_kw) -> tuple[list, object, dict]:
+def measure_ttft(mk, prompt: list[int], repeats: int, precision: str = "fp32",
+                 **generate_kw) -> tuple[list, object, dict]:
     """ttft_monokernel `repeats` times after one warm-up run (CuPy's kernels, cuBLAS) → (seconds of each run, the
     last run's Prefilled, the seconds by stage of one more prefill synchronised after each stage)."""
-    ttft_monokernel(mk, prompt, **generate_kw)
-    runs = [ttft_monokernel(mk, prompt, **generate_kw) for _ in range(max(1, repeats))]
+    ttft_monokernel(mk, prompt, precision, **generate_kw)
+    runs = [ttft_monokernel(mk, prompt, precision, **generate_kw) for _ in range(max(1, repeats))]
     stages: dict = {}
-    mk.prefill(prompt[:-1], timings=stages)
+    mk.prefill(prompt[:-1], timings=stages, precision=precision)
     return [r[0] for r in runs], runs[-1][1], dict(sorted(stages.items(), key=lambda kv: -kv[1]))
 
 
@@ -170,11 +186,14 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
     rng = np.random.default_rng(seed + 2)
     prompts = {n: rng.integers(0, cfg.vocab, n).tolist() for n in ttft}
     for n, prompt in prompts.items():
-        secs, pre, stages = measure_ttft(mk, prompt, max(2, repeats // 2))
-        add_ttft("monokernel (batched prefill)", n, secs, f"prefill {1e3 * pre.seconds:.1f} ms in {pre.chunks} chunks")
-        out.setdefault("ttft_stages", {})[str(n)] = {k: 1e3 * v for k, v in stages.items()}
-        log(f"  prefill of {n - 1} tokens by stage (ms, synchronised): "
-            + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in stages.items()))
+        for precision in PRECISIONS:                  # each precision of the products, in the same run
+            secs, pre, stages = measure_ttft(mk, prompt, max(2, repeats // 2), precision)
+            add_ttft(f"{TTFT_MONOKERNEL} {precision}", n, secs,
+                     f"prefill {1e3 * pre.seconds:.1f} ms in {pre.chunks} chunks")
+            out.setdefault("ttft_stages", {}).setdefault(str(n), {})[precision] = {k: 1e3 * v
+                                                                                   for k, v in stages.items()}
+            log(f"  prefill ({precision}) of {n - 1} tokens by stage (ms, synchronised): "
+                + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in stages.items()))
 
     if torch_paths:
         import torch
@@ -197,14 +216,11 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
             for n, prompt in prompts.items():
                 ids = torch.tensor([prompt], device="cuda")
                 ttft_hf(hfm, ids)                                             # warm
-                add_ttft("HF transformers prefill (sdpa)", n, [ttft_hf(hfm, ids) for _ in range(max(2, repeats // 2))])
+                add_ttft(TTFT_HF, n, [ttft_hf(hfm, ids) for _ in range(max(2, repeats // 2))])
             del hfm
             torch.cuda.empty_cache()
         del t
-    ours = {r["prompt"]: r["ms"] for r in out["ttft"] if r["path"].startswith("monokernel")}
-    for r in out["ttft"]:
-        if not r["path"].startswith("monokernel"):
-            r["monokernel_speedup"] = r["ms"] / ours[r["prompt"]]
+    ttft_speedups(out["ttft"])
     mono = {r["position"]: r["tok_s"] for r in out["rows"] if r["path"] == "monokernel"}
     for r in out["rows"]:
         if r["path"] not in ("monokernel",) and not r["path"].startswith("roofline"):
@@ -272,10 +288,10 @@ def format_rows(out: dict) -> str:
         lines.append(BENCH_ROOF_NOTE)
     if out.get("ttft"):
         lines += ["", "time to first token (the prompt, then the first new token)",
-                  f"{'path':34s} {'prompt':>6s} {'ms':>9s} {'spread':>17s} {'mono ×':>7s}"]
+                  f"{'path':34s} {'prompt':>6s} {'ms':>9s} {'spread':>17s} {'× HF':>7s}"]
         for r in out["ttft"]:
             sp = f"{r['spread'][0]:.1f}–{r['spread'][1]:.1f}"
-            x = f"{r['monokernel_speedup']:.2f}" if "monokernel_speedup" in r else ""
+            x = f"{r['hf_speedup']:.2f}" if "hf_speedup" in r else ""
             lines.append(f"{r['path']:34s} {r['prompt']:6d} {r['ms']:9.1f} {sp:>17s} {x:>7s}  {r['note']}")
     return "\n".join(lines)
 

@@ -43,6 +43,7 @@ class Prefilled:
     logits: np.ndarray         # [V] float32, of the last prefilled token (what the next position would be fed by)
     seconds: float             # wall time, the GPU synchronised
     chunks: int
+    precision: str = "fp32"    # of the products (prefill_gpu.PRECISIONS)
 
 
 def prefill_bytes(cfg, n_ctx: int, chunk: int, dtype=np.float32, gpu: bool = False, rows: int | None = None) -> int:
@@ -110,15 +111,20 @@ def _sync(xp):
 
 
 def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int = PREFILL_CHUNK,
-            dtype=np.float32, tf32: bool = True, gpu: bool = True, timings: dict | None = None) -> Prefilled:
+            dtype=np.float32, tf32: bool = True, gpu: bool = True, timings: dict | None = None,
+            precision: str = "fp32") -> Prefilled:
     """Feed `tokens` at positions pos0.. through every layer, chunk by chunk, writing their keys and values into
     k_cache / v_cache (the kernel's: bf16 bits [L, Hkv, max_seq, hd], positions < pos0 already filled). Returns the
     last token's logits. On an NVIDIA GPU the prefill's own path runs (prefill_gpu) unless gpu=False; otherwise
     the interpreter's, whose fp32 products run in TF32 on a GPU unless tf32=False (see _tf32). `timings`, a dict,
     gets the seconds of each stage over all layers and chunks (and on the interpreter's path, of converting the
-    weights and of writing the cache), the GPU synchronised around each, which costs a little. Raises ValueError
-    for an empty prompt, tokens outside the vocabulary, or positions past the cache."""
+    weights and of writing the cache), the GPU synchronised around each, which costs a little. `precision`: of the
+    prefill's own path's products (prefill_gpu.PRECISIONS); "bf16" runs on that path only. Raises ValueError
+    for an empty prompt, tokens outside the vocabulary, positions past the cache, or a precision the path taken
+    does not have."""
     cfg, xp = p.cfg, p.xp
+    if precision not in G.PRECISIONS:
+        raise ValueError(f"precision {precision!r}: the prefill has {', '.join(G.PRECISIONS)}")
     tokens = xp.asarray(tokens).reshape(-1)
     n = int(tokens.size)
     if n == 0:
@@ -141,6 +147,11 @@ def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int 
     if pos0 < 0 or end > cfg.max_seq:
         raise ValueError(f"positions {pos0}..{end - 1} do not fit the KV cache of {cfg.max_seq} positions")
     gpu = gpu and G.flash_supported(cfg, xp, dtype) and G.covers(cfg)
+    if precision != "fp32" and not gpu:
+        # the interpreter computes in `dtype` throughout: it has no bf16 activations to round, and would pass
+        # what a user asked for as bf16 off as fp32
+        raise ValueError(f"the {precision} prefill runs on the NVIDIA GPU path only (bf16 products through "
+                         f"cuBLAS); here the prefill interprets the plan's math in {np.dtype(dtype).name}")
     problem = _memory_problem(cfg, end, n, min(chunk, n), dtype, xp, gpu)
     if problem:
         raise GpuMemoryError(problem)
@@ -148,14 +159,14 @@ def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int 
     positions = xp.arange(pos0, end, dtype=xp.int64)
     clock = _clock(xp, timings)
     if gpu:
-        logits = _prefill_gpu(p, tokens, positions, k_cache, v_cache, chunk, clock)
+        logits = _prefill_gpu(p, tokens, positions, k_cache, v_cache, chunk, clock, G.PRECISIONS[precision])
     else:
         with _tf32(xp, tf32 and np.dtype(dtype) == np.float32):
             logits = _prefill_interpreted(p, tokens, positions, k_cache, v_cache, chunk, dtype, clock)
     _sync(xp)
     seconds = time.perf_counter() - t0
     logits = logits.get() if hasattr(logits, "get") else np.asarray(logits)
-    return Prefilled(n, pos0, logits.astype(np.float32), seconds, len(range(0, n, chunk)))
+    return Prefilled(n, pos0, logits.astype(np.float32), seconds, len(range(0, n, chunk)), precision)
 
 
 def _clock(xp, timings):
@@ -204,7 +215,7 @@ def _layers(cfg, xp, n: int, chunk: int, run, clock, before_layer=None):
     raise ValueError("the plan has no LM head after its layers")
 
 
-def _prefill_gpu(p: Prepared, tokens, positions, k_cache, v_cache, chunk: int, clock):
+def _prefill_gpu(p: Prepared, tokens, positions, k_cache, v_cache, chunk: int, clock, halves: int):
     """The prefill's own path (prefill_gpu): each stage's implementation found through its math; a token stage
     without one (the sampler) runs its reference's math on the last row's logits."""
     layer_kernels = G.module(G.layer_source())
@@ -219,7 +230,8 @@ def _prefill_gpu(p: Prepared, tokens, positions, k_cache, v_cache, chunk: int, c
         if impl is None:
             run_stage(w, name, layer, st, None, positions[a:b], tokens[a:b], True)
             return
-        out = impl(G.PrefillIO(p, layer, positions[a:b], tokens[a:b], k_cache, v_cache, layer_kernels, attend), st)
+        out = impl(G.PrefillIO(p, layer, positions[a:b], tokens[a:b], k_cache, v_cache, layer_kernels, attend,
+                               halves), st)
         undeclared = set(out) - declared[name]
         if undeclared:                            # the plan says what a stage writes, on this path too
             raise RuntimeError(f"the prefill's {name} wrote {sorted(undeclared)}, which the plan's {name} does not")

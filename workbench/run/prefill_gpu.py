@@ -130,20 +130,46 @@ def flash_attention(q, k_layer, v_layer, positions, n_heads: int, kernel=None, l
 
 # ---- products ---------------------------------------------------------------------------------------------------
 
+# The precisions of the products: bf16 halves an activation is cut into (layer.cuh), and why check_prefill holds
+# each to its bound (check.prefill.PREFILL_RTOL: relative L2 error of every layer's cached keys and values and of
+# the last logits, against the fp64 math).
+# - "fp32": a = hi + lo to 2⁻¹⁷|a|, two products. Each product is an fp32 one, and what separates the prefill from
+#   fp64 is fp32 accumulation and the cache's own bf16 rounding (which the fp64 run rounds alike, but a value near
+#   a rounding boundary may fall the other way): the end-to-end tolerance, verify.DEFAULT_RTOL (5e-3).
+# - "bf16": a rounded to bf16 once, |a − hi| ≤ 2⁻⁹|a|, one product: half the tensor-core work, and the rounding
+#   HF's bf16 prefill does too (which also rounds each product's output and the residual to bf16; this one keeps
+#   those in fp32). Each rounding error is uniform within half a bf16 step, rms 2⁻⁹/√3 ≈ 1.1e-3 of the element,
+#   and independent across the K terms of a product, so a product's output is off by ~1.1e-3 of its rms. The
+#   residual takes 2L such products (L layers, o_proj and down) and every layer's keys depend on all before it: as
+#   a random walk, √(2L)·1.1e-3 ≈ 6e-3 for the 1B's 16 layers and 9e-3 for the 8B's 32, plus the LM head's 1.1e-3.
+#   The bound, 2e-2, is twice the 8B's; a wrong row, stage or chunk is off by its own size, O(1).
+# The decode after a prefill reads the cache it wrote, so it is held to the same bound (verify_after_prefill).
+PRECISIONS = {"fp32": 2, "bf16": 1}
+
+
 @dataclasses.dataclass
 class Split:
-    """An fp32 activation [rows, cols] as two bf16 arrays (uint16 bits), a ≈ hi + lo to 2⁻¹⁷ (layer.cuh)."""
+    """An fp32 activation [rows, cols] as two bf16 arrays (uint16 bits), a ≈ hi + lo to 2⁻¹⁷ (layer.cuh); or, in
+    the bf16 precision, hi alone (lo None), a ≈ hi to 2⁻⁹."""
     hi: object
-    lo: object
+    lo: object | None
 
     @property
     def shape(self):
         return self.hi.shape
 
+    @property
+    def halves(self) -> int:
+        return 1 if self.lo is None else 2
+
     @classmethod
-    def empty(cls, shape) -> "Split":
+    def empty(cls, shape, halves: int = 2) -> "Split":
         cp = _cp()
-        return cls(cp.empty(shape, cp.uint16), cp.empty(shape, cp.uint16))
+        return cls(cp.empty(shape, cp.uint16), cp.empty(shape, cp.uint16) if halves == 2 else None)
+
+    def args(self) -> tuple:
+        """The kernels' (hi, lo, halves): with one half, lo is hi again, never written (pf_split)."""
+        return self.hi, self.hi if self.lo is None else self.lo, np.int32(self.halves)
 
 
 # cudaDataType CUDA_R_32F, CUDA_R_16BF; cublasComputeType_t CUBLAS_COMPUTE_32F; CUBLAS_GEMM_DEFAULT; CUBLAS_OP_N, _T
@@ -177,11 +203,12 @@ def gemm(a, w, out, accumulate: bool, w_t: bool = False):
 
 
 def project(a: Split, w, onto=None, w_t: bool = False):
-    """a·wᵀ as W·hi + W·lo, onto a copy of `onto` if given (a residual: x + W·a); `w_t`: w stored transposed."""
+    """a·wᵀ as W·hi + W·lo (W·hi alone in the bf16 precision), onto a copy of `onto` if given (a residual:
+    x + W·a); `w_t`: w stored transposed."""
     import cupy
     out = onto.copy() if onto is not None else cupy.empty((a.shape[0], w.shape[1 if w_t else 0]), dtype=cupy.float32)
     gemm(a.hi, w, out, accumulate=onto is not None, w_t=w_t)
-    return gemm(a.lo, w, out, accumulate=True, w_t=w_t)
+    return out if a.lo is None else gemm(a.lo, w, out, accumulate=True, w_t=w_t)
 
 
 # ---- the row-wise kernels -----------------------------------------------------------------------------------------
@@ -208,6 +235,7 @@ class PrefillIO:
     v_cache: object
     layer_kernels: object      # the compiled layer.cuh
     attend: tuple              # (the compiled attention kernel for this head_dim, the FlashLayout it was built for)
+    halves: int = 2            # bf16 halves of an activation in a product (PRECISIONS)
 
     @property
     def cfg(self):
@@ -221,19 +249,19 @@ def norm_split(io: PrefillIO, x) -> Split:
     import cupy
     rows, cols = x.shape
     x = cupy.ascontiguousarray(x)
-    out = Split.empty((rows, cols))
+    out = Split.empty((rows, cols), io.halves)
     if rows:
         io.fn("prefill_norm_split")((rows,), (LAYER_THREADS,), (x, np.int32(cols), np.float32(io.cfg.rms_eps),
-                                                                out.hi, out.lo))
+                                                                *out.args()))
     return out
 
 
 def split(io: PrefillIO, a) -> Split:
     import cupy
     a = cupy.ascontiguousarray(a)
-    out = Split.empty(a.shape)
+    out = Split.empty(a.shape, io.halves)
     if a.size:
-        io.fn("prefill_split")(_grid(a.size), (LAYER_THREADS,), (a, np.int64(a.size), out.hi, out.lo))
+        io.fn("prefill_split")(_grid(a.size), (LAYER_THREADS,), (a, np.int64(a.size), *out.args()))
     return out
 
 
@@ -279,9 +307,9 @@ def gate_up_silu(io: PrefillIO, st: dict) -> dict:
     """hmlp, kept split for the down product that reads it (no other stage does: see covers)."""
     gu = project(norm_split(io, st["h"]), io.p.wgu[io.layer])       # [rows, 2F]: gate j, up j interleaved
     rows, f = gu.shape[0], gu.shape[1] // 2
-    h = Split.empty((rows, f))
+    h = Split.empty((rows, f), io.halves)
     if rows:
-        io.fn("prefill_silu_mul_split")(_grid(rows * f), (LAYER_THREADS,), (gu, np.int64(rows * f), h.hi, h.lo))
+        io.fn("prefill_silu_mul_split")(_grid(rows * f), (LAYER_THREADS,), (gu, np.int64(rows * f), *h.args()))
     return {"hmlp": h}
 
 
