@@ -483,3 +483,16 @@ def test_an_attention_budget_without_a_ring_is_one_clear_compile_error():
     with pytest.raises(CompileError) as e:
         compile_cubin(assemble(cfg, opt))
     assert "attention_decode.cuh" in str(e.value) and "attn_kv_bytes holds no warp's ring" in str(e.value)
+
+
+def test_the_carveout_knob_changes_no_code_and_takes_percents():
+    """smem_carveout is the driver's L1/shared split, set at launch (runtime._install): the same source, flags and
+    cache key as the default build, so an A/B of it measures the split alone; `opt.smem_carveout=100` from text."""
+    from workbench.compiler.assemble import option_from_text
+    cfg = get_config("tiny")
+    base, full = assemble(cfg), assemble(cfg, BuildOptions(smem_carveout=100))
+    assert (base.source, base.flags, base.key) == (full.source, full.flags, full.key)
+    assert option_from_text("smem_carveout", "100") == 100
+    for bad in (101, -2, 50.0, "max"):
+        with pytest.raises(ValueError, match="smem_carveout must be a percent"):
+            BuildOptions(smem_carveout=bad)

@@ -53,6 +53,9 @@ class BuildOptions:
     sampler: str = "full"        # "full": temperature, top-k, top-p; "greedy": argmax only (less code to compile)
     units: bool = False          # NVIDIA: built as one unit per stage, each cached, then linked (workbench/compiler/
                                  # units.py): an edit recompiles one stage; the kernel runs slower (verification only)
+    smem_carveout: int = -1      # NVIDIA: the share of each SM's L1 asked for as shared memory, in percent (-1: the
+                                 # driver's choice, the smallest that fits). No code changes: an experiment's knob, for
+                                 # what the L1 left beside a large ring is worth (100: the L1 a stream build leaves)
 
     def __post_init__(self):
         if not isinstance(self.launch, plan.Launch):
@@ -63,6 +66,9 @@ class BuildOptions:
             raise ValueError(f"fast_compile must be 0, min, mid or max, got {self.fast_compile!r}")
         if self.ptxas_opt not in (0, 1, 2, 3):
             raise ValueError(f"ptxas_opt must be 0 to 3, got {self.ptxas_opt!r}")
+        if not (isinstance(self.smem_carveout, int) and -1 <= self.smem_carveout <= 100):
+            raise ValueError(f"smem_carveout must be a percent from 0 to 100, or -1 (the driver's choice), got "
+                             f"{self.smem_carveout!r}")
         early = self.launch.early
         if (why := schedule.early_problem(None, early)) is not None:
             raise ValueError(f"early: {why}")

@@ -353,6 +353,8 @@ class Monokernel:
         compile_s = time.perf_counter() - t0
         smem = schedule.smem_bytes(self.cfg, options.effective_launch())
         fn.max_dynamic_shared_size_bytes = smem
+        if options.smem_carveout >= 0:
+            fn.preferred_shared_memory_carveout = options.smem_carveout
         occ = self.cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, options.launch.threads, smem)
         if occ < 1:
             raise KernelError(f"kernel cannot be resident: {options.launch.threads} threads, {smem} B shared memory")
