@@ -129,6 +129,22 @@ def test_what_a_prefill_needs_grows_with_the_context_and_the_chunk():
     assert prefill_bytes(cfg, 32768, 4096) > need
 
 
+def test_a_long_prompt_is_cut_into_chunks_that_fit_the_memory_left():
+    """fit_chunk: the default chunk where it fits; halved until it does where memory is short (never below
+    MIN_CHUNK); one line naming what is needed and what is free where even that does not fit."""
+    from workbench.run.prefill import MIN_CHUNK, PREFILL_CHUNK, fit_chunk, prefill_bytes
+    cfg = get_config("llama-3.1-8b")
+    n = 131072
+    need = lambda c: prefill_bytes(cfg, n, c, np.float32, True, n)
+    assert fit_chunk(cfg, n, n, PREFILL_CHUNK, np.float32, True, need(PREFILL_CHUNK)) == (PREFILL_CHUNK, None)
+    assert fit_chunk(cfg, n, 100, PREFILL_CHUNK, np.float32, True, 10 ** 12) == (100, None)     # the rows alone
+    assert fit_chunk(cfg, n, n, PREFILL_CHUNK, np.float32, True, need(PREFILL_CHUNK) - 1) == (PREFILL_CHUNK // 2, None)
+    assert fit_chunk(cfg, n, n, PREFILL_CHUNK, np.float32, True, need(300)) == (256, None)
+    c, why = fit_chunk(cfg, n, n, PREFILL_CHUNK, np.float32, True, need(MIN_CHUNK) - 1)
+    assert c == MIN_CHUNK and why.startswith(f"prefilling {n} positions of llama-3.1-8b needs ")
+    assert f"in chunks of {MIN_CHUNK} rows" in why and "GB are free" in why
+
+
 def test_the_prefills_kernels_compile_for_every_presets_head_dim():
     """kernels/prefill/attention.cuh and layer.cuh through NVRTC and ptxas for sm_90 (no GPU needed), attention at
     each head_dim a preset has: no local memory (a spill would run the score tiles through it), the static shared

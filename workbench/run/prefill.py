@@ -75,15 +75,23 @@ def free_device_bytes(cp) -> int:
     return cp.cuda.runtime.memGetInfo()[0] + cp.get_default_memory_pool().free_bytes()
 
 
-def _memory_problem(cfg, n_ctx, rows, chunk, dtype, xp, gpu: bool) -> str | None:
-    if not hasattr(xp, "cuda"):
-        return None
-    free = free_device_bytes(xp)
-    need = prefill_bytes(cfg, n_ctx, chunk, dtype, gpu, rows)
+# the fewest rows a chunk is cut to where memory is short: below this the products run far from cuBLAS's peak, and
+# the residual of every prompt row (which no chunk size shrinks) is most of what a long prompt needs anyway
+MIN_CHUNK = 128
+
+
+def fit_chunk(cfg, n_ctx: int, rows: int, chunk: int, dtype, gpu: bool, free: int) -> tuple[int, str | None]:
+    """The chunk the prefill runs with in `free` bytes: `chunk` (at most the rows) if it fits, else halved until it
+    does, down to MIN_CHUNK → (chunk, None); or (chunk, why not) when even MIN_CHUNK does not fit."""
+    c = max(1, min(chunk, rows))
+    while prefill_bytes(cfg, n_ctx, c, dtype, gpu, rows) > free and c > MIN_CHUNK:
+        c = max(MIN_CHUNK, c // 2)
+    need = prefill_bytes(cfg, n_ctx, c, dtype, gpu, rows)
     if need <= free:
-        return None
-    return (f"prefilling {n_ctx} positions of {cfg.name} needs {need / 1e9:.2f} GB of GPU memory beside the weights "
-            f"and the kernel's cache, and {free / 1e9:.2f} GB are free: a shorter prompt or a smaller chunk")
+        return c, None
+    return c, (f"prefilling {n_ctx} positions of {cfg.name} needs {need / 1e9:.2f} GB of GPU memory beside the "
+               f"weights and the kernel's cache (in chunks of {c} rows), and {free / 1e9:.2f} GB are free: a shorter "
+               f"prompt, or a shorter --max-seq (the kernel's cache)")
 
 
 @contextlib.contextmanager
@@ -152,9 +160,10 @@ def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int 
         # what a user asked for as bf16 off as fp32
         raise ValueError(f"the {precision} prefill runs on the NVIDIA GPU path only (bf16 products through "
                          f"cuBLAS); here the prefill interprets the plan's math in {np.dtype(dtype).name}")
-    problem = _memory_problem(cfg, end, n, min(chunk, n), dtype, xp, gpu)
-    if problem:
-        raise GpuMemoryError(problem)
+    if hasattr(xp, "cuda"):                  # chunks cut to the GPU's memory: a long prompt runs in smaller ones
+        chunk, problem = fit_chunk(cfg, end, n, chunk, dtype, gpu, free_device_bytes(xp))
+        if problem:
+            raise GpuMemoryError(problem)
     t0 = time.perf_counter()
     positions = xp.arange(pos0, end, dtype=xp.int64)
     clock = _clock(xp, timings)
