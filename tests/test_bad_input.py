@@ -682,9 +682,25 @@ exit 9
     argv = log.read_text().split()
     assert argv[:2] == ["--tool", "racecheck"] and "--kernel-name" in argv and "kns=wb_generate" in argv
     assert argv[argv.index("--prompt-ids") + 1] == "5" and argv[argv.index("--tokens") + 1] == "1"
+    assert "--no-prefill" in argv                      # the prompt through the monokernel, the kernel under test
     log.unlink()
     main(["sanitize", "--model", "tiny", "--tool", "memcheck", "--sanitizer", str(fake)])
     assert "--kernel-name" not in log.read_text()          # memcheck watches every kernel
+
+
+@pytest.mark.parametrize("text, n", [
+    ("", 0),
+    ("========= COMPUTE-SANITIZER\n", 0),
+    ("========= COMPUTE-SANITIZER\nrandom weights:  71%|#######   | 104/146\r\n", 0),
+    ("========= COMPUTE-SANITIZER\n17 4", 1),           # the 4 may be the start of 42: not counted yet
+    ("========= COMPUTE-SANITIZER\n17 42 9 ", 3),
+    ("17 42 9 \ntime to first token 12.0 ms: ...\n3 tokens, 3 decode steps", 3),
+    ("random weights: 100%|##########| 146/146\r                 \r17 42 ", 2),      # after the bar, on its line
+    ("Warning: 3 things\n5 6 7 8 ", 4),
+])
+def test_the_sanitize_bar_counts_the_streamed_tokens(text, n):
+    from workbench.cli import streamed_tokens
+    assert streamed_tokens(text) == n
 
 
 def test_generate_prefills_the_prompt_and_continues_after_it(capsys, monkeypatch, tiny_hf_checkpoint, gpu_present):

@@ -1041,6 +1041,34 @@ def sanitizer_summary(output: str) -> str:
     return m[1].strip() if m else ""
 
 
+_TOKEN_LINE = re.compile(r"(?:\d+ )+\d*")
+
+
+def streamed_tokens(text: str) -> int:
+    """Tokens a `generate --prompt-ids` run has streamed so far, in its output as far as it got: the whole numbers,
+    each followed by its space, of its first line of numbers alone. Lines end at a newline or a carriage return: a
+    progress bar (tqdm, on the same stream) ends its lines with \r, and the tokens follow its last one."""
+    for line in re.split(r"[\r\n]", text):
+        if _TOKEN_LINE.fullmatch(line):
+            return line.count(" ")                    # a number not yet followed by its space may still be growing
+    return 0
+
+
+def _run_with_token_bar(cmd: list[str], tokens: int, desc: str) -> subprocess.CompletedProcess:
+    """Run cmd, its stdout and stderr as one text, with a bar of the tokens it has streamed on this stderr (a
+    sanitized run takes minutes: loading and compiling under the tool before the first token, then each token
+    slow). The bar shows only on a terminal."""
+    from tqdm import tqdm
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    chunks: list[bytes] = []
+    with tqdm(total=tokens, desc=desc, unit="token", leave=False, disable=None) as bar:
+        while data := proc.stdout.read1(65536):
+            chunks.append(data)
+            bar.update(min(tokens, streamed_tokens(b"".join(chunks).decode(errors="replace"))) - bar.n)
+    proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, b"".join(chunks).decode(errors="replace"), "")
+
+
 def cmd_sanitize(args) -> int:
     """`generate` under compute-sanitizer, once per tool, in this process (the sanitizer must see the kernel):
     a line per tool with its error count; exit 1 if any tool found an error."""
@@ -1053,13 +1081,15 @@ def cmd_sanitize(args) -> int:
         # shared memory, which no other kernel shares with ours). The other tools see every kernel: initcheck
         # must watch the weights being written to know they are initialised.
         only_ours = ["--racecheck-report", "all", "--kernel-name", "kns=wb_generate"] if tool == "racecheck" else []
+        # --no-prefill: the prompt goes through the monokernel, which is what is being checked (the prefill's
+        # products are cuBLAS's)
         cmd = [args.sanitizer, "--tool", tool, "--error-exitcode", "9", *only_ours,
                sys.executable, "-m", "workbench", "generate", "--in-process", "--timeout", "600", "--model", args.model,
-               "--tokens", str(args.tokens), "--prompt-ids", ",".join(map(str, args.prompt_ids)),
+               "--tokens", str(args.tokens), "--prompt-ids", ",".join(map(str, args.prompt_ids)), "--no-prefill",
                "--threads", str(args.threads)]
         t0 = time.perf_counter()
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        out = r.stdout + r.stderr
+        r = _run_with_token_bar(cmd, args.tokens, f"{tool} {args.model}")
+        out = r.stdout
         errors = sanitizer_errors(out)
         dt = time.perf_counter() - t0
         if errors is None:
