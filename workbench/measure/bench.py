@@ -199,12 +199,20 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
         import torch
         t = tensors_from_weights(w, torch.device("cuda"), torch.bfloat16)
         gf = gpt_fast_model(cfg, t, torch.device("cuda"), max_pos) if compiled else None
+        n_runs = max(2, repeats // 2)
+        from tqdm import tqdm
+        # the first run compiles (minutes, each new position recompiles a little): a bar, on a terminal only
+        bar = tqdm(total=len(positions) * n_runs if compiled else 0, desc="torch.compile (its first run compiles)",
+                   unit="run", leave=False, disable=None)
         for pos in positions if compiled else ():
-            runs = [gpt_fast_tok_per_s(gf, pos0=pos, n_tokens=tokens, inductor_flags=True, warm=3 if i else 8)
-                    for i in range(max(2, repeats // 2))]
+            runs = []
+            for i in range(n_runs):
+                runs.append(gpt_fast_tok_per_s(gf, pos0=pos, n_tokens=tokens, inductor_flags=True, warm=3 if i else 8))
+                bar.update()
             tps = [r["tok_per_s"] for r in runs]
             add("torch.compile reduce-overhead", pos, float(np.median(tps)), (min(tps), max(tps)),
                 f"compile {runs[0]['compile_s']:.0f} s")
+        bar.close()
         del gf
         torch.cuda.empty_cache()
         if hf:
