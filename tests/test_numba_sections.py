@@ -1,0 +1,226 @@
+"""Sections with device functions in Python, without a GPU: kernels/sections/gate_up_silu@numba.py compiled by
+numba-cuda to PTX, spliced into the whole build (or linked into the units build), its errors reported at the .py
+file's lines and its machine code listed by them. Running and verifying it needs a GPU (tests/test_gpu.py)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from workbench import paths
+from workbench.compiler import compile as C
+from workbench.compiler import numba_sections as N
+from workbench.compiler.assemble import BuildOptions, assemble, numba_path, section_path
+from workbench.compiler.units import units_linkable
+from workbench.model.config import get_config
+from test_ptx_sections import _under, needs_ptxas
+
+needs_numba = pytest.mark.skipif(N.numba_problem() is not None, reason=(N.numba_problem() or "").split(":")[0])
+
+NUMBA = BuildOptions(variants=(("gate_up_silu", "numba"),))
+PY = "kernels/sections/gate_up_silu@numba.py"
+EXAMPLE = numba_path("gate_up_silu", "numba").read_text()
+RETURN_LINE = next(n for n, line in enumerate(EXAMPLE.splitlines(), 1) if line.strip().startswith("return"))
+
+
+def _with_text(asm, text: str):
+    """`asm` with the numba file's text replaced by `text` (as an edit not yet saved would be)."""
+    (src,) = asm.numba
+    return dataclasses.replace(asm, numba=(N.declarations(src.section, src.display, text),))
+
+
+def _workspace(tmp_path, text: str | None = None) -> str:
+    """A copy of the kernel sources in tmp_path/kernels, its numba file replaced by `text`: its folder."""
+    ws = tmp_path / "kernels"
+    shutil.copytree(paths.template_dir(), ws, ignore=shutil.ignore_patterns(".history", "__pycache__", "*.pyc"))
+    if text is not None:
+        (ws / "sections" / "gate_up_silu@numba.py").write_text(text)
+    return str(ws)
+
+
+def _build(*args, workspace: str | None = None, pre: str = "") -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(paths.ROOT)}
+    if workspace:
+        env["MONOKERNEL_WORKSPACE"] = workspace
+    code = f"{pre}import sys; from workbench.cli import main; sys.exit(main({['build', *args]!r}))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=paths.ROOT)
+
+
+# ---- declarations: read off the file, no numba needed --------------------------------------------------------------
+
+def test_a_numba_variant_is_a_cuh_with_a_py_beside_it():
+    assert N.is_numba_variant("numba") and N.is_numba_variant("numba_fast") and not N.is_numba_variant("fast")
+    assert section_path("gate_up_silu", "numba").name == "gate_up_silu@numba.cuh"
+    assert numba_path("gate_up_silu", "numba").name == "gate_up_silu@numba.py"
+    with pytest.raises(ValueError, match="only a stage's section can call device functions written in Python"):
+        section_path("matvec", "numba")
+
+
+def test_the_declared_signature_becomes_the_prototype_before_the_stages():
+    asm = assemble(get_config("tiny"), NUMBA)
+    (src,) = asm.numba
+    assert src.display == PY and [d.name for d in src.functions] == ["wb_silu_mul"]
+    proto = 'extern "C" __device__ float wb_silu_mul(float, float);'
+    assert src.functions[0].prototype() == proto
+    # pasted once, before the first stage, so that every unit of the units build declares it too
+    assert asm.source.count(proto) == 1 and asm.source.index(proto) < asm.source.index("stage_embedding(")
+    assert asm.text_of(PY) == EXAMPLE and asm.key != assemble(get_config("tiny")).key
+
+
+@pytest.mark.parametrize("decorator, says", [
+    ('@export("float(float)")', "wb_silu_mul takes 2 arguments, its signature declares 1"),
+    ('@export("float(half, float)")', "C type 'half' is not one a numba section passes"),
+    ('@export("float float")', "is not a C signature"),
+    ("@export(float32(float32, float32))", "export takes one string, the C signature"),
+])
+def test_a_malformed_declaration_is_reported_at_its_line(decorator, says):
+    text = EXAMPLE.replace('@export("float(float, float)")', decorator)
+    line = next(n for n, l in enumerate(text.splitlines(), 1) if l.startswith("@export"))
+    with pytest.raises(N.NumbaError) as e:
+        N.declarations("gate_up_silu", PY, text)
+    ((f, n, sev, msg, src),) = e.value.messages
+    assert (f, n, sev) == (PY, line, "error") and says in msg and src == decorator
+
+
+def test_invalid_python_and_a_file_that_declares_nothing_are_reported_at_their_lines():
+    with pytest.raises(N.NumbaError) as e:
+        N.declarations("gate_up_silu", PY, EXAMPLE.replace("return g /", "return g //// "))
+    assert e.value.messages[0][:2] == (PY, RETURN_LINE) and "invalid Python" in e.value.messages[0][3]
+    with pytest.raises(N.NumbaError, match="no device function is declared"):
+        N.declarations("gate_up_silu", PY, "def wb_silu_mul(g, u):\n    return g\n")
+
+
+# ---- compiled: numba, ptxas, nvJitLink -----------------------------------------------------------------------------
+
+@needs_numba
+@needs_ptxas
+def test_the_example_compiles_into_the_whole_build_with_its_lines():
+    """The epilogue's PTX is defined in the module where NVRTC declared it, its `.loc` lines at the .py file, the
+    kernel keeps off the stack, and its SASS is listed under the .py line that asked for it."""
+    cfg = get_config("llama-3.2-1b")
+    asm = assemble(cfg, NUMBA)
+    N._CACHE.clear()
+    t0 = time.perf_counter()
+    (compiled,) = C.compile_numba(asm, "sm_90")
+    cold = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    C.compile_numba(asm, "sm_90")
+    warm = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    cubin, ptx, _ = C.compile_nvidia(asm)
+    whole = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    C.compile_nvidia(assemble(cfg))
+    cpp = time.perf_counter() - t0
+    print(f"numba compile: {cold:.3f} s cold (this process's first), {warm:.4f} s cached; whole build with it "
+          f"{whole:.2f} s, all-C++ build {cpp:.2f} s")
+    assert ".visible .func" in compiled.ptx["wb_silu_mul"] and compiled.seconds > 0
+    assert not re.search(r"\.extern\s+\.func[^;]*\bwb_silu_mul\b", ptx)
+    assert ".visible .func  (.param .b32 func_retval0) wb_silu_mul(" in ptx and "call.uni" in ptx
+    (r,) = C.resource_usage(cubin)
+    assert r.stack == 0
+    assert f'"{PY}"' in ptx                                       # the .py is a file of the module's line info
+    listing = C.dump_section(asm, "sass", "gate_up_silu")
+    assert listing.startswith(f"// gate_up_silu@numba.py:")      # the stage's name picks the Python code
+    assert "MUFU.EX2" in _under(listing, f"gate_up_silu@numba.py:{RETURN_LINE} ", "//")
+    assert "ex2.approx" in _under(C.dump_section(asm, "ptx", "gate_up_silu"),
+                                  f"gate_up_silu@numba.py:{RETURN_LINE} ", "//")
+
+
+@needs_numba
+@pytest.mark.skipif(not units_linkable(), reason="no nvJitLink (cuda-bindings and nvidia-nvjitlink, the cuda extra)")
+def test_the_units_build_links_the_numba_ptx():
+    asm = assemble(get_config("tiny"), dataclasses.replace(NUMBA, units=True))
+    assert asm.units
+    t0 = time.perf_counter()
+    cubin, _, _ = C.compile_nvidia(asm)
+    print(f"units build with the numba PTX linked: {time.perf_counter() - t0:.2f} s")
+    assert b"wb_silu_mul" in cubin and C.resource_usage(cubin)[0].kernel == "wb_generate"
+    # without it the stage's unit leaves wb_silu_mul undefined: the link says so
+    bare = dataclasses.replace(asm, numba=())
+    with pytest.raises(C.CompileError, match="wb_silu_mul"):
+        C.compile_nvidia(bare)
+
+
+@needs_numba
+@needs_ptxas
+def test_build_prints_the_kernels_resources():
+    r = _build("--model", "tiny", "--variant", "gate_up_silu=numba")
+    assert r.returncode == 0, r.stderr
+    assert "tiny sm_90 wb_generate:" in r.stdout and "registers, 0 B local (spills)" in r.stdout
+
+
+@needs_numba
+def test_a_typing_error_is_reported_at_its_py_line():
+    asm = _with_text(assemble(get_config("tiny"), NUMBA), EXAMPLE.replace("* u\n", '* u + "x"\n'))
+    with pytest.raises(C.CompileError) as e:
+        C.compile_nvidia(asm)
+    ((f, n, sev, msg, src),) = e.value.messages
+    assert (f, n, sev) == (PY, RETURN_LINE, "error") and src.strip().endswith('* u + "x"')
+    assert msg.startswith("numba: No implementation of function") and "add(float32, Literal[str](x))" in msg
+
+
+@needs_numba
+def test_a_result_of_another_type_than_declared_is_reported_at_the_function():
+    """A bare 1.0 is a float64 in numba: the result is one, where the declaration (and the C++ caller) says
+    float."""
+    asm = _with_text(assemble(get_config("tiny"), NUMBA), EXAMPLE.replace("float32(1.0)", "1.0"))
+    with pytest.raises(C.CompileError) as e:
+        C.compile_nvidia(asm)
+    ((f, n, _, msg, src),) = e.value.messages
+    assert (f, src.strip()) == (PY, "def wb_silu_mul(g, u):")
+    assert msg.startswith("wb_silu_mul returns float64 where its declaration says float (float32)")
+
+
+@needs_numba
+def test_an_error_running_the_file_is_reported_at_its_line():
+    text = EXAMPLE.replace("from numba import float32", "from numba import float33")
+    line = next(n for n, l in enumerate(text.splitlines(), 1) if "float33" in l)
+    asm = _with_text(assemble(get_config("tiny"), NUMBA), text)
+    with pytest.raises(C.CompileError) as e:
+        C.compile_nvidia(asm)
+    assert e.value.messages[0][:2] == (PY, line) and "ImportError" in e.value.messages[0][3]
+
+
+@needs_numba
+def test_a_call_that_does_not_match_the_declaration_is_reported_at_the_cpp_line():
+    """The prototype comes from the declaration, so NVRTC checks the C++ section's calls against it."""
+    cuh = section_path("gate_up_silu", "numba").read_text()
+    bad = cuh.replace("wb_silu_mul(gu[0], gu[1])", "wb_silu_mul(gu[0], gu[1], 2.f)")
+    line = next(n for n, l in enumerate(bad.splitlines(), 1) if "2.f)" in l)
+    with pytest.raises(C.CompileError) as e:
+        C.compile_nvidia(assemble(get_config("tiny"), NUMBA, overrides={"gate_up_silu": bad}))
+    assert ("kernels/sections/gate_up_silu@numba.cuh", line) in [m[:2] for m in e.value.messages]
+
+
+@needs_numba
+def test_the_cli_reports_a_wrong_typed_edit_in_one_line_at_the_py_line(tmp_path):
+    ws = _workspace(tmp_path, EXAMPLE.replace("* u\n", '* u + "x"\n'))
+    r = _build("--model", "tiny", "--variant", "gate_up_silu=numba", workspace=ws)
+    assert r.returncode == 1
+    errors = [line for line in r.stderr.splitlines() if ": error: " in line]
+    assert errors == [next(line for line in errors if line.startswith(f"{PY}:{RETURN_LINE}: error: numba: "))]
+
+
+def test_a_missing_numba_is_refused_in_one_line_naming_the_install():
+    r = _build("--model", "tiny", "--variant", "gate_up_silu=numba", pre="sys_ = __import__('sys'); "
+               "sys_.modules['numba'] = None; ")
+    assert r.returncode == 2 and r.stdout == ""
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("error: --variant gate_up_silu=numba: a numba section needs numba and numba-cuda")
+    assert "pip install" in line and "[cuda]" in line
+
+
+def test_a_numba_variant_without_its_py_is_refused_in_one_line(tmp_path):
+    ws = _workspace(tmp_path)
+    os.remove(os.path.join(ws, "sections", "gate_up_silu@numba.py"))
+    r = _build("--model", "tiny", "--variant", "gate_up_silu=numba", workspace=ws)
+    assert r.returncode == 2
+    (line,) = r.stderr.strip().splitlines()
+    assert "gate_up_silu@numba.py does not exist" in line
