@@ -224,3 +224,73 @@ def test_a_numba_variant_without_its_py_is_refused_in_one_line(tmp_path):
     assert r.returncode == 2
     (line,) = r.stderr.strip().splitlines()
     assert "gate_up_silu@numba.py does not exist" in line
+
+
+HELPERS = '''import math
+
+from numba import cuda, float32
+
+from workbench.compiler.numba_sections import export
+
+
+@cuda.jit(device=True)
+def sigmoid(x):
+    return float32(1.0) / (float32(1.0) + math.exp(-x))
+
+
+@export("float(float, float)")
+def wb_silu_mul(g, u):
+    return g * sigmoid(g) * u
+
+
+@export("float(float)")
+def wb_gate(g):
+    return sigmoid(g)
+'''
+
+
+@needs_numba
+@needs_ptxas
+def test_exported_functions_may_share_a_helper_compiled_for_the_builds_arch(tmp_path):
+    """A `@cuda.jit(device=True)` helper, which numba-cuda compiles for the current device (none here), is
+    compiled for the build's arch; two exported functions calling it both reach the C++ and the module assembles.
+    Each numba module carries its own copy of what NVVM kept out of line (here NVVM inlines the helper, so a
+    function is added to both modules): the splice defines it once."""
+    cuh = section_path("gate_up_silu", "numba").read_text()
+    calls = cuh.replace("wb_silu_mul(gu[0], gu[1])", "wb_silu_mul(gu[0], gu[1]) * wb_gate(gu[1])")
+    with paths.use_kernels_dir(_workspace(tmp_path, HELPERS)):
+        asm = assemble(get_config("tiny"), NUMBA, overrides={"gate_up_silu": calls})
+    assert [d.prototype() for d in asm.numba[0].functions] == [
+        'extern "C" __device__ float wb_silu_mul(float, float);', 'extern "C" __device__ float wb_gate(float);']
+    for arch in ("sm_90", "sm_100"):
+        cubin, ptx, _ = C.compile_nvidia(asm, arch)
+        assert "wb_silu_mul(" in ptx and "wb_gate(" in ptx and C.resource_usage(cubin)[0].stack == 0
+        assert f".target {arch}" in ptx
+    from workbench.compiler.nvrtc import NVRTC_OPTIONS, nvrtc_program
+    (compiled,) = C.compile_numba(asm, "sm_90")
+    ok, _, module, _ = nvrtc_program(asm.source, ["--gpu-architecture=compute_90", *NVRTC_OPTIONS], cubin=False)
+    helper = ".func  (.param .b32 r) wb_kept(\n\t.param .b32 x\n)\n{\n\t.reg .b32 %r<2>;\n\tld.param.b32 %r1, [x];\n" \
+             "\tst.param.b32 [r], %r1;\n\tret;\n}\n\n"
+    both = dataclasses.replace(compiled, ptx={k: v.replace(".visible .func", helper + ".visible .func", 1)
+                                              for k, v in compiled.ptx.items()})
+    ptx, spans = N.splice(module, [both])
+    assert ok and ptx.count(") wb_kept(") == 1
+    C.ptxas(ptx, asm, spans)
+
+
+@needs_numba
+@needs_ptxas
+def test_an_assembler_error_in_numbas_ptx_is_reported_at_the_py_line():
+    """ptxas's messages about the spliced functions are mapped back through their line info to the .py line."""
+    from workbench.compiler.nvrtc import NVRTC_OPTIONS, nvrtc_program
+    asm = assemble(get_config("tiny"), NUMBA)
+    (compiled,) = C.compile_numba(asm, "sm_90")
+    ok, _, module, _ = nvrtc_program(asm.source, ["--gpu-architecture=compute_90", *NVRTC_OPTIONS], cubin=False)
+    assert ok
+    broken = dataclasses.replace(compiled, ptx={k: v.replace("ex2.approx.ftz.f32", "ex2.approx.ftz.f33")
+                                                for k, v in compiled.ptx.items()})
+    ptx, spans = N.splice(module, [broken])
+    with pytest.raises(C.CompileError) as e:
+        C.ptxas(ptx, asm, spans)
+    (f, n, sev, msg, src) = e.value.messages[0]
+    assert (f, n, sev) == (PY, RETURN_LINE, "error") and "f33" in msg and src.strip().startswith("return")

@@ -11,7 +11,8 @@ A variant whose name starts with `numba` (`--variant gate_up_silu=numba`) is two
       def wb_silu_mul(g, u):
           return g / (float32(1.0) + math.exp(-g)) * u
 
-The declarations are read off the file's syntax (no import, no numba) when the source is assembled: each becomes an
+Helpers the exported functions call are `@cuda.jit(device=True)` functions of the same file, compiled for the
+build's arch. The declarations are read off the file's syntax (no import, no numba) when the source is assembled: each becomes an
 `extern "C" __device__` prototype pasted before the stages, so NVRTC checks every call of the C++ against it. At
 compile time each function goes through `numba.cuda.compile_ptx(device=True, abi="c", cc=<the build's arch>,
 lineinfo=True)`, and the type numba infers for its result must be the declared one.
@@ -27,6 +28,7 @@ messages and the PTX and SASS dumps point at its lines.
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import linecache
 import re
@@ -208,9 +210,6 @@ def compile_source(src: NumbaSource, arch: str = "sm_90") -> Compiled:
         if key in _CACHE:
             return Compiled(src, _CACHE[key], 0.0)
     t0 = time.perf_counter()
-    import warnings
-    from numba import cuda
-    from numba.core.errors import NumbaError as NumbaCoreError
     lines = src.text.splitlines()
 
     def at(n: int, text: str):
@@ -225,6 +224,37 @@ def compile_source(src: NumbaSource, arch: str = "sm_90") -> Compiled:
     except Exception as e:
         raise at(_where(e, src.display), f"running the file: {type(e).__name__}: {e}") from None
     out = {}
+    with _COMPILING, _for_target(cc):
+        _compile_each(src, module, cc, at, out)
+    with _LOCK:
+        _CACHE[key] = out
+    return Compiled(src, out, time.perf_counter() - t0)
+
+
+_COMPILING = threading.Lock()        # _for_target changes numba for the process while it compiles
+
+
+@contextlib.contextmanager
+def _for_target(cc: tuple):
+    """numba-cuda compiles a helper that an exported function calls (a `@cuda.jit(device=True)` function) for the
+    current device's compute capability, which asks the driver: on a machine without a GPU that fails, and on one
+    with a GPU it is that GPU's, not the build's. Here it is the build's."""
+    import numba.cuda.dispatcher as dispatcher
+    real = getattr(dispatcher, "get_current_device", None)
+    if real is None:                 # a numba-cuda that asks elsewhere: as it is
+        yield
+        return
+    dispatcher.get_current_device = lambda: types.SimpleNamespace(compute_capability=cc)
+    try:
+        yield
+    finally:
+        dispatcher.get_current_device = real
+
+
+def _compile_each(src: NumbaSource, module, cc: tuple, at, out: dict):
+    import warnings
+    from numba import cuda
+    from numba.core.errors import NumbaError as NumbaCoreError
     for d in src.functions:
         fn = module.__dict__.get(d.name)
         if not callable(fn):
@@ -240,29 +270,48 @@ def compile_source(src: NumbaSource, arch: str = "sm_90") -> Compiled:
             raise at(d.line, f"{d.name} returns {ret} where its declaration says {d.ret} ({_numba_type(d.ret)}): "
                      f"change the declaration or convert the result (e.g. float32(...))")
         out[d.name] = ptx
-    with _LOCK:
-        _CACHE[key] = out
-    return Compiled(src, out, time.perf_counter() - t0)
 
 
 # ---- the whole build: the functions spliced into the module's PTX -----------------------------------------------
 
-def _function(ptx: str, name: str) -> str:
-    """The `.visible .func ... name(...) { ... }` of numba's module (its `.file` lines come after, separately)."""
-    m = re.search(rf"^\.visible\s+\.func\b[^{{;]*\b{re.escape(name)}\s*\(.*?^\}}\s*$", ptx, re.M | re.S)
-    if not m:
-        raise ValueError(f"numba's PTX holds no .visible .func {name}")
-    return m[0]
+_TOP = re.compile(r"^(?:\.(?:visible|weak|extern)\s+)*\.(?:func|global|const|shared)\b")
+
+
+def _items(ptx: str) -> list:
+    """The top-level definitions of numba's module → [(name, lines)]: its functions (the exported one, and helpers
+    numba kept out of line), declarations and globals; not its header (.version, .target, .address_size), its
+    .file lines or its debug sections."""
+    lines, out, i = ptx.splitlines(), [], 0
+    while i < len(lines):
+        line = lines[i]
+        if line.startswith(".section"):
+            break                                     # DWARF sections follow the code
+        if not _TOP.match(line):
+            i += 1
+            continue
+        j, depth, opened = i, 0, False
+        while j < len(lines):                         # to the `;` of a declaration, or the `}` closing a body
+            depth += lines[j].count("{") - lines[j].count("}")
+            opened |= "{" in lines[j]
+            if (opened and depth == 0) or (not opened and lines[j].rstrip().endswith(";")):
+                break
+            j += 1
+        head = " ".join(lines[i:j + 1])
+        m = re.search(r"([A-Za-z_$][\w$]*)\s*(?:\(|\[|;|=)", re.sub(r"\(\s*\.param[^)]*\)", "", head, count=1))
+        out.append((m[1] if m else head, lines[i:j + 1]))
+        i = j + 1
+    return out
 
 
 def splice(ptx: str, compiled: list) -> tuple[str, list]:
-    """The module's PTX with each numba function defined where NVRTC declared it (`.extern .func name(...);`)
-    → (ptx, spans: ptx.Span per function, each line mapped to the .py line of the `.loc` before it)."""
+    """The module's PTX with each numba module's definitions in place of the first `.extern .func` NVRTC declared
+    for one of its functions → (ptx, spans: ptx.Span per module, each line mapped to the .py line of the `.loc`
+    before it). A helper that two exported functions share (each module has its copy) is defined once."""
     from .ptx import Span
     lines = ptx.splitlines()
     file_lines = [i for i, l in enumerate(lines) if re.match(r"\s*\.file\s+\d+", l)]
     next_file = max((int(lines[i].split()[1]) for i in file_lines), default=0) + 1
-    edits, added = [], []              # (first line, last line, new lines, display); the .file lines to add
+    edits, added, defined = [], [], set()     # (first line, last line, new lines, display); .file lines; names
     for c in compiled:
         index = next_file
         if file_lines:
@@ -272,11 +321,18 @@ def splice(ptx: str, compiled: list) -> tuple[str, list]:
             start = next((i for i, l in enumerate(lines) if re.match(rf"^\.extern\s+\.func\b.*\b{re.escape(name)}\b",
                                                                       l)), None)
             if start is None:
-                # declared, never called: NVRTC leaves no declaration, and nothing is spliced
-                continue
+                continue            # declared, never called: NVRTC declares nothing, and nothing is spliced
             end = next(i for i in range(start, len(lines)) if lines[i].rstrip().endswith(";"))
-            body = _function(module, name).splitlines()
-            # numba's module has one file, 1; its .loc lines name the index the module gives it, or go
+            body = []
+            for item, text in _items(module):
+                is_declaration = text[0].startswith(".extern")
+                if item in defined or (is_declaration and re.search(rf"\b{re.escape(item)}\b", ptx[:ptx.find(
+                        ".entry")] if ".entry" in ptx else ptx) and item != name):
+                    continue        # defined already, or declared by the module already (vprintf, say)
+                defined.add(item)
+                body += [*text, ""]
+            # numba's module has one file, 1: its .loc lines name the index the module gives it (or go, where the
+            # module has no line info)
             body = [re.sub(r"^(\s*\.loc\s+)1\b", rf"\g<1>{index}", l) if file_lines else l for l in body
                     if file_lines or not l.strip().startswith(".loc")]
             edits.append((start, end, body, c.source.display))
