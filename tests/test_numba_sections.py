@@ -294,3 +294,11 @@ def test_an_assembler_error_in_numbas_ptx_is_reported_at_the_py_line():
         C.ptxas(ptx, asm, spans)
     (f, n, sev, msg, src) = e.value.messages[0]
     assert (f, n, sev) == (PY, RETURN_LINE, "error") and "f33" in msg and src.strip().startswith("return")
+
+
+def test_the_amd_build_of_a_numba_variant_is_refused_in_one_line():
+    r = _build("--model", "tiny", "--target", "hip", "--variant", "gate_up_silu=numba")
+    assert r.returncode == 1
+    errors = [line for line in r.stderr.splitlines() if ": error: " in line]
+    assert errors == [f"{PY}: error: device functions in Python are compiled by numba-cuda, to PTX: build the AMD "
+                      "target without the variant (its C++ section, gate_up_silu.cuh)"]

@@ -204,6 +204,10 @@ def _clang(asm: Assembled, arch: str, args: list[str], out_name: str) -> tuple[b
         raise CompileError([(b.display, 0, "error", "a section written in PTX is NVIDIA's: build the AMD target "
                              f"without the variant (its C++ section, or an AMDGCN variant such as "
                              f"{b.section}@gcn.cuh)", "")], "")
+    if asm.numba:
+        n = asm.numba[0]
+        raise CompileError([(n.display, 0, "error", "device functions in Python are compiled by numba-cuda, to PTX: "
+                             f"build the AMD target without the variant (its C++ section, {n.section}.cuh)", "")], "")
     with tempfile.TemporaryDirectory() as d:
         # relative names, run in the temporary folder: the #line paths stay repo-relative in messages and debug info
         Path(d, "monokernel.hip").write_text(asm.source)
