@@ -302,3 +302,32 @@ def test_the_amd_build_of_a_numba_variant_is_refused_in_one_line():
     errors = [line for line in r.stderr.splitlines() if ": error: " in line]
     assert errors == [f"{PY}: error: device functions in Python are compiled by numba-cuda, to PTX: build the AMD "
                       "target without the variant (its C++ section, gate_up_silu.cuh)"]
+
+
+@needs_numba
+@needs_ptxas
+def test_the_loop_builds_a_numba_variant_reports_its_errors_and_reloads_on_a_py_save(tmp_path, monkeypatch):
+    """A CPU-mode Workbench: the numba variant builds (debug and timed), a save of the .py that does not type is a
+    compile error at its line with the last good build kept, and the watcher reloads on that file."""
+    from workbench.loop import session
+    ws = _workspace(tmp_path)
+    monkeypatch.setattr(session, "_ACTIVE", None)
+    with paths.use_kernels_dir(ws), session.Workbench("tiny", device="cpu") as wb:
+        rec = wb.use_variant("gate_up_silu", "numba")
+        assert rec.status == session.NO_GPU and rec.resources["registers"] > 0, rec.report()
+        py = numba_path("gate_up_silu", "numba")
+        assert py.resolve() in wb.build_files()
+        n = len(wb.history)
+        wb.watch(interval_s=0.05, debounce_s=0.1)
+        try:
+            py.write_text(EXAMPLE.replace("* u\n", '* u + "x"\n'))
+            deadline = time.monotonic() + 60
+            while len(wb.history) == n and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            wb.unwatch()
+        bad = wb.last
+        assert bad.trigger == "watch" and (bad.section, bad.variant) == ("gate_up_silu", "numba")
+        assert bad.status == session.COMPILE_ERROR and bad.messages[0][:2] == (PY, RETURN_LINE), bad.report()
+        py.write_text(EXAMPLE)
+        assert wb.reload().status == session.NO_GPU

@@ -266,6 +266,9 @@ def _compile_each(src: NumbaSource, module, cc: tuple, at, out: dict):
                 ptx, ret = cuda.compile_ptx(fn, sig, device=True, abi="c", cc=cc, lineinfo=True)
         except NumbaCoreError as e:
             raise at(_where(e, src.display) or d.line, f"numba: {_first_words(e)}") from None
+        except (ImportError, OSError) as e:     # no libnvvm or libdevice (the cu13 extra: the nvidia-nvvm wheel)
+            raise FileNotFoundError(f"numba-cuda cannot compile here: {' '.join(str(e).split())[:200]}: "
+                                    f"{paths.pip_install('cuda')}") from None
         if ret != _numba_type(d.ret):
             raise at(d.line, f"{d.name} returns {ret} where its declaration says {d.ret} ({_numba_type(d.ret)}): "
                      f"change the declaration or convert the result (e.g. float32(...))")

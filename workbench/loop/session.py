@@ -35,8 +35,9 @@ from typing import Callable
 
 from .. import paths, plan
 from ..check.stage_check import Failure
-from ..compiler.assemble import BuildOptions, section_path, with_fields
+from ..compiler.assemble import BuildOptions, numba_path, section_path, with_fields
 from ..compiler.compile import CompileError
+from ..compiler.numba_sections import is_numba_variant
 from ..measure.timing import format_table
 from ..model.config import get_config
 from ..model.weights import load_prepared
@@ -235,6 +236,7 @@ class Workbench:
         """The files the current builds read (the watcher reloads when one of them changes)."""
         files = [paths.kernels_dir() / "portability.cuh"]
         files += [section_path(s, self.variants.get(s)) for s in plan.FILES if s not in self.overrides]
+        files += [numba_path(s, v) for s, v in self.variants.items() if is_numba_variant(v)]
         return {f.resolve() for f in files}
 
     # -- the loop ------------------------------------------------------------------------------------------------
