@@ -77,6 +77,7 @@ def test_the_declared_signature_becomes_the_prototype_before_the_stages():
     ('@export("float(float)")', "wb_silu_mul takes 2 arguments, its signature declares 1"),
     ('@export("float(half, float)")', "C type 'half' is not one a numba section passes"),
     ('@export("float float")', "is not a C signature"),
+    ('@export("void(float, float)")', "C type 'void' is not one a numba section passes"),
     ("@export(float32(float32, float32))", "export takes one string, the C signature"),
 ])
 def test_a_malformed_declaration_is_reported_at_its_line(decorator, says):
@@ -331,3 +332,25 @@ def test_the_loop_builds_a_numba_variant_reports_its_errors_and_reloads_on_a_py_
         assert bad.status == session.COMPILE_ERROR and bad.messages[0][:2] == (PY, RETURN_LINE), bad.report()
         py.write_text(EXAMPLE)
         assert wb.reload().status == session.NO_GPU
+
+
+POINTERS = '''from numba import float32
+
+from workbench.compiler.numba_sections import export
+
+
+@export("int(float *, const float*, int)")
+def wb_twice(out, x, n):
+    for i in range(n):
+        out[i] = x[i] * float32(2.0)
+    return n
+'''
+
+
+@needs_numba
+def test_pointers_pass_as_the_c_abi_passes_them_const_kept_in_the_prototype():
+    src = N.declarations("gate_up_silu", PY, POINTERS)
+    assert src.functions[0].prototype() == 'extern "C" __device__ int wb_twice(float*, const float*, int);'
+    head = N.compile_source(src).ptx["wb_twice"]
+    head = head[head.index(".visible"):head.index("{")]
+    assert head.count(".param .b64") == 2 and head.count(".param .b32") == 2     # two addresses; n and the result

@@ -12,16 +12,17 @@ A variant whose name starts with `numba` (`--variant gate_up_silu=numba`) is two
           return g / (float32(1.0) + math.exp(-g)) * u
 
 Helpers the exported functions call are `@cuda.jit(device=True)` functions of the same file, compiled for the
-build's arch. The declarations are read off the file's syntax (no import, no numba) when the source is assembled: each becomes an
-`extern "C" __device__` prototype pasted before the stages, so NVRTC checks every call of the C++ against it. At
-compile time each function goes through `numba.cuda.compile_ptx(device=True, abi="c", cc=<the build's arch>,
+build's arch. The declarations are read off the file's syntax (no import, no numba) when the source is assembled:
+each becomes an `extern "C" __device__` prototype pasted before the stages, so NVRTC checks every call of the C++
+against it. At compile time each function goes through `numba.cuda.compile_ptx(device=True, abi="c", cc=<the build's arch>,
 lineinfo=True)`, and the type numba infers for its result must be the declared one.
 
 Linking. The whole build splices each function's PTX into the module NVRTC made (in place of the `.extern .func`
 the prototype left) and runs ptxas once, as the stages written in PTX do, rather than linking relocatable code with
-nvJitLink: a relocatable (-rdc) build of the whole kernel keeps every stage out of line (the kernel's own
-register count is no longer the kernel's), where the spliced module compiles exactly as the all-C++ one does, the
-Python function included (ptxas sees it beside its caller). The verification build in units (units.py) adds the
+nvJitLink: a relocatable (-rdc) build of the whole kernel keeps every stage out of line (the kernel's code and
+its register count are no longer the whole build's), where the spliced module is the all-C++ module plus the
+Python function, which ptxas assembles beside its caller (gate_up_silu's example: the all-C++ build's registers,
+no stack). The verification build in units (units.py) adds the
 PTX to its nvJitLink link as one more input. Either way the function's line info names the .py file, so ptxas's
 messages and the PTX and SASS dumps point at its lines.
 """
@@ -55,15 +56,17 @@ def export(signature: str):
     return mark
 
 
-# C type → numba type name (numba.types); the C ABI passes these by value, pointers as 64-bit addresses
+# C type → numba type name (numba.types); the C ABI passes these by value, pointers as 64-bit addresses. No bool:
+# C++ passes one byte, which numba's boolean is not bound to be. No void: numba's C ABI gives a function that
+# returns nothing a 64-bit result all the same, which a `void` prototype would not match (return a value instead).
 C_TYPES = {"float": "float32", "double": "float64", "int": "int32", "unsigned": "uint32", "unsigned int": "uint32",
-           "long long": "int64", "unsigned long long": "uint64", "bool": "boolean"}
+           "long long": "int64", "unsigned long long": "uint64"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Declared:
     name: str
-    ret: str                     # C types, as written (spaces normalised, const dropped)
+    ret: str                     # C types, as written (spaces normalised)
     args: tuple
     line: int                    # the `def` line in the .py
 
@@ -88,12 +91,16 @@ class NumbaError(ValueError):
 
 
 def _ctype(text: str, display: str, line: int, src: str) -> str:
-    t = " ".join(text.replace("const", " ").split())
-    base = t.rstrip("* ").strip()
-    if base not in C_TYPES:
+    """A C type as the prototype gives it (`const float*`), checked to be one of C_TYPES or a pointer to one."""
+    t = " ".join(text.replace("*", " * ").split()).replace(" *", "*")
+    if _base(t) not in C_TYPES:
         raise NumbaError(display, line, f"C type {text.strip()!r} is not one a numba section passes (those are: "
                          f"{', '.join(C_TYPES)}, and pointers to them)", src)
-    return t.replace(" *", "*")
+    return t
+
+
+def _base(ctype: str) -> str:
+    return " ".join(re.sub(r"\bconst\b", " ", ctype).rstrip("* ").split())
 
 
 def declarations(section: str, display: str, text: str) -> NumbaSource:
@@ -144,9 +151,10 @@ def numba_problem() -> str | None:
 
 def _numba_type(ctype: str):
     from numba import types as nt
-    base = ctype.rstrip("*")
-    t = getattr(nt, C_TYPES[base])
-    return nt.CPointer(t) if ctype.endswith("*") else t
+    t = getattr(nt, C_TYPES[_base(ctype)])
+    for _ in range(ctype.count("*")):
+        t = nt.CPointer(t)
+    return t
 
 
 @dataclasses.dataclass(frozen=True)
