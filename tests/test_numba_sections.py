@@ -307,9 +307,10 @@ def test_the_amd_build_of_a_numba_variant_is_refused_in_one_line():
 
 @needs_numba
 @needs_ptxas
-def test_the_loop_builds_a_numba_variant_reports_its_errors_and_reloads_on_a_py_save(tmp_path, monkeypatch):
+def test_the_loop_builds_a_numba_variant_reports_its_errors_reloads_on_a_py_save_and_undoes(tmp_path, monkeypatch):
     """A CPU-mode Workbench: the numba variant builds (debug and timed), a save of the .py that does not type is a
-    compile error at its line with the last good build kept, and the watcher reloads on that file."""
+    compile error at its line, the watcher reloads on that file; an edit of the .py through the workbench is
+    undone byte for byte, from a history of its own (the .cuh's is untouched)."""
     from workbench.loop import session
     ws = _workspace(tmp_path)
     monkeypatch.setattr(session, "_ACTIVE", None)
@@ -332,6 +333,16 @@ def test_the_loop_builds_a_numba_variant_reports_its_errors_and_reloads_on_a_py_
         assert bad.status == session.COMPILE_ERROR and bad.messages[0][:2] == (PY, RETURN_LINE), bad.report()
         py.write_text(EXAMPLE)
         assert wb.reload().status == session.NO_GPU
+        wrong = EXAMPLE.replace("float32(1.0)", "1.0")
+        assert wb.edit("gate_up_silu", wrong, "numba", python=True) is not None and py.read_text() == wrong
+        rec = wb.reload(section="gate_up_silu", variant="numba")
+        assert rec.status == session.COMPILE_ERROR and "returns float64" in rec.messages[0][3]
+        assert len(wb.section_history("gate_up_silu", "numba", python=True)) == 1
+        assert wb.section_history("gate_up_silu", "numba") == []
+        rec = wb.undo("gate_up_silu", "numba", python=True)
+        assert py.read_text() == EXAMPLE and rec.status == session.NO_GPU and rec.trigger == "undo"
+        with pytest.raises(ValueError, match="is not one"):
+            wb.edit("gate_up_silu", EXAMPLE, "ptx", python=True)
 
 
 POINTERS = '''from numba import float32
