@@ -128,7 +128,7 @@ def test_the_example_compiles_into_the_whole_build_with_its_lines():
     assert r.stack == 0
     assert f'"{PY}"' in ptx                                       # the .py is a file of the module's line info
     listing = C.dump_section(asm, "sass", "gate_up_silu")
-    assert listing.startswith(f"// gate_up_silu@numba.py:")      # the stage's name picks the Python code
+    assert listing.startswith("// gate_up_silu@numba.py:")      # the stage's name picks the Python code
     assert "MUFU.EX2" in _under(listing, f"gate_up_silu@numba.py:{RETURN_LINE} ", "//")
     assert "ex2.approx" in _under(C.dump_section(asm, "ptx", "gate_up_silu"),
                                   f"gate_up_silu@numba.py:{RETURN_LINE} ", "//")
