@@ -471,6 +471,56 @@ def test_the_units_build_verifies(name):
     assert Monokernel(p, BuildOptions(units=True), max_steps=64).generate([1, 2, 3], 12, eos=[]).tokens == whole
 
 
+# ---- device functions written in Python (workbench.compiler.numba_sections) --------------------------------------
+
+@pytest.mark.parametrize("units", [False, True])
+@pytest.mark.parametrize("name", ["tiny", "llama-3.2-1b"])
+def test_the_numba_epilogue_verifies(name, units):
+    """kernels/sections/gate_up_silu@numba.cuh calling wb_silu_mul of gate_up_silu@numba.py (numba-cuda's PTX,
+    spliced into the whole build, or linked with the units): every stage of every layer on its own inputs, then end
+    to end; and the spliced build generates the all-C++ build's greedy tokens."""
+    import cupy as cp
+
+    from workbench.compiler.numba_sections import numba_problem
+    from workbench.compiler.units import units_linkable
+    from workbench.model.weights import prepare, random_weights
+    from workbench.run.runtime import Monokernel
+    if (why := numba_problem()) is not None:
+        pytest.skip(why.split(":")[0])
+    if units and not units_linkable():
+        pytest.skip("no nvJitLink on this machine")
+    cfg = get_config(name).with_(max_seq=4352)
+    p = prepare(random_weights(cfg, fresh_seed(), xp=cp, progress=False), xp=cp, progress=False)
+    opt = BuildOptions(variants=(("gate_up_silu", "numba"),), units=units)
+    taps, table = _verified(p, opt, prompt_len=6, max_new=12)
+    assert taps.asm.numba and "gate_up_silu" in table.summary()
+    if not units:
+        whole = Monokernel(p, BuildOptions(), max_steps=64).generate([1, 2, 3], 12, eos=[]).tokens
+        assert Monokernel(p, opt, max_steps=64).generate([1, 2, 3], 12, eos=[]).tokens == whole
+
+
+def test_a_numba_typing_error_keeps_the_last_good_kernel(tiny, tmp_path):
+    """A reload whose Python does not type is a CompileError at the .py line, and the kernel loaded before it
+    still runs."""
+    import shutil
+
+    from workbench import paths
+    from workbench.compiler.numba_sections import numba_problem
+    if (why := numba_problem()) is not None:
+        pytest.skip(why.split(":")[0])
+    ws = tmp_path / "kernels"
+    shutil.copytree(paths.template_dir(), ws, ignore=shutil.ignore_patterns(".history", "__pycache__", "*.pyc"))
+    py = ws / "sections" / "gate_up_silu@numba.py"
+    text = py.read_text()
+    py.write_text(text.replace("* u\n", '* u + "x"\n'))
+    line = next(n for n, l in enumerate(text.splitlines(), 1) if l.strip().startswith("return"))
+    before = tiny.generate([1, 2, 3], 4, eos=[]).tokens
+    with paths.use_kernels_dir(ws), pytest.raises(CompileError) as e:
+        tiny.reload(BuildOptions(variants=(("gate_up_silu", "numba"),)))
+    assert e.value.messages[0][:2] == ("kernels/sections/gate_up_silu@numba.py", line)
+    assert tiny.generate([1, 2, 3], 4, eos=[]).tokens == before
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_the_fused_causal_softmax_is_the_array_codes(dtype):
     """stages.causal_softmax on the GPU (one fused kernel) against its numpy version on the same scores: several

@@ -26,9 +26,10 @@ DIST = "monokernel-workbench"
 
 
 def _repo_sources() -> set[str]:
-    """The kernel sources of the repository, relative to kernels/ (the edit history left out)."""
+    """The kernel sources of the repository, relative to kernels/ (the edit history left out): a numba variant's .py
+    included."""
     kdir = REPO / "kernels"
-    return {p.relative_to(kdir).as_posix() for pattern in ("*.cuh", "*.ptx") for p in kdir.rglob(pattern)
+    return {p.relative_to(kdir).as_posix() for pattern in ("*.cuh", "*.ptx", "*@numba*.py") for p in kdir.rglob(pattern)
             if ".history" not in p.parts}
 
 
@@ -185,7 +186,7 @@ def test_wheel_contents(installed):
     assert f"{DIST} = workbench.cli:main" in entry
     # the kernel sources, as data, all of them and no edit history
     shipped = {n.removeprefix("workbench/_kernels/") for n in names if n.startswith("workbench/_kernels/")}
-    assert {n for n in shipped if n.endswith((".cuh", ".ptx"))} == _repo_sources()
+    assert {n for n in shipped if n.endswith((".cuh", ".ptx")) or "@numba" in n} == _repo_sources()
     assert not [n for n in names if ".history" in n]
     # every module of the package is in the wheel (pyproject's package list is written out by hand)
     modules = {p.relative_to(REPO).as_posix() for p in (REPO / "workbench").rglob("*.py")

@@ -29,6 +29,7 @@ from .compiler import compile as C
 from .compiler.assemble import (BuildOptions, _display, option_from_text, section_path, smem_bytes, threads_problem,
                                 with_fields)
 from .compiler.compile import CUDA_ARCHS, HIP_ARCHS, CompileError
+from .compiler.numba_sections import NumbaError, is_numba_variant, numba_problem
 from .compiler.header import decode_step, write_step_files
 from .errors import GpuMemoryError, NoDeviceError, UsageError, UserError
 from .measure.bench import bench_positions, cache_positions, ttft_lengths
@@ -434,6 +435,12 @@ def _check_build(args):
         path = section_path(name, variant)
         if not path.is_file():
             raise UsageError(f"--variant {name}={variant}: {_display(path)} does not exist")
+        if is_numba_variant(variant):
+            if not (py := path.with_suffix(".py")).is_file():
+                raise UsageError(f"--variant {name}={variant}: {_display(py)} does not exist (a numba variant is "
+                                 f"the .cuh and its device functions in the .py beside it)")
+            if (why := numba_problem()) is not None:
+                raise UsageError(f"--variant {name}={variant}: {why}")
     for name in (list(PRESETS) if args.all_presets else [args.model]):
         _config(name, _max_seq_of(args, name))
 
@@ -711,9 +718,9 @@ def cmd_build(args) -> int:
     failed = False
     for name in names:
         cfg = get_config(name, max_seq=_max_seq_of(args, name))
-        asm = A.assemble(cfg, opt)
         t0 = time.perf_counter()
         try:
+            asm = A.assemble(cfg, opt)
             if args.dump:
                 text = C.dump_section(asm, args.dump, args.section, arch)
                 if len(names) > 1:
@@ -728,8 +735,8 @@ def cmd_build(args) -> int:
             else:
                 text, log = C.compile_hip(asm, arch=arch)
                 res = C.amdgpu_resources(text)
-        except C.CompileError as e:
-            print(f"{cfg.name} {arch}: {e}", file=sys.stderr)
+        except (C.CompileError, NumbaError) as e:           # NumbaError: a numba section's declarations
+            print(f"{cfg.name} {arch}: {C.CompileError(e.messages, str(e))}", file=sys.stderr)
             failed = True
             continue
         except (ValueError, FileNotFoundError) as e:          # an unknown section, a missing compiler or tool
@@ -878,8 +885,9 @@ def _parser(prog: str = "python -m workbench") -> argparse.ArgumentParser:
                    help="with --dump: only the code of this section (e.g. qkv_rope_append, matvec, monokernel, "
                         "portability), what is inlined into it included")
     b.add_argument("--variant", action="append", default=[], type=section_variant, metavar="SECTION=VARIANT",
-                   help="build SECTION from kernels/sections/SECTION@VARIANT.cuh (.ptx for a variant named ptx...); "
-                        "repeatable")
+                   help="build SECTION from kernels/sections/SECTION@VARIANT.cuh (.ptx for a variant named ptx...; "
+                        "for one named numba..., the .cuh calls device functions of SECTION@VARIANT.py, which "
+                        "numba-cuda compiles); repeatable")
     sa = sub.add_parser("sanitize", help="generate under compute-sanitizer: memcheck, racecheck, synccheck, initcheck")
     sa.add_argument("--model", default="tiny", type=non_empty,
                     help=f"preset ({', '.join(PRESETS)}) or a local HF folder (default tiny: the tools are slow)")

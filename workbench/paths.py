@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import stat
 import sys
@@ -168,9 +169,11 @@ def use_kernels_dir(path: str | Path):
 
 
 def _only_sources(folder: str, names: list[str]) -> set[str]:
-    """copytree's ignore: the .cuh and .ptx files and their folders, not the history, caches or Python files."""
+    """copytree's ignore: the .cuh and .ptx files, a numba variant's .py (NAME@numba....py) and their folders, not
+    the history, caches or the template's own Python files (its package's)."""
     def source(name: str) -> bool:
-        return name.endswith((".cuh", ".ptx")) or os.path.isdir(os.path.join(folder, name))
+        return (name.endswith((".cuh", ".ptx")) or re.fullmatch(r"\w+@numba[\w.-]*\.py", name) is not None
+                or os.path.isdir(os.path.join(folder, name)))
     return {n for n in names if n in (".history", "__pycache__") or not source(n)}
 
 

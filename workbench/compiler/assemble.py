@@ -21,6 +21,7 @@ from .. import paths, plan, schedule
 from ..errors import SourceError
 from ..model.config import ModelConfig
 from .header import Params, decode_step, plan_header, stream_step  # noqa: F401  (Params: the host's mirror, used from here)
+from .numba_sections import declarations, is_numba_variant
 from .ptx import PtxBody, constants as ptx_constants, cpp_params, header_constants, is_ptx_variant, ptx_stub
 
 
@@ -161,11 +162,18 @@ def section_path(name: str, variant: str | None = None, *, kernels: Path | None 
             raise ValueError("kernels/monokernel.cuh has no variants")
         return k / "monokernel.cuh"
     folder = k / "lib" if name in plan.LIBRARY else k / "sections"
+    if is_numba_variant(variant) and name not in plan.STAGE_NAMES:
+        raise ValueError(f"{name} is not a stage: only a stage's section can call device functions written in Python")
     if is_ptx_variant(variant):
         if name not in plan.STAGE_NAMES:
             raise ValueError(f"{name} is not a stage: only a stage's function can be written in PTX")
         return folder / f"{name}@{variant}.ptx"
     return folder / (f"{name}@{variant}.cuh" if variant else f"{name}.cuh")
+
+
+def numba_path(name: str, variant: str, *, kernels: Path | None = None) -> Path:
+    """The .py file of a numba variant: beside its .cuh (workbench.compiler.numba_sections)."""
+    return section_path(name, variant, kernels=kernels).with_suffix(".py")
 
 
 def defines(cfg: ModelConfig, opt: BuildOptions) -> dict[str, str]:
@@ -188,6 +196,7 @@ class Assembled:
     key: str
     flags: tuple = ()      # compiler options the build asks for beyond the common ones (NVRTC)
     ptx_bodies: tuple = ()  # PtxBody per stage whose variant is written in PTX (spliced in before ptxas)
+    numba: tuple = ()       # NumbaSource per stage whose variant has device functions in Python (numba_sections)
     ptxas_opt: int = 3
     units: int = 0          # the block's threads when built in units (workbench/compiler/units.py), else 0
 
@@ -196,7 +205,7 @@ class Assembled:
         for _, p, text in self.pieces:
             if p == path:
                 return text
-        for b in self.ptx_bodies:
+        for b in self.ptx_bodies + self.numba:
             if b.display == path:
                 return b.text
         return None
@@ -269,6 +278,11 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
     kernels = paths.require_sources()
     build_defines = defines(cfg, opt)
     bodies = []
+    # a numba variant's functions, declared before the first stage: every unit of the units build has them
+    numba = tuple(declarations(name, _display(numba_path(name, v)), read_source(numba_path(name, v)))
+                  for name, v in variants.items() if is_numba_variant(v) and _numba_file(name, v))
+    if numba and bodies_requested(variants):
+        raise ValueError("a build takes stages written in PTX or numba variants, not both: build them apart")
     paste(_display(kernels / "portability.cuh"), read_source(kernels / "portability.cuh"))
     launch = opt.effective_launch()
     if (why := schedule.register_stages_problem(cfg, launch.register_stages)) is not None:
@@ -281,6 +295,8 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
     paste("<generated: plan header>", header)
     body_constants = {**build_defines, **header_constants(header)}
     for name in plan.LIBRARY + plan.STAGE_NAMES + ("<decode step>", "monokernel"):
+        if name == plan.STAGE_NAMES[0] and numba:
+            paste("<generated: numba prototypes>", "\n".join(d.prototype() for n in numba for d in n.functions))
         if name == "<decode step>":
             paste("<generated: decode step>", decode_step(cfg, launch) + stream_step(cfg, launch))
             continue
@@ -314,9 +330,22 @@ def assemble(cfg: ModelConfig, opt: BuildOptions = BuildOptions(), overrides: di
     flags = (() if opt.ptxas_opt == 3 else (f"--ptxas-options=-O{opt.ptxas_opt}",)) + \
         (() if opt.fast_compile == "0" else (f"-Ofc={opt.fast_compile}",))
     units = launch.threads if opt.units and units_problem(bool(bodies), launch.stream) is None else 0
-    key = hashlib.sha256((source + " ".join(flags) + "".join(b.display + b.text for b in bodies)
+    key = hashlib.sha256((source + " ".join(flags) + "".join(b.display + b.text for b in [*bodies, *numba])
                           + (" units" if units else "")).encode()).hexdigest()[:16]
-    return Assembled(source, pieces, key, flags, tuple(bodies), opt.ptxas_opt, units)
+    return Assembled(source, pieces, key, flags, tuple(bodies), numba, opt.ptxas_opt, units)
+
+
+def bodies_requested(variants: dict) -> bool:
+    return any(is_ptx_variant(v) for v in variants.values())
+
+
+def _numba_file(name: str, variant: str) -> bool:
+    """A numba variant's .py exists (FileNotFoundError naming it otherwise)."""
+    py = numba_path(name, variant)
+    if not py.exists():
+        raise FileNotFoundError(f"section {name!r}: {_display(py)} does not exist (a numba variant is "
+                                f"{name}@{variant}.cuh and its device functions in {name}@{variant}.py)")
+    return True
 
 
 def units_problem(ptx_bodies: bool, stream: bool) -> str | None:

@@ -24,6 +24,7 @@ from pathlib import Path
 from .. import paths
 from .assemble import Assembled
 from .nvrtc import NVRTC_OPTIONS, CompileError, compile_error, nvrtc_program, parse_log
+from . import numba_sections
 from .ptx import ptxas_messages, splice
 from .units import link, split, units_linkable
 
@@ -37,23 +38,34 @@ HIP_ARCHS = ("gfx908", "gfx90a", "gfx940", "gfx941", "gfx942")
 def compile_nvidia(asm: Assembled, arch: str = "sm_90", ptx_only: bool = False) -> tuple[bytes, str, str]:
     """One NVRTC compile without a driver → (cubin, PTX text, log); the cubin is made from exactly that PTX
     (`ptx_only`: no cubin, b""; NVRTC stops at PTX). Raises CompileError with mapped messages."""
+    numba = compile_numba(asm, arch)
     if asm.units and not ptx_only and units_linkable():        # else the whole build, as below
-        return link(split(asm), arch, asm.units, whole=asm).cubin, "", ""
-    # a build with PTX sections: NVRTC stops at PTX (a virtual architecture: its own ptxas would assemble a
-    # module about to change), and ptxas runs once, on the spliced module
-    virtual = bool(asm.ptx_bodies) or ptx_only
+        ptx = [(f"{c.source.display}:{name}", text) for c in numba for name, text in c.ptx.items()]
+        return link(split(asm), arch, asm.units, whole=asm, ptx=ptx).cubin, "", ""
+    # a build with PTX sections or numba functions: NVRTC stops at PTX (a virtual architecture: its own ptxas would
+    # assemble a module about to change), and ptxas runs once, on the spliced module
+    virtual = bool(asm.ptx_bodies or numba) or ptx_only
     target = arch.replace("sm_", "compute_") if virtual else arch
     flags = [f for f in asm.flags if not f.startswith("--ptxas-options")] if virtual else list(asm.flags)
     ok, log, ptx, cubin = nvrtc_program(asm.source, [f"--gpu-architecture={target}", *NVRTC_OPTIONS, *flags],
                                         cubin=not virtual)
     if not ok:
         raise compile_error(log, asm)
-    if asm.ptx_bodies:                     # stages written in PTX: their bodies in place, then ptxas
-        ptx, spans = spliced_ptx(ptx, asm)
+    if asm.ptx_bodies or numba:            # stages written in PTX, functions in Python: in place, then ptxas
+        ptx, spans = spliced_ptx(ptx, asm) if asm.ptx_bodies else numba_sections.splice(ptx, numba)
         if not ptx_only:
             cubin, more = ptxas(ptx, asm, spans, arch)
             log += more
     return cubin, ptx, log
+
+
+def compile_numba(asm: Assembled, arch: str) -> list:
+    """The build's numba sections compiled for `arch` (numba_sections.Compiled each); a Python or typing error is
+    raised as a CompileError at the .py file's line."""
+    try:
+        return [numba_sections.compile_source(n, arch) for n in asm.numba]
+    except numba_sections.NumbaError as e:
+        raise CompileError(e.messages, str(e)) from None
 
 
 def spliced_ptx(ptx: str, asm: Assembled) -> tuple[str, list]:
@@ -76,7 +88,7 @@ def ptxas(ptx: str, asm: Assembled, spans: list, arch: str = "sm_90") -> tuple[b
                            capture_output=True, text=True)
         log = r.stdout + r.stderr
         if r.returncode != 0:
-            msgs = ptxas_messages(log, spans, asm.ptx_bodies) or [("ptxas", 0, "error", log.strip(), "")]
+            msgs = ptxas_messages(log, spans, asm.ptx_bodies + asm.numba) or [("ptxas", 0, "error", log.strip(), "")]
             raise CompileError(msgs, log)
         return out.read_bytes(), log
 
@@ -192,6 +204,10 @@ def _clang(asm: Assembled, arch: str, args: list[str], out_name: str) -> tuple[b
         raise CompileError([(b.display, 0, "error", "a section written in PTX is NVIDIA's: build the AMD target "
                              f"without the variant (its C++ section, or an AMDGCN variant such as "
                              f"{b.section}@gcn.cuh)", "")], "")
+    if asm.numba:
+        n = asm.numba[0]
+        raise CompileError([(n.display, 0, "error", "device functions in Python are compiled by numba-cuda, to PTX: "
+                             f"build the AMD target without the variant (its C++ section, {n.section}.cuh)", "")], "")
     with tempfile.TemporaryDirectory() as d:
         # relative names, run in the temporary folder: the #line paths stay repo-relative in messages and debug info
         Path(d, "monokernel.hip").write_text(asm.source)
@@ -429,8 +445,9 @@ def section_file(asm: Assembled, section: str) -> str:
 
 
 def _displays(asm: Assembled) -> list[str]:
-    """The files of the build: its PTX sections first, then the pieces of the C++ source."""
-    return [b.display for b in asm.ptx_bodies] + [p for _, p, _ in asm.pieces]
+    """The files of the build: its PTX sections and numba files first (a stage's name picks the code that is its
+    own, not the C++ that calls it), then the pieces of the C++ source."""
+    return [b.display for b in asm.ptx_bodies + asm.numba] + [p for _, p, _ in asm.pieces]
 
 
 def lines_by_source(asm: Assembled, listing: list, path: str) -> dict[int, list[str]]:

@@ -85,7 +85,7 @@ def split(asm: Assembled) -> list[Unit]:
             out.extend(body)
         source = "\n".join(out) + "\n"
         key = hashlib.sha256((source + " ".join(asm.flags) + " units").encode()).hexdigest()[:16]
-        return Unit(name, Assembled(source, kept, key, asm.flags, (), asm.ptxas_opt))
+        return Unit(name, Assembled(source, kept, key, asm.flags, ptxas_opt=asm.ptxas_opt))
 
     private = [(d, _private_library(body)) for d, body in common]
     units = [unit(DECODE_UNIT, common + [("<generated: stage prototypes>", protos.splitlines())] + tail)]
@@ -122,11 +122,12 @@ def nvjitlink_problem() -> str | None:
     return None
 
 
-def link(units: list[Unit], arch: str = "sm_90", threads: int = 512, whole=None) -> Linked:
+def link(units: list[Unit], arch: str = "sm_90", threads: int = 512, whole=None, ptx: list = ()) -> Linked:
     """Every unit compiled (the cached ones taken from the cache; the others in parallel), then linked into one
     cubin. A compile error is raised (CompileError) at its section's line, as the whole build's would be; so is
     the link's, where it is a resource of the kernel as a whole (too much static shared memory): at the sections'
-    declarations in `whole`, the Assembled the units were split from."""
+    declarations in `whole`, the Assembled the units were split from. `ptx`: (name, PTX text) of functions compiled
+    elsewhere (a numba section's), which nvJitLink assembles and links with the units."""
     from cuda.bindings import nvjitlink
     # each unit's functions get what the kernel's launch bounds give a thread: one block of `threads` per SM
     registers = min(255, 65536 // threads)
@@ -153,10 +154,14 @@ def link(units: list[Unit], arch: str = "sm_90", threads: int = 512, whole=None)
             _CACHE.move_to_end(k)
         while len(_CACHE) > _CACHE_SIZE:
             _CACHE.popitem(last=False)
-    handle = nvjitlink.create(1, [f"-arch={arch}"])
+    options = [f"-arch={arch}", *(["-lineinfo"] if ptx else [])]      # the PTX keeps its .py lines
+    handle = nvjitlink.create(len(options), options)
     try:
         for u, k in zip(units, keys):
             nvjitlink.add_data(handle, nvjitlink.InputType.CUBIN, have[k], len(have[k]), u.name)
+        for name, text in ptx:
+            data = text.encode()
+            nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), name)
         try:
             nvjitlink.complete(handle)
         except nvjitlink.nvJitLinkError:

@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 from .. import paths, plan
-from ..compiler.assemble import decode_source, section_path
+from ..compiler.assemble import decode_source, numba_path, section_path
+from ..compiler.numba_sections import is_numba_variant
 from ..errors import SourceError
 
 try:
@@ -42,11 +43,17 @@ _fallback = threading.Lock()
 LOCK_NAME = ".lock"             # in the kernels folder's .history/: one per kernels folder, whatever history_dir is
 
 
-def section_file(section: str, variant: str | None = None) -> Path:
+def section_file(section: str, variant: str | None = None, *, python: bool = False) -> Path:
     """The file of a section (or of one of its variants): kernels/lib/ for the library, kernels/sections/ for the
-    stages of the plan, kernels/monokernel.cuh for the kernel entry."""
+    stages of the plan, kernels/monokernel.cuh for the kernel entry. `python`: a numba variant's .py (its device
+    functions, workbench.compiler.numba_sections) rather than its .cuh."""
     if variant is not None and (not _VARIANT_RE.match(variant) or variant in (".", "..")):
         raise ValueError(f"variant names are letters, digits, '_', '-', '.': got {variant!r}")
+    if python:
+        if not is_numba_variant(variant):
+            raise ValueError(f"python=True edits a numba variant's .py: {section}@{variant} is not one (a variant "
+                             "named numba...)")
+        return numba_path(section, variant)
     return section_path(section, variant)
 
 
@@ -70,9 +77,10 @@ def _stamp() -> str:
     return time.strftime("%Y%m%d-%H%M%S", time.localtime(ns // 10**9)) + f".{ns % 10**9:09d}"
 
 
-def _history_dir(section: str, variant: str | None, root: Path | None) -> Path:
-    """The section's folder of earlier versions under `root`, by default kernels/.history (git-ignored)."""
-    return (root or paths.history_dir()) / _name(section, variant)
+def _history_dir(section: str, variant: str | None, root: Path | None, python: bool = False) -> Path:
+    """The section's folder of earlier versions under `root`, by default kernels/.history (git-ignored); a numba
+    variant's .py has its own (NAME@VARIANT.py)."""
+    return (root or paths.history_dir()) / (_name(section, variant) + (".py" if python else ""))
 
 
 def checked_history_dir(history_dir: str | Path | None) -> Path | None:
@@ -189,7 +197,7 @@ def _on_disk(path: Path) -> tuple[bytes | None, str | None]:
 
 
 def write_section(section: str, text: str, variant: str | None = None, *, history_dir: Path | None = None,
-                  base: str | None = None) -> Path | None:
+                  base: str | None = None, python: bool = False) -> Path | None:
     """Replace a section file (atomically) with `text`, first saving the current version under
     kernels/.history/NAME[@VARIANT]/<timestamp>.cuh (a new file: <timestamp>.absent, so undo removes it again).
     Returns the history entry, or None when `text` equals the file byte for byte (nothing written).
@@ -201,14 +209,16 @@ def write_section(section: str, text: str, variant: str | None = None, *, histor
     base: the text this edit was made from (None: no check). When the file no longer holds exactly that (a missing
     file counts as ""), another writer changed it meanwhile and the edit is REFUSED, not merged: nothing is written,
     the text is kept as <timestamp>.refused.cuh in the section's history folder (not on the undo stack), and the
-    SourceError names that file (`.kept`) so the change can be carried over by hand."""
+    SourceError names that file (`.kept`) so the change can be carried over by hand.
+
+    python: the numba variant's .py instead of its .cuh (its history kept apart, in NAME@VARIANT.py)."""
     if not isinstance(text, str):
         raise TypeError(f"section text must be str, got {type(text).__name__}")
     if base is not None and not isinstance(base, str):
         raise TypeError(f"base must be the str the edit was made from, got {type(base).__name__}")
-    path = section_file(section, variant)
+    path = section_file(section, variant, python=python)
     data = _encode(text, path, section, variant)
-    folder = _history_dir(section, variant, history_dir)
+    folder = _history_dir(section, variant, history_dir, python)
     with edit_lock():
         old, old_text = _on_disk(path)
         if old == data:
@@ -228,10 +238,11 @@ def write_section(section: str, text: str, variant: str | None = None, *, histor
         return entry
 
 
-def section_history(section: str, variant: str | None = None, *, history_dir: Path | None = None) -> list[Path]:
+def section_history(section: str, variant: str | None = None, *, history_dir: Path | None = None,
+                    python: bool = False) -> list[Path]:
     """The undo stack of a section, oldest first (entries undone are kept as *.undone.cuh, refused edits as
-    *.refused.cuh; neither is listed)."""
-    folder = _history_dir(section, variant, history_dir)
+    *.refused.cuh; neither is listed). `python`: of a numba variant's .py."""
+    folder = _history_dir(section, variant, history_dir, python)
     if not folder.is_dir():
         return []
     return sorted(p for p in folder.iterdir()
@@ -239,16 +250,17 @@ def section_history(section: str, variant: str | None = None, *, history_dir: Pa
                   or p.suffix == ".absent")
 
 
-def undo_section(section: str, variant: str | None = None, *, history_dir: Path | None = None) -> Path:
+def undo_section(section: str, variant: str | None = None, *, history_dir: Path | None = None,
+                 python: bool = False) -> Path:
     """Put back the version saved by the last write_section (removing a variant file that write created), byte for
     byte. The text being replaced is kept as <timestamp>.undone.cuh beside the history, so an undo loses nothing
     either. A history entry or a file on disk that is not UTF-8 text is refused (SourceError), nothing changed.
-    Returns the history entry that was restored (and removed from the stack)."""
-    path = section_file(section, variant)
+    Returns the history entry that was restored (and removed from the stack). `python`: a numba variant's .py."""
+    path = section_file(section, variant, python=python)
     with edit_lock():
-        stack = section_history(section, variant, history_dir=history_dir)
+        stack = section_history(section, variant, history_dir=history_dir, python=python)
         if not stack:
-            where = display_path(_history_dir(section, variant, history_dir))
+            where = display_path(_history_dir(section, variant, history_dir, python))
             raise LookupError(f"no earlier version of {display_path(path)} in {where}")
         entry = stack[-1]
         restored = None if entry.suffix == ".absent" else entry.read_bytes()

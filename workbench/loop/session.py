@@ -35,8 +35,9 @@ from typing import Callable
 
 from .. import paths, plan
 from ..check.stage_check import Failure
-from ..compiler.assemble import BuildOptions, section_path, with_fields
+from ..compiler.assemble import BuildOptions, numba_path, section_path, with_fields
 from ..compiler.compile import CompileError
+from ..compiler.numba_sections import is_numba_variant
 from ..measure.timing import format_table
 from ..model.config import get_config
 from ..model.weights import load_prepared
@@ -235,6 +236,7 @@ class Workbench:
         """The files the current builds read (the watcher reloads when one of them changes)."""
         files = [paths.kernels_dir() / "portability.cuh"]
         files += [section_path(s, self.variants.get(s)) for s in plan.FILES if s not in self.overrides]
+        files += [numba_path(s, v) for s, v in self.variants.items() if is_numba_variant(v)]
         return {f.resolve() for f in files}
 
     # -- the loop ------------------------------------------------------------------------------------------------
@@ -385,31 +387,36 @@ class Workbench:
         rec.time_s = time.perf_counter() - t0
 
     # -- editing ---------------------------------------------------------------------------------------------------
-    def edit(self, section: str, text: str, variant: str | None = None, *, base: str | None = None) -> Path | None:
+    def edit(self, section: str, text: str, variant: str | None = None, *, base: str | None = None,
+             python: bool = False) -> Path | None:
         """Write a section (atomically, byte for byte; the previous version saved for undo). Does not reload: call
         reload(), or let the watcher do it. Returns the history entry (None: the text was already there).
 
         Edits of one kernels folder are serialised across Workbench objects and processes (sections.edit_lock), so
         none is lost. base: the text the edit was made from; if the file has changed since (another Workbench,
         process or editor), the edit is refused, not merged: a SourceError names the file and where the refused
-        text was kept (sections.write_section). A NUL or a file on disk that is not UTF-8 is refused too."""
+        text was kept (sections.write_section). A NUL or a file on disk that is not UTF-8 is refused too.
+        python: the numba variant's .py (its device functions) rather than its .cuh."""
         with self._lock, self._watch_paused():
-            entry = write_section(section, text, variant, history_dir=self.history_dir, base=base)
+            entry = write_section(section, text, variant, history_dir=self.history_dir, base=base, python=python)
             self._watch_sync()
             return entry
 
-    def undo(self, section: str, variant: str | None = None, *, reload: bool = True) -> ReloadRecord | None:
+    def undo(self, section: str, variant: str | None = None, *, reload: bool = True,
+             python: bool = False) -> ReloadRecord | None:
         """Restore the section's previous version, byte for byte (the replaced text kept as *.undone.cuh); then
-        reload (unless reload=False). LookupError when there is none; SourceError for a file that is not UTF-8."""
+        reload (unless reload=False). LookupError when there is none; SourceError for a file that is not UTF-8.
+        python: the numba variant's .py."""
         with self._lock:
             with self._watch_paused():
-                undo_section(section, variant, history_dir=self.history_dir)
+                undo_section(section, variant, history_dir=self.history_dir, python=python)
                 self._watch_sync()
             return self.reload(trigger="undo", section=section, variant=variant) if reload else None
 
-    def section_history(self, section: str, variant: str | None = None) -> list[Path]:
-        """The section's undo stack in this workbench's history folder, oldest first."""
-        return section_history(section, variant, history_dir=self.history_dir)
+    def section_history(self, section: str, variant: str | None = None, *, python: bool = False) -> list[Path]:
+        """The section's undo stack in this workbench's history folder, oldest first (python: a numba variant's
+        .py)."""
+        return section_history(section, variant, history_dir=self.history_dir, python=python)
 
     def use_variant(self, section: str, variant: str | None, *, reload: bool = True) -> ReloadRecord | None:
         """Build `section` from its NAME@VARIANT.cuh file (NAME@VARIANT.ptx for a variant named ptx..., its body in

@@ -1,8 +1,8 @@
 """Watching the kernel sources: a polling thread (no dependency) that calls back when files change.
 
-It stats kernels/sections/*.cuh, kernels/monokernel.cuh and kernels/portability.cuh every `interval_s`; a file whose
-mtime or size moved is read and hashed, and only a changed hash counts (JupyterLab re-saving the same text, or
-touching a file, does nothing). Changes are debounced: the callback runs once the last change is `debounce_s` old,
+It stats kernels/sections/*.cuh (*.ptx, *@numba*.py), kernels/monokernel.cuh and kernels/portability.cuh every
+`interval_s`; a file whose mtime or size moved is read and hashed, and only a changed hash counts (JupyterLab
+re-saving the same text, or touching a file, does nothing). Changes are debounced: the callback runs once the last change is `debounce_s` old,
 with every path that changed meanwhile, so an editor that writes a file in several steps causes one reload.
 The Workbench starts and stops it (Workbench.watch / unwatch) and filters the paths down to its build's files.
 """
@@ -21,10 +21,10 @@ from .. import paths
 
 def watched_files() -> list[Path]:
     """The kernel sources as they are now: every stage section and library file (variants included) plus
-    monokernel.cuh and portability.cuh, and the stages written in PTX. Hidden files (editors' and atomic writes'
-    temporaries) are left out."""
+    monokernel.cuh and portability.cuh, the stages written in PTX and the device functions in Python
+    (NAME@numba....py). Hidden files (editors' and atomic writes' temporaries) are left out."""
     k = paths.kernels_dir()
-    files = [p for folder in (paths.sections_dir(), k / "lib") for pattern in ("*.cuh", "*.ptx")
+    files = [p for folder in (paths.sections_dir(), k / "lib") for pattern in ("*.cuh", "*.ptx", "*@numba*.py")
              for p in folder.glob(pattern) if not p.name.startswith((".", "~")) and "~" not in p.name]
     files += [paths.kernels_dir() / "monokernel.cuh", paths.kernels_dir() / "portability.cuh"]
     return sorted(p for p in files if p.is_file())

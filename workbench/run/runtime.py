@@ -392,7 +392,7 @@ class Monokernel:
 
     def _compile(self, asm: Assembled):
         cp = self.cp
-        if asm.ptx_bodies or (asm.units and units_linkable()):
+        if asm.ptx_bodies or asm.numba or (asm.units and units_linkable()):
             return self._load_spliced(asm)
         try:
             mod = cp.RawModule(code=asm.source, options=(*NVRTC_OPTIONS, *asm.flags), backend="nvrtc")
@@ -404,8 +404,9 @@ class Monokernel:
 
     def _load_spliced(self, asm: Assembled):
         """A build with stages written in PTX (workbench.compiler.ptx): NVRTC's PTX of the module with their bodies in
-        place, through ptxas (its messages at the .ptx files' lines) to a cubin, which the driver loads. A build in
-        units (workbench.compiler.units) comes the same way, as the cubin its linked units make."""
+        place, through ptxas (its messages at the .ptx files' lines) to a cubin, which the driver loads. A build with
+        device functions in Python (workbench.compiler.numba_sections) comes the same way, numba's PTX spliced in; a
+        build in units (workbench.compiler.units) as the cubin its linked units make."""
         import os
         import tempfile
 
@@ -425,7 +426,8 @@ class Monokernel:
                 fn = mod.get_function("wb_generate")
                 fn.kernel                   # loaded now, while the file exists
             except cp.cuda.driver.CUDADriverError as e:
-                where = asm.ptx_bodies[0].display if asm.ptx_bodies else "<the build's linked units>"
+                where = (asm.ptx_bodies[0].display if asm.ptx_bodies else asm.numba[0].display if asm.numba
+                         else "<the build's linked units>")
                 raise CompileError([(where, 0, "error", f"the driver did not load the module: {e}", "")],
                                    str(e)) from None
         finally:
