@@ -38,6 +38,7 @@ import time
 import types
 
 from .. import paths
+from .ptx import Span
 
 PREFIX = "numba"
 INSTALL = "numba and numba-cuda, of the cuda extra"
@@ -318,7 +319,6 @@ def splice(ptx: str, compiled: list) -> tuple[str, list]:
     """The module's PTX with each numba module's definitions in place of the first `.extern .func` NVRTC declared
     for one of its functions → (ptx, spans: ptx.Span per module, each line mapped to the .py line of the `.loc`
     before it). A helper that two exported functions share (each module has its copy) is defined once."""
-    from .ptx import Span
     lines = ptx.splitlines()
     file_lines = [i for i, l in enumerate(lines) if re.match(r"\s*\.file\s+\d+", l)]
     next_file = max((int(lines[i].split()[1]) for i in file_lines), default=0) + 1
