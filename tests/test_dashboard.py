@@ -491,6 +491,28 @@ def test_colours_and_short_names_come_from_the_plan():
     assert D.SHORT["lm_head"] == "lm-head"
 
 
+def _cells(d):
+    """The Gantt heatmap as the browser gets it: stage codes, starts and lengths [blocks, bins], the bin width, and
+    each code's colour from the colorscale."""
+    h = d.gantt_heatmap
+    z, start, length = (D.from_typed_array(x) for x in (h.z, h.customdata, h.text))
+    assert z.shape == start.shape == length.shape
+    lo, hi = h.zmin, h.zmax
+    scale = [(float(f), c) for f, c in h.colorscale]
+
+    def colour(code):
+        f = (code - lo) / (hi - lo)
+        return next(c for (f0, c), (f1, _) in zip(scale, scale[1:]) if f0 <= f <= f1 and f0 != f1)
+    return z, start, length, h.dx, colour
+
+
+def _cell_of(d, block, t0, t1):
+    """(code, start, length, the name kept in Python) of the heatmap cell at the middle of [t0, t1] on `block`."""
+    z, start, length, dx, _ = _cells(d)
+    i, j = list(d.gantt_heatmap.y).index(block), int((t0 + t1) / 2 / dx)
+    return z[i, j], start[i, j], length[i, j], d.gantt_names()[i, j]
+
+
 def test_gantt_synthetic():
     t = synthetic()
     d = D.Dashboard(CFG, source="synthetic")
@@ -498,29 +520,36 @@ def test_gantt_synthetic():
     assert d.step_slider.max == 4 and d.step_slider.value == 4    # follows the newest token
     d.step_slider.value = 2
     g = d.figures["gantt"]
-    by_name = {}
-    for tr in g.data:
-        by_name.setdefault(tr.name, []).append(tr)
-    qkv = by_name["qkv_rope_append"][0]
-    assert qkv is d.gantt_trace("qkv_rope_append") and qkv.marker.color == D.COLORS["qkv_rope_append"]
-    assert len(qkv.y) == 2 * 4                                    # two layers × four blocks
+    z, _, _, dx, colour = _cells(d)
+    assert z.shape == (4, D.GANTT_BINS) and list(d.gantt_heatmap.y) == [0, 1, 2, 3]
     iv = T.intervals(t)
     t0 = int(t[1, -1, :, 1].max())
-    for y, base, x, cd in zip(qkv.y, qkv.base, qkv.x, qkv.customdata):
-        layer = int(cd[0].split()[1])
-        k = schedule.barrier_slot(CFG, "qkv_rope_append", layer)
-        assert k == 1 + SLOTS_PER_LAYER * layer
-        assert x == pytest.approx(iv.work[2, k, y] / 1e3, abs=1e-3)
-        assert base == pytest.approx((iv.start[2, k, y] - t0) / 1e3, abs=1e-3)
-        assert cd[1:] == pytest.approx([x, base, base + x], abs=1e-3)          # length, start, end for the hover
-    assert len(by_name["embedding"][0].y) == 0                      # the embedding alone: step 0 only
-    assert len(by_name[SLOT0][0].y) == 4 and by_name[SLOT0][0].marker.color == D.COLORS["sampling"]
-    waits = by_name[D.WAIT_TRACE]
-    assert {tr.marker.color for tr in waits} == {D.WAIT_COLOR}
-    assert D.WAIT_COLOR not in {tr.marker.color for n, trs in by_name.items() if n != D.WAIT_TRACE for tr in trs}
-    assert sum(len(tr.y) for tr in waits) == N_SLOTS * 4
-    assert sum(bool(tr.showlegend) for tr in waits) == 1
-    assert all(len(tr.y) for tr in waits if tr.showlegend)        # plotly hides an empty trace's entry
+    # every block's work and wait in every slot, in its stage's colour (the wait grey), with its hover text
+    qkv = D.COLORS["qkv_rope_append"]
+    seen = set()
+    for k, (label, layer) in enumerate(slot_names(CFG)):
+        for b in range(4):
+            s0, a, l0 = ((iv.start[2, k, b] - t0) / 1e3, (iv.arrive[2, k, b] - t0) / 1e3,
+                         (iv.leave[2, k, b] - t0) / 1e3)
+            code, start, length, txt = _cell_of(d, b, s0, a)
+            assert colour(code) == D.color_of(label) and code != 0, (label, b)
+            assert txt == label + (f" layer {layer}" if layer >= 0 else "")
+            assert [start, length] == pytest.approx([s0, a - s0], abs=1e-3)
+            code, start, length, txt = _cell_of(d, b, a, l0)
+            assert code == 0 and colour(code) == D.WAIT_COLOR and txt.startswith(f"wait at {label}")
+            assert [start, length] == pytest.approx([a, l0 - a], abs=1e-3)
+            seen.add(label)
+    assert "qkv_rope_append" in seen and colour(1 + d._gantt_labels.index("qkv_rope_append")) == qkv
+    # every colour drawn has a legend entry, and only the stages drawn have one
+    drawn = {colour(c) for c in np.unique(z[~np.isnan(z)])}
+    legend = {tr.marker.color: tr.name for tr in g.data[2:] if tr.showlegend}
+    assert drawn <= set(legend) and legend[D.WAIT_COLOR] == D.WAIT_TRACE
+    assert d.gantt_trace("qkv_rope_append").marker.color == qkv and d.gantt_trace("qkv_rope_append").showlegend
+    assert d.gantt_trace(MLP, wait=True).name == D.WAIT_TRACE
+    for tr in g.data[2:]:                 # a legend entry's one point lies outside the chart, so it is never drawn
+        assert list(tr.y) == [-1e6] and not (g.layout.yaxis.range[1] <= -1e6 <= g.layout.yaxis.range[0])
+    assert not d.gantt_trace("embedding").showlegend              # the embedding alone: step 0 only
+    assert d.gantt_trace(SLOT0).showlegend and d.gantt_trace(SLOT0).marker.color == D.COLORS["sampling"]
     grid = g.data[0]
     assert list(grid.y) == [D.GRID_Y] * N_SLOTS
     assert sum(grid.x) == pytest.approx(STEP_NS / 1e3, abs=1e-2)
@@ -528,29 +557,47 @@ def test_gantt_synthetic():
                                                      "qkv"]                   # the next layer's first slot
     assert "Token 2" in g.layout.title.text
     d.step_slider.value = 0
-    assert len(by_name["embedding"][0].y) == 4 and len(by_name[SLOT0][0].y) == 0
+    assert d.gantt_trace("embedding").showlegend and not d.gantt_trace(SLOT0).showlegend
+    z, colour = _cells(d)[0], _cells(d)[4]
+    assert d.gantt_names()[3, 0] == "embedding" and colour(z[3, 0]) == D.COLORS["embedding"]   # block 3: 300 ns
     assert len(g.data[0].y) == N_SLOTS and g.data[0].text[0] == "embedding"
+
+
+def test_gantt_cells_keep_what_is_shorter_than_a_bin():
+    """A cell shows the interval over its centre; one shorter than a bin (over no centre) takes the cell of its
+    midpoint, the shortest winning."""
+    work = {"a": (np.array([0, 1]), np.array([0.0, 0.0]), np.array([10.0, 10.2]), np.array([0, 0])),
+            "b": (np.array([0, 1]), np.array([10.3, 10.5]), np.array([9.7, 9.5]), np.array([0, 0]))}
+    wait = (np.array([0, 1]), np.array([10.0, 10.2]), np.array([0.3, 0.3]), np.array(["a", "a"]),
+            np.array([0, 0]))
+    c = D.gantt_cells({"work": work, "wait": wait}, ["a", "b"], [0, 1], 20.0, n_bins=20)
+    assert c["dx"] == 1.0
+    assert list(c["z"][0]) == [1] * 10 + [0] + [2] * 9        # the 0.3 µs wait over no centre: its own cell
+    assert list(c["z"][1]) == [1] * 10 + [0] + [2] * 9        # over a centre (10.5): the cell is the wait's
+    assert c["text"][0, 10] == "wait at a layer 0" and c["text"][0, 3] == "a layer 0"
+    assert [c["start"][0, 10], c["length"][0, 10]] == pytest.approx([10.0, 0.3])
+    tiny = dict(work, c=(np.array([0]), np.array([3.2]), np.array([0.1]), np.array([-1])))
+    c = D.gantt_cells({"work": tiny, "wait": wait}, ["a", "b", "c"], [0, 1], 20.0, n_bins=20)
+    assert c["z"][0, 3] == 3 and c["text"][0, 3] == "c"       # 0.1 µs inside a's 10 µs still shows
+    assert np.isnan(D.gantt_cells({"work": {}, "wait": tuple(np.zeros(0) for _ in range(5))}, ["a"], [0], 0.0,
+                                  n_bins=4)["z"]).all()
 
 
 def test_gantt_hover_shows_the_length():
     """A bar with a base: plotly's %{x} is where it ends (a 3.7 µs wait read "305.06 µs from 301.38 µs"). The
     hover texts take the length, start and end from customdata."""
-    t = synthetic()
     d = D.Dashboard(CFG, source="synthetic")
-    d.update_timing(t)
+    d.update_timing(synthetic())
     g = d.figures["gantt"]
-    for tr in g.data:
+    for tr in g.data[:2]:
         assert "%{x" not in tr.hovertemplate and "%{base" not in tr.hovertemplate
-    wait = d.gantt_trace(MLP, wait=True)
-    assert "wait %{customdata[1]:.2f} µs, from %{customdata[2]:.2f} µs to %{customdata[3]:.2f} µs" in \
-        wait.hovertemplate
-    for x, base, cd in zip(wait.x, wait.base, wait.customdata):
-        assert cd[1] == pytest.approx(x) and cd[2] == pytest.approx(base) and cd[3] == pytest.approx(base + x)
+    assert "%{text:.2f} µs, from %{customdata:.2f} µs" in d.gantt_heatmap.hovertemplate
     assert "%{customdata[2]:.2f} µs, from %{customdata[3]:.2f} µs to %{customdata[4]:.2f} µs" in g.data[0].hovertemplate
 
 
-def _hover_texts(fig_json: str, points: list[tuple[int, int]]) -> list[str]:
-    """The hover label plotly.js draws for each (trace, point) of a figure, in headless Chromium."""
+def _hover_texts(fig_json: str, points: list[str]) -> list[str]:
+    """The hover label plotly.js draws for each hover (the JS argument of Plotly.Fx.hover) of a figure, in
+    headless Chromium."""
     sync_api = pytest.importorskip("playwright.sync_api")
     import plotly
     if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
@@ -565,10 +612,10 @@ def _hover_texts(fig_json: str, points: list[tuple[int, int]]) -> list[str]:
             pg = browser.new_page()
             pg.set_content(page)
             pg.wait_for_function("document.querySelector('#g .main-svg') !== null")
-            for curve, point in points:
+            for point in points:
                 pg.evaluate("Plotly.Fx.unhover('g')")
                 pg.wait_for_timeout(100)                        # plotly.js drops hovers closer than 50 ms apart
-                pg.evaluate(f"Plotly.Fx.hover('g', [{{curveNumber: {curve}, pointNumber: {point}}}])")
+                pg.evaluate(f"Plotly.Fx.hover('g', {point})")
                 out.append(pg.evaluate("Array.from(document.querySelectorAll('#g .hovertext'))"
                                        ".map(e => e.textContent).join(' | ')"))
         finally:
@@ -577,21 +624,24 @@ def _hover_texts(fig_json: str, points: list[tuple[int, int]]) -> list[str]:
 
 
 def test_gantt_hover_in_a_browser():
-    """What plotly.js itself shows when hovering a wait bar and a work bar: the length, then where it starts and
-    ends."""
+    """What plotly.js itself shows when hovering a wait cell, a work cell and a grid bar: the length, then where
+    it starts (and for the grid, its slot, layer and end)."""
     import plotly.io as pio
+    t = synthetic()
     d = D.Dashboard(CFG, source="synthetic")
-    d.update_timing(synthetic())
+    d.update_timing(t)
     d.step_slider.value = 2
     g = d.figures["gantt"]
-    wi = d._gantt_wait_traces[MLP]
-    ki = d._gantt_stage_traces["qkv_rope_append"]
-    wait, work = g.data[wi], g.data[ki]
-    texts = _hover_texts(pio.to_json(g), [(wi, 0), (ki, 0)])
-    x, base = float(wait.x[0]), float(wait.base[0])
-    assert f"wait {x:.2f} µs, from {base:.2f} µs to {base + x:.2f} µs" in texts[0]
-    x, base = float(work.x[0]), float(work.base[0])
-    assert f"work {x:.2f} µs, from {base:.2f} µs to {base + x:.2f} µs" in texts[1]
+    iv = T.intervals(t)
+    t0 = int(t[1, -1, :, 1].max())
+    k, b = layer_slot(MLP, 1), 2
+    s0, a, l0 = ((x[2, k, b] - t0) / 1e3 for x in (iv.start, iv.arrive, iv.leave))
+    texts = _hover_texts(pio.to_json(g), [f"{{xval: {(a + l0) / 2}, yval: {b}}}", f"{{xval: {(s0 + a) / 2}, yval: {b}}}",
+                                          "[{curveNumber: 0, pointNumber: 1}]"])
+    assert f"block {b}" in texts[0] and f"{l0 - a:.2f} µs, from {a:.2f} µs" in texts[0]
+    assert f"block {b}" in texts[1] and f"{a - s0:.2f} µs, from {s0:.2f} µs" in texts[1]
+    x, base = float(g.data[0].x[1]), float(g.data[0].base[1])
+    assert f"grid: qkv_rope_append layer 0" in texts[2] and f"{x:.2f} µs, from {base:.2f} µs" in texts[2]
 
 
 def test_partial_snapshots_as_while_the_kernel_runs():
@@ -612,7 +662,10 @@ def test_partial_snapshots_as_while_the_kernel_runs():
         if s == 2 and k == layer_slot("qkv_rope_append", 1):         # step 2 has just run qkv of both layers
             assert d.n_complete == 2 and d.step_slider.max == 2     # the step being written is on show
             g = d.figures["gantt"]
-            assert len(d.gantt_trace("qkv_rope_append").y) == 2 * 4
+            z = _cells(d)[0]
+            qkv = 1 + d._gantt_labels.index("qkv_rope_append")
+            assert ((z == qkv).sum(axis=1) > 0).all()                    # on every block
+            assert np.isnan(z).any()                                    # the rest of the step: not yet
             assert "being written" in g.layout.title.text
             assert "kernel at step 2" in d.header.value
     assert seen == sorted(seen) and seen[-1] == n_steps
@@ -678,7 +731,9 @@ def test_dashboard_from_the_recorded_trace():
     assert "1,270 tok/s" in d.header.value and "4.39 TB/s" in d.header.value
     g = d.figures["gantt"]
     n_slots = schedule.n_slots(PRESETS["llama-3.2-1b"])
-    assert sum(len(tr.y) for tr in g.data if tr.name == D.WAIT_TRACE) == n_slots * 132
+    z = _cells(d)[0]
+    assert z.shape == (132, D.GANTT_BINS) and ((z == 0).sum(axis=1) > 0).all()   # every block waits
+    assert not np.isnan(z[:, :-20]).any()
     assert len(g.data[0].y) == n_slots
     toks = d.figures["tok_s"].data[0].y
     assert len(toks) == 17 and 1200 < np.median(toks) < 1300
@@ -687,6 +742,53 @@ def test_dashboard_from_the_recorded_trace():
     assert d.panel("gantt").children[1] is g and d.panel("history") is d.history.widget
     with pytest.raises(KeyError):
         d.panel("nope")
+
+
+def test_bars_above_the_roofline_are_marked_and_explained():
+    """The recorded run's lm_head reads at 101% of the roofline: its bar says so with a †, and a note on the chart
+    says why a stage can (what the text tables' footnote says)."""
+    d = D.Dashboard.from_trace(T.recorded_path(0))
+    bw = d.figures["bandwidth"]
+    roof = d.roofline_tbps
+    marked = [t.endswith("†") for t in bw.data[0].text]
+    assert marked == [y > roof for y in bw.data[0].y] and any(marked) and not all(marked)
+    note = [a for a in bw.layout.annotations if a.name == "roof-note"]
+    assert len(note) == 1 and note[0].text.startswith("†") and "L2" in note[0].text
+    assert bw.layout.yaxis.range[1] > max(bw.data[0].y)                 # the marked bar is not cut off
+    d.update_timing(d.stamps, roofline_tbps=roof * 2)                   # none above: no note
+    assert not any(t.endswith("†") for t in bw.data[0].text)
+    assert not [a for a in bw.layout.annotations if a.name == "roof-note"]
+
+
+def test_titles_below_the_modebar_and_the_ab_legend_beside_the_bars():
+    """plotly's modebar sits in the top ~25 px at the right: every title starts below it; the A/B legend sits
+    right of the plot, where it covered the stage names when below it. (The browser test checks the boxes.)"""
+    d = D.Dashboard.from_trace(T.recorded_path(0))
+    for fig in [*d.figures.values(), d.ab.fig]:
+        t = fig.layout.title
+        below = (1 - t.y) * fig.layout.height                               # px from the figure's top
+        assert (t.yref, t.yanchor) == ("container", "top") and below == pytest.approx(D.MODEBAR_PX)
+        assert fig.layout.margin.t >= below + 55 - 16                       # two lines of title between
+    leg = d.ab.fig.layout.legend
+    assert leg.x >= 1 and leg.xanchor == "left" and d.ab.fig.layout.margin.r >= 120
+
+
+def test_a_reloaded_page_starts_from_the_figure_as_it_is_now(monkeypatch):
+    """A page loaded later (a browser reload) starts each figure from its _widget_data and _widget_layout, which
+    plotly sets only on display: they follow every update, without sending the figure again."""
+    d = D.Dashboard.from_trace(T.recorded_path(0))
+    d.widget                                                             # displayed: the state as shown now
+    g = d.figures["gantt"]
+    sent = []
+    monkeypatch.setattr(g, "_send", lambda msg, buffers=None: sent.append(msg), raising=False)
+    d.step_slider.value = 3
+    state = g.get_state()
+    assert state["_widget_layout"]["title"]["text"].startswith("Token 3 ")
+    assert state["_widget_data"][1]["z"] == g.data[1].z
+    keys = {k for m in sent for k in m.get("state", {})}
+    assert "_py2js_update" in keys and not keys & {"_widget_data", "_widget_layout"}   # open views: the update only
+    ab = d.ab.set(T.recorded_path(0), T.recorded_path(3700))
+    assert ab.fig.get_state()["_widget_layout"]["title"]["text"].startswith("A/B per stage")
 
 
 def test_save_from_the_dashboard(tmp_path):

@@ -11,7 +11,9 @@ Panels, each a FigureWidget (or an HTML table) the tests and notebooks can read 
   stages     per-stage time per token (summed over layers), mean over tokens, p10–p90 as error bars; one bar per
              slot of the plan (a slot running several stages between two barriers is one bar, "a+b")
   bandwidth  achieved TB/s per stage (stage bytes / time) against the measured streaming-read roofline
-  gantt      one token on every block: work (coloured by stage) and wait at the barrier (grey), stages labelled
+  gantt      one token on every block: work (coloured by stage) and wait at the barrier (grey), one heatmap of
+             GANTT_BINS time bins a block (gantt_cells: which interval a bin shows), under the grid's row of
+             barrier-to-barrier bars with the stages labelled; a legend entry per colour
   tok_s      tok/s of every step of the run, against the roofline at that position
   history    one row per reload record (HistoryRecord; `follow(workbench)` feeds it): section, variant,
              compile time, verification, tok/s
@@ -29,6 +31,7 @@ plan.STAGE_NAMES, a slot of several stages takes its first stage's colour, and i
 """
 from __future__ import annotations
 
+import base64
 import html
 import math
 import time
@@ -52,17 +55,19 @@ UNKNOWN_COLOR = "#555555"         # a stage the plan does not know (an older tra
 WAIT_COLOR = "#c8c8c8"
 WAIT_TRACE = "wait at the barrier"
 GRID_Y = -3                       # the Gantt chart's row of barrier-to-barrier spans, above block 0
-# The Gantt bars' hover texts. customdata per bar: [layer text, length, start, end] (the grid's: [label, layer text,
-# length, start, end]), in µs from the token's start. Not %{x}: for a bar with a base, plotly's %{x} is where the
-# bar ends (base + length).
+GANTT_BINS = 900                  # the Gantt heatmap's time bins: about the plot's width in pixels
+# under the bandwidth chart's title when a stage is above 100% of the roofline (its bar's text marked †)
+ROOF_NOTE_CHART = ("† above the roofline: that is a separate launch's streaming read, timed whole;<br>a stage is "
+                   "timed between barriers, and may find some of its bytes in L2")
+# The grid bars' hover text. customdata per bar: [label, layer text, length, start, end], in µs from the token's
+# start. Not %{x}: for a bar with a base, plotly's %{x} is where the bar ends (base + length).
 GRID_HOVER = ("grid: %{customdata[0]} %{customdata[1]}<br>%{customdata[2]:.2f} µs, from %{customdata[3]:.2f} µs "
               "to %{customdata[4]:.2f} µs<extra></extra>")
-
-
-def block_hover(label: str, part: str = "work") -> str:
-    """A block's work or wait bar: customdata [layer text, length, start, end]."""
-    return (f"block %{{y}}<br>{'wait after ' if part == 'wait' else ''}{label} %{{customdata[0]}}<br>{part} "
-            "%{customdata[1]:.2f} µs, from %{customdata[2]:.2f} µs to %{customdata[3]:.2f} µs<extra></extra>")
+# The block rows' hover text (one heatmap cell): the interval the cell shows, its length (text, a number) and start
+# (customdata), in µs from the token's start; its stage is the cell's colour (the legend). Not the stage's name: one
+# string a cell (~120k) made a slider step ~150 ms slower (the widget walks every string in the kernel and again in
+# the browser), numbers travel as one binary string a figure attribute.
+BLOCK_HOVER = "block %{y}<br>%{text:.2f} µs, from %{customdata:.2f} µs<extra></extra>"
 
 
 def short_name(stage: str) -> str:
@@ -120,6 +125,40 @@ def _synced(*figs):
     for f in figs:
         f._repr_mimebundle_()
     return figs
+
+
+MODEBAR_PX = 46
+
+
+def title_below_modebar(height: int) -> dict:
+    """A figure's title below plotly's modebar, which takes the top ~24 px at the right, where a centred or long
+    title ran under it (title.pad did not move it). MODEBAR_PX is where the title's anchor goes; its box starts ~16 px
+    above that (measured in Chromium: two lines, anchored at the top), so just under the modebar. The top margins
+    make room for the two lines."""
+    return dict(yref="container", y=1 - MODEBAR_PX / height, yanchor="top", x=0.02, xanchor="left")
+
+
+def _keep_state(*figs):
+    """Make the state a page loaded later (a browser reload) starts each FigureWidget from the figure as it is
+    now. plotly sends every change as a one-off restyle or relayout message and sets the traits a new view starts
+    from (_widget_data, _widget_layout) only when the figure is displayed, so a reloaded page drew the figure as first
+    shown (the Gantt chart's first token, whatever the slider said). The traits are set without notifying: the
+    views already open have the change, and sending the whole figure again would double the cost of every update.
+    Copies of the dicts and lists, as plotly makes (it prunes _widget_layout in place when the browser reports
+    layout defaults); the leaves are shared: plotly stores arrays read-only, and a deep copy of the Gantt chart's
+    cell texts alone took ~50 ms."""
+    for f in figs:
+        f._trait_values["_widget_data"] = _tree_copy(f._data)
+        f._trait_values["_widget_layout"] = _tree_copy(f._layout_obj._props)
+    return figs
+
+
+def _tree_copy(v):
+    if isinstance(v, dict):
+        return {k: _tree_copy(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_tree_copy(x) for x in v]
+    return v
 
 
 # -- reload records ------------------------------------------------------------------------------------------------
@@ -336,6 +375,98 @@ def gantt_data(stamps: np.ndarray, cfg: ModelConfig, step: int, blocks=None, lay
     return {"work": work, "wait": wait, "grid": grid, "t0_ns": t0}
 
 
+def gantt_cells(d: dict, labels: list[str], rows, x_max: float, n_bins: int = GANTT_BINS,
+                names: bool = True) -> dict:
+    """gantt_data's intervals as heatmap cells: rows = `rows` (block ids), n_bins time bins of x_max / n_bins µs.
+    {"z": [rows, bins] float32 stage code (0 the wait, 1 + i labels[i], NaN nothing), "start", "length": [rows,
+    bins] float32 of the interval shown, "text" (with names=True): [rows, bins] its stage and layer ("wait at
+    <label> ..." for a wait), "dx": the bin width}.
+
+    Which interval a cell shows: the one that covers the cell's centre (for intervals that tile a block's time,
+    the one covering most of the cell, give or take half a bin); an interval that covers no centre (shorter than a
+    bin) takes the cell holding its midpoint, the shortest winning where several fall in one cell. Without that, a
+    short stage or a short wait would vanish from the chart without a trace; with "shortest wins" over every
+    touched cell instead, each of a block's ~130 waits would take a whole bin and the grey would be inflated."""
+    rows = np.asarray(rows)
+    n_rows = rows.size
+    dx = x_max / n_bins if x_max > 0 else 1.0
+    row_of = np.full(int(rows.max()) + 1 if n_rows else 1, -1)
+    row_of[rows] = np.arange(n_rows)
+    code_of = {label: 1 + i for i, label in enumerate(labels)}
+    parts = [(b, st, du, np.full(len(b), code_of.get(label, 0)), layer) for label, (b, st, du, layer)
+             in d["work"].items()]
+    wb, wst, wdu, wlab, wlayer = d["wait"]
+    parts.append((wb, wst, wdu, np.zeros(len(wb), int), wlayer))
+    b, start, dur, code, layer = (np.concatenate([np.asarray(p[i]) for p in parts]) if parts else np.zeros(0)
+                                  for i in range(5))
+    wait_label = np.concatenate([np.full(sum(len(p[0]) for p in parts[:-1]), "", dtype=object),
+                                 np.asarray(wlab, dtype=object)])
+    b = b.astype(int)
+    keep = (b < row_of.size) & (dur > 0)
+    keep[keep] &= row_of[b[keep]] >= 0
+    b, start, dur, code, layer, wait_label = (a[keep] for a in (b, start, dur, code, layer, wait_label))
+    r = row_of[b]
+    order = np.lexsort((start, r))
+    r, start, dur, code, layer, wait_label = (a[order] for a in (r, start, dur, code, layer, wait_label))
+    end = start + dur
+    span = 2 * max(x_max, float(end.max()) if end.size else 0.0) + 1.0      # rows laid end to end on one axis
+    centre = (np.arange(n_bins) + 0.5) * dx
+    q = (np.arange(n_rows)[:, None] * span + centre[None, :]).ravel()
+    p = np.searchsorted(r * span + start, q, side="right") - 1
+    pc = np.clip(p, 0, max(len(r) - 1, 0))
+    ok = (p >= 0) & (len(r) > 0)
+    if len(r):
+        ok &= (r[pc] == np.repeat(np.arange(n_rows), n_bins)) & (np.tile(centre, n_rows) < end[pc])
+    cell = np.where(ok, pc, -1)
+    covered = np.zeros(len(r), bool)
+    covered[cell[cell >= 0]] = True
+    lost = np.flatnonzero(~covered)
+    if lost.size:
+        lost = lost[np.argsort(dur[lost], kind="stable")]                    # shortest first
+        j = np.clip(((start[lost] + dur[lost] / 2) / dx).astype(int), 0, n_bins - 1)
+        flat = r[lost] * n_bins + j
+        _, first = np.unique(flat, return_index=True)                       # the shortest of each cell
+        cell[flat[first]] = lost[first]
+    has = cell >= 0
+    z = np.full(n_rows * n_bins, np.nan, np.float32)
+    z[has] = code[cell[has]]
+    first = np.full(n_rows * n_bins, np.nan, np.float32)
+    first[has] = start[cell[has]]
+    length = np.full(n_rows * n_bins, np.nan, np.float32)
+    length[has] = dur[cell[has]]
+    out = {"z": z.reshape(n_rows, n_bins), "start": first.reshape(n_rows, n_bins),
+           "length": length.reshape(n_rows, n_bins), "dx": dx}
+    if names:               # one text per (stage, layer, wait or not): a small table, indexed per cell
+        labels_of = ["", *labels]
+        keys = [(int(c), int(l), str(w)) for c, l, w in zip(code, layer, wait_label)]
+        table = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+        text_of = np.array([(f"wait at {w}" if c == 0 else labels_of[c]) + (f" layer {l}" if l >= 0 else "")
+                            for c, l, w in table] + [""], dtype=object)
+        per = np.array([table[k] for k in keys] + [len(table)])
+        out["text"] = text_of[per[np.where(has, cell, len(code))]].reshape(n_rows, n_bins)
+    return out
+
+
+def typed_array(a: np.ndarray) -> dict:
+    """A numpy array as plotly.js's typed-array spec (base64 little-endian float32 with its shape): a 2-D or 3-D
+    array goes to the browser as one string, where plotly's widget serializer would send it as nested JSON lists
+    (and NaN is no JSON)."""
+    a = np.ascontiguousarray(a, dtype="<f4")
+    return {"dtype": "f4", "bdata": base64.b64encode(a.tobytes()).decode("ascii"),
+            "shape": ", ".join(map(str, a.shape))}
+
+
+def from_typed_array(spec) -> np.ndarray:
+    """typed_array's inverse (a plain list or array passes through as an array)."""
+    if isinstance(spec, Mapping) and "bdata" in spec:
+        dt = {"f4": "<f4", "f8": "<f8", "i4": "<i4", "u1": "u1", "i1": "i1", "u2": "<u2", "i2": "<i2",
+              "u4": "<u4"}[spec["dtype"]]
+        a = np.frombuffer(base64.b64decode(spec["bdata"]), dtype=dt)
+        shape = spec.get("shape")
+        return a.reshape([int(x) for x in str(shape).split(",")]) if shape else a
+    return np.asarray(spec)
+
+
 def ab_rows(rows_a: list[StageRow], rows_b: list[StageRow]) -> list[dict]:
     """Per stage (in the order of A's rows, then any only B has): A and B µs/token, B − A in µs and %; then a total
     row with tok/s."""
@@ -398,9 +529,10 @@ class ABView(_Shown):
             self.fig.add_bar(name=name, x=[], y=[], marker_color=colour,
                              error_y=dict(type="data", symmetric=False, array=[], arrayminus=[]),
                              hovertemplate="%{x}: %{y:.1f} µs/token<extra>%{fullData.name}</extra>")
-        self.fig.update_layout(barmode="group", width=760, height=420, margin=dict(l=60, r=20, t=70, b=60),
-                               yaxis_title="µs per token (all layers)",
-                               legend=dict(orientation="h", y=-0.12, x=0.5, xanchor="center", yanchor="top"))
+        # the legend at the right, outside the plot: below it, it covered the stage names under the bars
+        self.fig.update_layout(barmode="group", width=860, height=450, margin=dict(l=60, r=160, t=110, b=60),
+                               yaxis_title="µs per token (all layers)", title=title_below_modebar(450),
+                               legend=dict(x=1.02, xanchor="left", y=1, yanchor="top"))
         self.table = w.HTML()
         self.rows: list[dict] = []
         self._box = w.VBox([self.fig, self.table])
@@ -439,6 +571,7 @@ class ABView(_Shown):
             self.fig.layout.title.text = (f"A/B per stage: {html.escape(la)} ({tot['a_tok_s']:,.0f} tok/s) vs "
                                           f"{html.escape(lb)} ({tot['b_tok_s']:,.0f} tok/s)"
                                           + (f"<br><sup>{html.escape(title)}</sup>" if title else ""))
+        _keep_state(self.fig)
         self.table.value = self._html()
         return self
 
@@ -503,14 +636,16 @@ class Dashboard(_Shown):
                        customdata=[], hovertemplate="%{x}<br>mean %{y:.1f} µs/token<br>p10–p90 %{customdata[0]:.1f}"
                        "–%{customdata[1]:.1f} µs<br>work %{customdata[2]:.1f} µs, wait %{customdata[3]:.1f} µs"
                        "<extra></extra>")
-        stages.update_layout(width=480, height=380, margin=dict(l=60, r=20, t=60, b=90), showlegend=False,
+        stages.update_layout(width=480, height=410, margin=dict(l=60, r=20, t=105, b=90), showlegend=False,
+                             title=title_below_modebar(410),
                              yaxis_title="µs per token (all layers)")
 
         bw = go.FigureWidget()
         bw.add_bar(name="achieved TB/s", x=[], y=[], marker_color=[], text=[], textposition="outside",
                    customdata=[], hovertemplate="%{x}<br>%{y:.2f} TB/s (%{text} of roofline)<br>"
                    "%{customdata:.1f} MB per token<extra></extra>")
-        bw.update_layout(width=480, height=380, margin=dict(l=60, r=20, t=60, b=90), showlegend=False,
+        bw.update_layout(width=480, height=440, margin=dict(l=60, r=20, t=130, b=90), showlegend=False,
+                         title=title_below_modebar(440),
                          yaxis_title="TB/s")
 
         # Bars with a base: plotly's %{x} is where the bar ends (base + length), not its length, so the hover texts
@@ -520,9 +655,10 @@ class Dashboard(_Shown):
                       text=[], textposition="inside", insidetextanchor="middle", textfont=dict(size=9),
                       customdata=[], width=2.4, showlegend=False, hovertemplate=GRID_HOVER)
         self._gantt_stage_traces: dict[str, int] = {}
-        self._gantt_wait_traces: dict[str, int] = {}
+        self.gantt_cells: dict | None = None
         gantt.update_layout(barmode="overlay", width=980, height=800, bargap=0,
-                            margin=dict(l=70, r=20, t=60, b=90), xaxis_title="µs from the start of the token",
+                            margin=dict(l=70, r=20, t=105, b=90), xaxis_title="µs from the start of the token",
+                            title=title_below_modebar(800),
                             yaxis=dict(title="block (one per SM)", autorange=False, zeroline=False),
                             legend=dict(orientation="h", y=-0.07, x=0.5, xanchor="center", yanchor="top"),
                             uniformtext=dict(minsize=8, mode="hide"))
@@ -533,7 +669,8 @@ class Dashboard(_Shown):
         toks.add_scatter(name="roofline at that position", x=[], y=[], mode="lines",
                          line=dict(color="#888", dash="dash"),
                          hovertemplate="position %{x}: roofline %{y:,.0f} tok/s<extra></extra>")
-        toks.update_layout(width=480, height=340, margin=dict(l=60, r=20, t=60, b=50), xaxis_title="position",
+        toks.update_layout(width=480, height=370, margin=dict(l=60, r=20, t=105, b=50), xaxis_title="position",
+                           title=title_below_modebar(370),
                            yaxis_title="tok/s", legend=dict(orientation="h", y=-0.25))
 
         self.figures = {"stages": stages, "bandwidth": bw, "gantt": gantt, "tok_s": toks}
@@ -556,31 +693,47 @@ class Dashboard(_Shown):
         return slot_names(cfg), first_step_label(cfg)
 
     def _setup_gantt(self, cfg: ModelConfig):
-        """One work trace per slot label and one wait trace each (all named WAIT_TRACE, one legend entry), made
-        again when the layout changes."""
+        """The block rows as one heatmap (trace 1; the grid's bars are trace 0) whose discrete colorscale gives
+        each slot label its colour and the wait its grey, and one legend entry per colour (a heatmap has none of
+        its own), made again when the layout changes."""
         labels = gantt_labels(*self.slot_layout(cfg))
         if labels == self._gantt_labels:
             return
         fig = self.figures["gantt"]
+        colours = [WAIT_COLOR] + [color_of(label) for label in labels]
+        n = len(colours)
+        scale = [x for i, c in enumerate(colours) for x in ([i / n, c], [(i + 1) / n, c])]
         with fig.batch_update():
             fig.data = fig.data[:1]
-            self._gantt_stage_traces, self._gantt_wait_traces = {}, {}
-            for label in labels:
-                fig.add_bar(name=label, orientation="h", y=[], x=[], base=[], marker_color=color_of(label),
-                            customdata=[], legendgroup=label, width=0.9, marker_line_width=0,
-                            hovertemplate=block_hover(label))
+            fig.add_heatmap(name="blocks", z=[], x0=0, dx=1, y=[], colorscale=scale, zmin=-0.5, zmax=n - 0.5,
+                            showscale=False, hoverongaps=False, zsmooth=False, showlegend=False,
+                            hovertemplate=BLOCK_HOVER)
+            # legend entries: a heatmap has no per-colour entries, and plotly leaves out the entry of a trace with
+            # no points, so each has one point far above the chart (the y axis range is fixed: it is never shown)
+            self._gantt_stage_traces = {}
+            for label in labels + [WAIT_TRACE]:
+                fig.add_scatter(name=label, x=[0], y=[-1e6], mode="markers", hoverinfo="skip", legendgroup=label,
+                                marker=dict(symbol="square", size=11,
+                                            color=WAIT_COLOR if label == WAIT_TRACE else color_of(label)))
                 self._gantt_stage_traces[label] = len(fig.data) - 1
-            for k, label in enumerate(labels):
-                fig.add_bar(name=WAIT_TRACE, orientation="h", y=[], x=[], base=[], marker_color=WAIT_COLOR,
-                            customdata=[], width=0.9, marker_line_width=0, legendgroup="wait", showlegend=k == 0,
-                            hovertemplate=block_hover(label, "wait"))
-                self._gantt_wait_traces[label] = len(fig.data) - 1
         self._gantt_labels = labels
         self._gantt_key = None
 
+    @property
+    def gantt_heatmap(self):
+        """The Gantt chart's block rows (a heatmap; see gantt_cells for its cells)."""
+        return self.figures["gantt"].data[1]
+
+    def gantt_names(self) -> np.ndarray:
+        """What each of the Gantt heatmap's cells shows, by name: [blocks, bins] "<label> layer <l>" or "wait at
+        <label> layer <l>" ("" where nothing)."""
+        d, rows, x_max = self._gantt_drawn
+        return gantt_cells(d, self._gantt_labels, rows, x_max)["text"]
+
     def gantt_trace(self, label: str, wait: bool = False):
-        """The Gantt chart's work trace of a slot label (or its wait trace)."""
-        return self.figures["gantt"].data[(self._gantt_wait_traces if wait else self._gantt_stage_traces)[label]]
+        """The Gantt chart's legend entry of a slot label (of the wait, with wait=True): shown while the token on
+        show has that label."""
+        return self.figures["gantt"].data[self._gantt_stage_traces[WAIT_TRACE if wait else label]]
 
     # -- constructors --------------------------------------------------------------------------------------------
     @classmethod
@@ -636,6 +789,7 @@ class Dashboard(_Shown):
             self._draw_bandwidth()
         with self.figures["tok_s"].batch_update():
             self._draw_tok_s()
+        _keep_state(self.figures["stages"], self.figures["bandwidth"], self.figures["tok_s"])
         self._update_slider(new_run)
         self._draw_gantt(force=new_run)
         self._render_header()
@@ -778,14 +932,21 @@ class Dashboard(_Shown):
         tr.x = [r.stage for r in rows]
         tr.y = [r.tbps for r in rows]
         tr.marker.color = [color_of(r.stage) for r in rows]
-        tr.text = [f"{100 * r.tbps / roof:.0f}%" if roof else "" for r in rows]
+        over = [bool(roof) and r.tbps > roof for r in rows]
+        tr.text = [f"{100 * r.tbps / roof:.0f}%" + ("†" if o else "") if roof else "" for r, o in zip(rows, over)]
         tr.customdata = [r.bytes / 1e6 for r in rows]
         if roof:
             fig.layout.shapes = [dict(type="line", xref="paper", x0=0, x1=1, yref="y", y0=roof, y1=roof,
                                       line=dict(color="#333", dash="dash", width=2), name="roofline")]
-            fig.layout.annotations = [dict(xref="paper", x=0.01, y=roof, yref="y", xanchor="left", yanchor="bottom",
-                                           showarrow=False, text=f"streaming-read roofline {roof:.2f} TB/s")]
-            fig.layout.yaxis.range = [0, roof * 1.2]
+            notes = [dict(xref="paper", x=0.01, y=roof, yref="y", xanchor="left", yanchor="bottom",
+                          showarrow=False, text=f"streaming-read roofline {roof:.2f} TB/s")]
+            if any(over):           # the text tables' footnote (measure.timing.ROOF_NOTE), short, on the chart
+                notes.append(dict(xref="paper", yref="paper", x=0, y=1.01, xanchor="left", yanchor="bottom",
+                                  showarrow=False, align="left", font=dict(size=10, color="#555"), name="roof-note",
+                                  text=ROOF_NOTE_CHART))
+            fig.layout.annotations = notes
+            top = max([r.tbps for r in rows], default=0.0)
+            fig.layout.yaxis.range = [0, max(roof * 1.2, top * 1.12)]
         else:
             fig.layout.shapes, fig.layout.annotations = [], []
         fig.layout.title.text = "Achieved bandwidth per stage" + self._sub()
@@ -836,46 +997,42 @@ class Dashboard(_Shown):
         d = gantt_data(self.stamps, self.cfg, step, self.gantt_blocks, self.slot_layout())
         fig = self.figures["gantt"]
         r3 = lambda a: np.round(np.asarray(a, dtype=float), 3)
-
-        def hover(layers, start, dur):
-            """customdata: [layer text, length, start, end] per bar (see block_hover)."""
-            return [[_layer_text(l), float(x), float(s0), float(e)]
-                    for l, x, s0, e in zip(layers, r3(dur), r3(start), r3(np.asarray(start) + np.asarray(dur)))]
+        n_blocks = self.stamps.shape[2]
+        rows = np.arange(n_blocks) if self.gantt_blocks is None else np.asarray(list(self.gantt_blocks))
+        g_stage, g_start, g_dur, g_layer = d["grid"]
+        ends = [g_start + g_dur, d["wait"][1] + d["wait"][2]]
+        x_max = max((float(np.max(e)) for e in ends if len(e)), default=0.0)
+        # the cells' names (what the hover does not say) only on demand: gantt_names()
+        cells = gantt_cells(d, self._gantt_labels, rows, x_max, names=False)
+        self.gantt_cells = cells
+        self._gantt_drawn = (d, rows, x_max)
+        present = set(d["work"]) | ({WAIT_TRACE} if len(d["wait"][0]) else set())
 
         with fig.batch_update():
-            g_stage, g_start, g_dur, g_layer = d["grid"]
             g = fig.data[0]
             g.y = [GRID_Y] * len(g_stage)
             g.base = r3(g_start)
             g.x = r3(g_dur)
             g.marker.color = [color_of(s) for s in g_stage]
             g.text = [short_of(s) for s in g_stage]
-            g.customdata = [[s] + h for s, h in zip(g_stage, hover(g_layer, g_start, g_dur))]
+            g.customdata = [[s, _layer_text(l), float(x), float(s0), float(s0 + x)]
+                            for s, l, x, s0 in zip(g_stage, g_layer, r3(g_dur), r3(g_start))]
+            h = fig.data[1]
+            h.z = typed_array(cells["z"])
+            h.customdata = typed_array(cells["start"])
+            h.text = typed_array(cells["length"])
+            h.x0, h.dx = cells["dx"] / 2, cells["dx"]
+            h.y = rows.astype(np.int32)
             for label, i in self._gantt_stage_traces.items():
-                tr = fig.data[i]
-                if label in d["work"]:
-                    b, st, du, layer = d["work"][label]
-                    tr.y, tr.base, tr.x, tr.customdata = b, r3(st), r3(du), hover(layer, st, du)
-                else:
-                    tr.y, tr.base, tr.x, tr.customdata = [], [], [], []
-            b, st, du, stg, layer = d["wait"]
-            legend = False
-            for label, i in self._gantt_wait_traces.items():
-                m = stg == label
-                tr = fig.data[i]
-                tr.y, tr.base, tr.x, tr.customdata = b[m], r3(st[m]), r3(du[m]), hover(layer[m], st[m], du[m])
-                # plotly leaves an empty trace out of the legend (the first label's, the embedding alone, is empty
-                # after step 0): the grey's one entry goes on the first wait trace with bars
-                tr.showlegend = bool(m.any()) and not legend
-                legend = legend or bool(m.any())
-            n_blocks = self.stamps.shape[2]
+                show = label in present
+                if fig.data[i].showlegend != show:
+                    fig.data[i].showlegend = show
             fig.layout.yaxis.tickvals = [GRID_Y] + list(range(0, n_blocks, 8))
             fig.layout.yaxis.ticktext = ["grid"] + [str(i) for i in range(0, n_blocks, 8)]
             fig.layout.yaxis.range = [n_blocks, GRID_Y - 2]          # reversed: block 0 on top, the grid above
             total = float((g_start + g_dur).max()) if len(g_stage) else 0.0
-            ends = [g_start + g_dur, d["wait"][1] + d["wait"][2]]
-            x_max = max((float(np.max(e)) for e in ends if len(e)), default=0.0)
             fig.layout.xaxis.range = [0, x_max * 1.01] if x_max > 0 else None
             what = "being written" if partial else f"{total:,.1f} µs"
             fig.layout.title.text = (f"Token {step} (position {self.pos0 + step:,}) on every block: work by stage, "
                                      f"grey = wait at the barrier ({what})" + self._sub())
+        _keep_state(fig)
