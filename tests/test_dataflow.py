@@ -4,6 +4,8 @@ the hand-offs it is for; counters and a ring are priced; bad designs are refused
 from __future__ import annotations
 
 import collections
+import dataclasses
+import itertools
 
 import pytest
 
@@ -115,3 +117,78 @@ def test_hbm_is_water_filled_and_bytes_in_flight_cost_the_latency_bound_moments(
                                                      inflight=32_768))[0]
     # a ring that asks for all it may hold queues every hand-off behind it; a meter gives most of that back
     assert free < metered < queued
+
+
+NEEDS_NUMBA = "needs numba, the compiled engine (the dev extra installs it)"
+
+
+@pytest.fixture(scope="module")
+def long_costs(recorded):
+    """Costs fitted at 0 and 3700: a split kv head's merge is priced (costs.merge_us > 0)."""
+    return S.calibrate([recorded, T.load_recorded(3700)], hbm_tbps=recorded.roofline_tbps, sm_gbps=S.SM_GBPS)
+
+
+# every value of every field at least once, at each position (the Python engine takes ~12 s a run)
+DESIGNS = [(0, S.Design()),
+           (128, S.Design(handoff="counter", deal="heads", early_bytes=200_000, queue=1, inflight=32_768)),
+           (3709, S.Design(handoff="counter", queue=1)),
+           (3709, S.Design(deal="heads", early_bytes=200_000, inflight=32_768))]
+
+
+@pytest.mark.parametrize("pos,design", DESIGNS, ids=[f"{p}-{d.handoff}-{d.deal}-{d.early_bytes}-q{d.queue}-{d.inflight}"
+                                                     for p, d in DESIGNS])
+def test_the_compiled_engine_prices_as_the_python_one(recorded, costs, long_costs, pos, design):
+    pytest.importorskip("numba", reason=NEEDS_NUMBA)
+    c = long_costs if pos > 1000 else costs
+    us, spans = D.run(recorded.cfg, c, pos, design=design, engine="numba")
+    ref_us, ref_spans = D.run(recorded.cfg, c, pos, design=design, engine="python")
+    # the same events and the same floating-point operations in the same order: equal, not close
+    assert us == ref_us
+    assert spans == ref_spans
+
+
+def _check_spans(g, spans):
+    """Each block's nodes run one after the other, and none starts before what it waits for was seen."""
+    assert len(spans) == sum(map(len, g.nodes))
+    seen = {}                                                 # (key, set id) → the last of its blocks' finishes
+    for b, nodes in enumerate(g.nodes):
+        prev = 0.0
+        for nd in nodes:
+            start, end = spans[nd.key, b]
+            assert prev <= start <= end
+            for (pkey, sid), delay in zip(nd.deps, nd.delay):
+                if (pkey, sid) not in seen:
+                    seen[pkey, sid] = max(spans[pkey, p][1] for p in g.sets[sid])
+                assert start >= seen[pkey, sid] + delay - 1e-9
+            prev = end
+
+
+@pytest.mark.parametrize("handoff,deal", list(itertools.product(("barrier", "counter"), ("today", "heads"))))
+def test_the_compiled_engine_keeps_the_order_of_every_design(recorded, costs, handoff, deal):
+    pytest.importorskip("numba", reason=NEEDS_NUMBA)
+    cfg, launch = recorded.cfg, plan.Launch()
+    for early_bytes, queue in ((None, 0), (200_000, 1)):        # a graph of the heads deal takes seconds
+        base = S.Design(handoff=handoff, deal=deal, early_bytes=early_bytes, queue=queue)
+        g = D._Graph(cfg, costs, 128, launch, base, 2)       # the meter changes the events, not the graph
+        for inflight in (None, 32_768):
+            spans = D._run_flat(g, costs, dataclasses.replace(base, inflight=inflight))
+            _check_spans(g, spans)
+
+
+class _Ran(Exception):
+    pass
+
+
+def test_without_numba_the_python_engine_runs(monkeypatch, recorded, costs):
+    monkeypatch.setattr(D, "numba", None)
+
+    def python_engine(g, c, d):
+        raise _Ran
+
+    monkeypatch.setattr(D, "_run_python", python_engine)
+    with pytest.raises(_Ran):
+        D.run(recorded.cfg, costs, 0)
+    with pytest.raises(ImportError, match="numba"):
+        D.run(recorded.cfg, costs, 0, engine="numba")
+    with pytest.raises(ValueError, match="engine 'c'"):
+        D.run(recorded.cfg, costs, 0, engine="c")

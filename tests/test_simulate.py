@@ -55,16 +55,30 @@ def test_attention_splits_as_the_section_does():
     assert attention_split(cfg, launch, 100_000)[0] == launch.max_splits(cfg)
 
 
-def test_the_fluid_model_shares_hbm_and_caps_an_sm():
+@pytest.mark.parametrize("share", ["_share", "_share_python"])
+def test_the_fluid_model_shares_hbm_and_caps_an_sm(share):
+    share = getattr(S, share)
     c = S.Costs(hbm_tbps=1.0, sm_gbps=100.0)                         # 1e6 bytes/µs shared, 1e5 a block at most
-    one, _ = S._share(np.zeros(1), np.array([1e6]), np.zeros(1), c)
+    one, _ = share(np.zeros(1), np.array([1e6]), np.zeros(1), c)
     assert one[0] == pytest.approx(10.0)                              # alone: the SM's own limit
-    many, _ = S._share(np.zeros(20), np.full(20, 1e6), np.zeros(20), c)
+    many, _ = share(np.zeros(20), np.full(20, 1e6), np.zeros(20), c)
     assert many == pytest.approx(np.full(20, 20.0))                   # 20 blocks: 5e4 each, HBM-bound
     # a late starter streams alone at first, then shares; a block with nothing to stream arrives at its start
-    arr, landed = S._share(np.array([0.0, 5.0, 2.0]), np.array([1e6, 1e6, 0.0]), np.array([0.0, 0.0, 3e5]), c)
+    arr, landed = share(np.array([0.0, 5.0, 2.0]), np.array([1e6, 1e6, 0.0]), np.array([0.0, 0.0, 3e5]), c)
     assert arr[2] == 2.0 and landed[2] == pytest.approx(5.0)           # 3e5 bytes at 1e5/µs from 2 µs
     assert arr[0] == pytest.approx(10.0) and arr[1] == pytest.approx(15.0)
+
+
+@pytest.mark.parametrize("pos,design", [(0, S.Design(handoff="flag")), (128, S.Design()),
+                                        (3709, S.Design(early_bytes=200_000))])
+def test_the_compiled_fluid_model_prices_as_the_numpy_one(monkeypatch, recorded, costs, pos, design):
+    pytest.importorskip("numba", reason="needs numba, the compiled fluid model (the dev extra installs it)")
+    fast = S.simulate(recorded.cfg, costs, pos, design=design)
+    monkeypatch.setattr(S, "_share", S._share_python)
+    ref = S.simulate(recorded.cfg, costs, pos, design=design)
+    # the same operations in the same order: equal, not close
+    for a, b in ((fast.boundary_us, ref.boundary_us), (fast.start_us, ref.start_us), (fast.arrive_us, ref.arrive_us)):
+        assert np.array_equal(a, b, equal_nan=True)
 
 
 def test_calibration_reproduces_the_trace_it_was_fitted_on(recorded, costs):

@@ -253,8 +253,8 @@ def fan_in(cfg: ModelConfig, consumer: plan.Stage, use: plan.Use, producer: plan
     read (the stages as given: a design may deal them otherwise than the plan)."""
     wrote = _rows_by_block(cfg, producer, next(w for w in producer.writes if w.buffer == use.buffer), launch, pos)
     wrote = {b: _merged(rows) for b, rows in wrote.items()}
-    need = _rows_by_block(cfg, consumer, use, launch, pos)
-    return {c: tuple(b for b, rows in wrote.items() if _meets(_merged(want), rows)) for c, want in need.items()}
+    need = {c: _merged(want) for c, want in _rows_by_block(cfg, consumer, use, launch, pos).items()}
+    return {c: tuple(b for b, rows in wrote.items() if _meets(want, rows)) for c, want in need.items()}
 
 
 def handoffs(cfg: ModelConfig, launch: plan.Launch = plan.Launch(), pos: int = 0,

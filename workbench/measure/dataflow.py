@@ -29,6 +29,11 @@ import dataclasses
 
 import numpy as np
 
+try:
+    import numba
+except ImportError:          # optional (the dev extra): without it `run` takes the Python engine, ~10× slower
+    numba = None
+
 from .. import plan, schedule
 from ..model.config import ModelConfig
 from ..worklists import attention_split, fan_in, kv_head_of, reads_cache, split_by_heads, unit_blocks
@@ -114,7 +119,8 @@ class _Graph:
                 slot = slot_of[name, layer]
                 label = label_of[slot]
                 wbytes = schedule.stage_weight_bytes(cfg, name) / max(1, n_units)
-                deps_by_block = self._deps(cfg, stages, st, name, layer, t, launch, pos, fan, seq)
+                # behind barriers a node waits for the barrier only (_wire_barriers): no fan-in to work out
+                deps_by_block = {} if barrier else self._deps(cfg, stages, st, name, layer, t, launch, pos, fan, seq)
                 for b, units in per.items():
                     lat = 0.0
                     if (t, slot, b) not in first_of_slot:
@@ -198,10 +204,27 @@ class _Graph:
 
 
 def run(cfg: ModelConfig, costs: Costs, pos: int = 0, launch: plan.Launch = plan.Launch(),
-        design: Design = Design(), tokens: int = 2) -> tuple[float, dict]:
+        design: Design = Design(), tokens: int = 2, engine: str | None = None) -> tuple[float, dict]:
     """(µs per token, {(key, block): (start, finish)}): the steady token's time, publish to publish, and every
-    node's span. The first token starts cold; the last token's span is the one measured."""
+    node's span. The first token starts cold; the last token's span is the one measured.
+    engine: "numba" (the event loop compiled over flat arrays, `_events`; the default where numba imports) or
+    "python" (`_run_python`, the reference: the same events and the same floating-point operations in the same
+    order, so the two agree bit for bit, tests/test_dataflow.py)."""
+    if engine is None:
+        engine = "python" if numba is None else "numba"
+    if engine not in ("numba", "python"):
+        raise ValueError(f"engine {engine!r}: numba or python")
+    if engine == "numba" and numba is None:
+        raise ImportError("engine 'numba' needs numba (pip install numba; the dev extra has it)")
     g = _Graph(cfg, costs, pos, launch, design, tokens)
+    spans = (_run_python if engine == "python" else _run_flat)(g, costs, design)
+    n = g.n_exec
+    pub = [spans[k, 0][1] for k in ((tok + 1) * n - 1 for tok in range(tokens))]
+    return pub[-1] - pub[-2], spans
+
+
+def _run_python(g: _Graph, costs: Costs, design: Design) -> dict:
+    """The event engine over the graph's nodes: {(key, block): (start, finish)}."""
     grid, sets = g.grid, g.sets
     members: dict = {}                                    # key → [set id] waited on, through blocks
     for lst in g.nodes:
@@ -306,7 +329,14 @@ def run(cfg: ModelConfig, costs: Costs, pos: int = 0, launch: plan.Launch = plan
         rates = _water_fill(caps, costs.hbm_tbps * 1e6)
         if design.queue:                                  # what a round trip starting now waits behind
             window = cap_sm * costs.counter_us
-            flight = sum(min(main[b], window) for b in streaming) + sum(min(loads[b][1], meter) for b in loading)
+            # added one by one, not with sum(): from Python 3.12 sum() compensates float rounding, which no loop
+            # elsewhere (the compiled engine) does
+            streamed, asked = 0.0, 0.0
+            for b in streaming:
+                streamed += min(main[b], window)
+            for b in loading:
+                asked += min(loads[b][1], meter)
+            flight = streamed + asked
             queue_us = max(0.0, flight / (costs.hbm_tbps * 1e6) - costs.counter_us)
         events = []
         for b in range(grid):
@@ -330,9 +360,262 @@ def run(cfg: ModelConfig, costs: Costs, pos: int = 0, launch: plan.Launch = plan
             held[b][j] += rates[b] * dt
             total_held[b] += rates[b] * dt
         t = t_next
-    n = g.n_exec
-    pub = [spans[k, 0][1] for k in ((tok + 1) * n - 1 for tok in range(tokens))]
-    return pub[-1] - pub[-2], spans
+    return spans
+
+
+def _flatten(g: _Graph) -> dict:
+    """The graph as flat arrays, nodes block after block (block b's are node_ptr[b]:node_ptr[b + 1]): per node its
+    latency, bytes, loadable bytes and whether it is a barrier arrival; its deps as (key, set id) pair indices
+    with their delays (dep_ptr), and the pairs its finish counts down (fin_ptr: the sets waited on that hold its
+    block); per pair how many producer blocks it waits for."""
+    members: dict = {}
+    for lst in g.nodes:
+        for nd in lst:
+            for pkey, sid in nd.deps:
+                members.setdefault(pkey, set()).add(sid)
+    pair: dict = {}
+    for pkey, sids in members.items():
+        for sid in sids:
+            pair[pkey, sid] = len(pair)
+    in_set = [set(s) for s in g.sets]
+    keys, blocks, lat, weight, cache, loadable, is_barrier = [], [], [], [], [], [], []
+    dep_ptr, dep_pair, dep_delay, fin_ptr, fin_pair = [0], [], [], [0], []
+    node_ptr = [0]
+    for b, lst in enumerate(g.nodes):
+        for nd, ld in zip(lst, g.loadable[b]):
+            keys.append(nd.key)
+            blocks.append(b)
+            lat.append(nd.latency)
+            weight.append(nd.weight)
+            cache.append(nd.cache)
+            loadable.append(ld)
+            is_barrier.append(nd.stage is None)
+            for (pkey, sid), d in zip(nd.deps, nd.delay):
+                dep_pair.append(pair[pkey, sid])
+                dep_delay.append(d)
+            dep_ptr.append(len(dep_pair))
+            fin_pair += [pair[nd.key, sid] for sid in members.get(nd.key, ()) if b in in_set[sid]]
+            fin_ptr.append(len(fin_pair))
+        node_ptr.append(len(keys))
+    i64, f64 = np.int64, np.float64
+    return dict(keys=keys, blocks=blocks, node_ptr=np.array(node_ptr, i64), lat=np.array(lat, f64),
+                weight=np.array(weight, f64), cache=np.array(cache, f64), loadable=np.array(loadable, f64),
+                is_barrier=np.array(is_barrier, np.bool_), dep_ptr=np.array(dep_ptr, i64),
+                dep_pair=np.array(dep_pair, i64), dep_delay=np.array(dep_delay, f64), fin_ptr=np.array(fin_ptr, i64),
+                fin_pair=np.array(fin_pair, i64),
+                left=np.array([len(g.sets[sid]) for _, sid in pair], i64))
+
+
+def _run_flat(g: _Graph, costs: Costs, design: Design) -> dict:
+    """`_run_python`'s events, compiled (`_events`) over the flattened graph."""
+    f = _flatten(g)
+    if any(f["node_ptr"][1:] == f["node_ptr"][:-1]):
+        raise IndexError("a block with no nodes")             # where the Python engine fails too
+    cap_sm = costs.sm_gbps * 1e3
+    meter = design.inflight if design.inflight is not None else float("inf")
+    # the constants of the Python engine's loop, computed by Python as there
+    cap_load = min(cap_sm, meter / max(costs.counter_us, 1e-3))
+    status, start, finish, cur = _events(
+        f["node_ptr"], f["lat"], f["weight"], f["cache"], f["loadable"], f["is_barrier"], f["dep_ptr"], f["dep_pair"],
+        f["dep_delay"], f["fin_ptr"], f["fin_pair"], f["left"], float(g.cap), float(cap_sm), float(cap_load),
+        design.early_bytes is not None, bool(design.queue), float(meter), float(cap_sm * costs.counter_us),
+        float(costs.hbm_tbps * 1e6), float(costs.counter_us))
+    if status:
+        stuck = [(b, g.nodes[b][cur[b] - f["node_ptr"][b]].stage) for b in range(g.grid)
+                 if cur[b] < f["node_ptr"][b + 1]][:3]
+        raise RuntimeError(f"the schedule deadlocks: blocks wait on producers that never finish {stuck}")
+    return dict(zip(zip(f["keys"], f["blocks"]), zip(start.tolist(), finish.tolist())))
+
+
+def _jit(fn):
+    return numba.njit(cache=True)(fn) if numba is not None else fn
+
+
+@_jit
+def _ready(i, dep_ptr, dep_pair, dep_delay, left, last):
+    """When node i sees all its inputs; −1: not all finished yet."""
+    r = 0.0
+    for d in range(dep_ptr[i], dep_ptr[i + 1]):
+        p = dep_pair[d]
+        if left[p] > 0:
+            return -1.0
+        v = last[p] + dep_delay[d]
+        if v > r:                                   # max(r, v) as Python takes it: r unless v is greater
+            r = v
+    return r
+
+
+@_jit
+def _events(node_ptr, lat, weight, cache, loadable, is_barrier, dep_ptr, dep_pair, dep_delay, fin_ptr, fin_pair,
+            left0, cap, cap_sm, cap_load, ring, queue, meter, window, hbm, counter_us):
+    """`_run_python`'s loop over flat arrays (`_flatten`), block for block and operation for operation: (status,
+    each node's start and finish, each block's current node); status 1: a deadlock. Python's min(a, b) and
+    max(a, b) return a unless b is strictly less (greater), and are spelt so; a block's current node `cur` is an
+    index into the flat arrays."""
+    grid = len(node_ptr) - 1
+    n = len(lat)
+    left = left0.copy()
+    last = np.zeros(len(left0))
+    cur = node_ptr[:-1].copy()
+    phase = np.zeros(grid, np.int64)                     # WAIT
+    t_lat = np.zeros(grid)
+    main = np.zeros(grid)
+    held = np.zeros(n)
+    total_held = np.zeros(grid)
+    start = np.zeros(grid)
+    span_start = np.zeros(n)
+    span_end = np.zeros(n)
+    scan = node_ptr[:-1].copy()        # a ring's first node not yet full from where it last looked (held only grows)
+    load_j = np.full(grid, -1)
+    load_amt = np.zeros(grid)
+    rates = np.zeros(grid)
+    streaming = np.zeros(grid, np.int64)
+    loading = np.zeros(grid, np.int64)
+    order = np.zeros(grid, np.int64)
+    queue_us = 0.0
+    t = 0.0
+    while True:
+        changed = True
+        while changed:
+            changed = False
+            for b in range(grid):
+                if phase[b] == 0:
+                    r = _ready(cur[b], dep_ptr, dep_pair, dep_delay, left, last)
+                    if r >= 0.0 and r <= t + 1e-9:
+                        start[b] = t
+                        phase[b] = 1
+                        t_lat[b] = t + lat[cur[b]] + queue_us
+                        changed = True
+                if phase[b] == 1 and t_lat[b] <= t + 1e-9:
+                    i = cur[b]
+                    x = weight[i] - held[i]
+                    main[b] = (x if x > 0.0 else 0.0) + cache[i]
+                    phase[b] = 2
+                    changed = True
+                if phase[b] == 2 and main[b] <= 1e-6:
+                    i = cur[b]
+                    span_start[i] = start[b]
+                    span_end[i] = t
+                    for k in range(fin_ptr[i], fin_ptr[i + 1]):
+                        p = fin_pair[k]
+                        left[p] -= 1
+                        if t > last[p]:
+                            last[p] = t
+                    total_held[b] -= held[i]
+                    cur[b] += 1
+                    phase[b] = 0 if cur[b] < node_ptr[b + 1] else 3
+                    changed = True
+        done = True
+        for b in range(grid):
+            if phase[b] != 3:
+                done = False
+                break
+        if done:
+            break
+        # what each block loads ahead now (load_j −1: nothing)
+        n_s = 0
+        n_l = 0
+        for b in range(grid):
+            load_j[b] = -1
+            if phase[b] == 2:
+                streaming[n_s] = b
+                n_s += 1
+            if total_held[b] >= cap - 1e-6 or not (phase[b] == 0 or (ring and phase[b] == 1)):
+                continue
+            j = cur[b] + (1 if phase[b] == 1 else 0)
+            end = node_ptr[b + 1]
+            if ring:
+                if scan[b] > j:
+                    j = scan[b]
+            else:
+                while j < end and is_barrier[j]:
+                    j += 1
+                if j + 1 < end:
+                    end = j + 1
+            while j < end:
+                if held[j] < loadable[j] - 1e-6:
+                    break
+                j += 1
+            if ring:
+                scan[b] = j
+            if j < end:
+                a = loadable[j] - held[j]
+                c = cap - total_held[b]
+                load_j[b] = j
+                load_amt[b] = c if c < a else a
+                loading[n_l] = b
+                n_l += 1
+        # water filling in the order of Python's stable sort by cap: streaming then loading blocks, each in block
+        # order, unless a loader's cap is the smaller
+        m = 0
+        if cap_load < cap_sm:
+            for k in range(n_l):
+                order[m] = loading[k]
+                m += 1
+        for k in range(n_s):
+            order[m] = streaming[k]
+            m += 1
+        if not cap_load < cap_sm:
+            for k in range(n_l):
+                order[m] = loading[k]
+                m += 1
+        bw = hbm
+        for k in range(m):
+            b = order[k]
+            c = cap_sm if phase[b] == 2 else cap_load
+            v = bw / (m - k)
+            rates[b] = v if v < c else c
+            bw -= rates[b]
+        if queue:
+            streamed = 0.0
+            asked = 0.0
+            for k in range(n_s):
+                b = streaming[k]
+                streamed += window if window < main[b] else main[b]
+            for k in range(n_l):
+                b = loading[k]
+                asked += meter if meter < load_amt[b] else load_amt[b]
+            q = (streamed + asked) / hbm - counter_us
+            queue_us = q if q > 0.0 else 0.0
+        found = False
+        t_min = 0.0
+        for b in range(grid):
+            if phase[b] == 0:
+                e = _ready(cur[b], dep_ptr, dep_pair, dep_delay, left, last)
+                if e < 0.0:
+                    continue
+            elif phase[b] == 1:
+                e = t_lat[b]
+            else:
+                continue
+            if not found or e < t_min:
+                t_min = e
+                found = True
+        for k in range(n_s):
+            b = streaming[k]
+            e = t + main[b] / rates[b]
+            if not found or e < t_min:
+                t_min = e
+                found = True
+        for k in range(n_l):
+            b = loading[k]
+            e = t + load_amt[b] / rates[b]
+            if not found or e < t_min:
+                t_min = e
+                found = True
+        if not found:
+            return 1, span_start, span_end, cur
+        t_next = t if t > t_min else t_min
+        dt = t_next - t
+        for k in range(n_s):
+            b = streaming[k]
+            main[b] -= rates[b] * dt
+        for k in range(n_l):
+            b = loading[k]
+            held[load_j[b]] += rates[b] * dt
+            total_held[b] += rates[b] * dt
+        t = t_next
+    return 0, span_start, span_end, cur
 
 
 def _water_fill(caps: dict, total: float) -> dict:
