@@ -1,12 +1,14 @@
-"""A/B of the prefill attention kernel's layouts (workbench.run.prefill_gpu.FlashLayout) on one GPU, in one run:
-a whole prompt's causal attention, chunk by chunk as the prefill runs it, for one layer of a model's shapes, each
-layout timed (median of repeats, CUDA events) and held to the default's output bit for bit.
+"""A/B of the prefill attention kernel's layouts (workbench.run.prefill_gpu.FlashLayout) and precisions on one
+GPU, in one run: a whole prompt's causal attention, chunk by chunk as the prefill runs it, for one layer of a
+model's shapes, each layout timed (median of repeats, CUDA events) and held to the per-head layout's output bit for
+bit; then the bf16 precision (one bf16 half of the queries and probabilities, half the products) at the default
+layout, with its relative error against the fp32 precision's output.
 
     python scripts/ab_prefill_attention.py --model llama-3.2-1b --prompt 4096 32768 [--json FILE]
 
 The table gives ms per layer and for all layers (× n_layers), and the tensor-core rate counted as the work a
 bf16 attention does (4·rows·keys·hd per head, causal), so a layout that does the same work faster shows higher;
-the kernel issues twice those mma FLOPs (queries and probabilities split in hi + lo).
+the fp32 precision issues twice those mma FLOPs (queries and probabilities split in hi + lo), the bf16 one those.
 """
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ from workbench.run.prefill import PREFILL_CHUNK  # noqa: E402
 
 LAYOUTS = {"per-head": G.FlashLayout(), "gqa-rows": G.FlashLayout(gqa_rows=True),
            "k-ldmatrix": G.FlashLayout(k_ldmatrix=True), "both": G.FlashLayout(True, True)}
+# (layout, halves) a row times: every layout at the fp32 precision, the default layout at bf16's
+RUNS = {**{name: (layout, G.PRECISIONS["fp32"]) for name, layout in LAYOUTS.items()},
+        "bf16, default layout": (G.FLASH_LAYOUT, G.PRECISIONS["bf16"])}
 
 
 def one_prompt(cfg, n: int, chunk: int, repeats: int, rng) -> dict:
@@ -36,8 +41,8 @@ def one_prompt(cfg, n: int, chunk: int, repeats: int, rng) -> dict:
     kb, vb = (to_bf16(cp.asarray(rng.standard_normal((hkv, n, hd)), dtype=cp.float32), cp) for _ in range(2))
     chunks = [(c, min(c + chunk, n)) for c in range(0, n, chunk)]
     base, rows = None, {}
-    for name, layout in LAYOUTS.items():
-        kernel = G.module(G.flash_source(hd, layout)).get_function("prefill_attention")
+    for name, (layout, halves) in RUNS.items():
+        kernel = G.module(G.flash_source(hd, layout, halves)).get_function("prefill_attention")
 
         def run():
             return [G.flash_attention(q[a:b], kb, vb, cp.arange(a, b), hq, kernel=kernel, layout=layout)
@@ -46,6 +51,7 @@ def one_prompt(cfg, n: int, chunk: int, repeats: int, rng) -> dict:
         if base is None:
             base = out
         same = bool(((out == base) | (cp.isnan(out) & cp.isnan(base))).all())
+        rel = float(cp.linalg.norm(out - base) / cp.linalg.norm(base))
         times = []
         for _ in range(repeats):
             t0, t1 = cp.cuda.Event(), cp.cuda.Event()
@@ -57,7 +63,8 @@ def one_prompt(cfg, n: int, chunk: int, repeats: int, rng) -> dict:
         ms = float(np.median(times))
         flops = 4.0 * hd * hq * n * (n + 1) / 2                         # QKᵀ and PV, causal
         rows[name] = {"ms_layer": ms, "ms_all_layers": ms * cfg.n_layers, "tflops_bf16_work": flops / ms / 1e9,
-                      "bit_identical_to_per_head": same, "runs_ms": times}
+                      "halves": halves, "bit_identical_to_per_head": same, "rel_err_vs_per_head": rel,
+                      "runs_ms": times}
     return rows
 
 
@@ -71,15 +78,16 @@ def main():
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     report = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "chunk": a.chunk, "rows": []}
-    print(f"| model | prompt | layout | ms / layer | ms, all layers | TFLOPS (bf16 work) | same bits |")
-    print("|---|---|---|---|---|---|---|")
+    print("| model | prompt | layout | ms / layer | ms, all layers | TFLOPS (bf16 work) | same bits | rel. err |")
+    print("|---|---|---|---|---|---|---|---|")
     for m in a.model:
         cfg = get_config(m)
         for n in a.prompt:
             for name, r in one_prompt(cfg, n, a.chunk, a.repeats, rng).items():
                 report["rows"].append({"model": m, "prompt": n, "layout": name, **r})
                 print(f"| {m} | {n:,} | {name} | {r['ms_layer']:.2f} | {r['ms_all_layers']:.1f} | "
-                      f"{r['tflops_bf16_work']:.0f} | {'yes' if r['bit_identical_to_per_head'] else 'NO'} |",
+                      f"{r['tflops_bf16_work']:.0f} | {'yes' if r['bit_identical_to_per_head'] else 'no'} | "
+                      f"{r['rel_err_vs_per_head']:.1e} |",
                       flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1))

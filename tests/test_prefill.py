@@ -213,3 +213,25 @@ def test_the_prefill_times_its_stages_when_asked():
     assert all(t > 0 for t in timings.values())
     np.testing.assert_array_equal(timed.logits, plain.logits)
     np.testing.assert_array_equal(caches[1][0], caches[0][0])
+
+
+def test_the_bf16_attention_issues_half_the_products_and_the_same_layouts():
+    """The bf16 precision's attention (one bf16 half of the queries and probabilities, attention.cuh) for sm_90:
+    half the tensor-core instructions of the fp32 precision's (the lo products are gone, not only unread), and no
+    local memory at the default layout for every head_dim a preset has and between (its launch bounds' reason);
+    any other halves refused."""
+    from workbench.compiler.compile import disassemble, nvrtc_program, resource_usage
+    from workbench.run.prefill_gpu import PRECISIONS, FlashLayout, flash_source
+    assert sorted(PRECISIONS.values()) == [1, 2]
+    for hd, layout in [(hd, None) for hd in (32, 64, 80, 96, 128)] + [(64, FlashLayout(False, False))]:
+        built = {}
+        for halves in (1, 2):
+            ok, log, _, cubin = nvrtc_program(flash_source(hd, layout, halves), ["--std=c++17", "-arch=sm_90"])
+            assert ok, (hd, layout, halves, log)
+            (r,) = [r for r in resource_usage(cubin) if r.kernel == "prefill_attention"]
+            assert r.stack == 0, (hd, layout, halves, r)
+            built[halves] = (r, disassemble(cubin).count("HMMA."))
+        (r1, mma1), (r2, mma2) = built[1], built[2]
+        assert mma2 > 0 and mma1 * 2 == mma2, (hd, layout, mma1, mma2)
+    with pytest.raises(ValueError, match="halves=3"):
+        flash_source(64, None, 3)

@@ -19,6 +19,17 @@
 //   an infinity in a value at position j also reaches the earlier rows of j's block, whose weight for it is 0 (and
 //   0·NaN is NaN): a cache holding one is wrong at j already, and every later row reads it, so the prefill fails
 //   its check either way. The layouts below are bit-identical for finite values.
+// - WB_PA_HALVES 1 (the bf16 precision, prefill_gpu.PRECISIONS): the scaled queries and the probabilities rounded to
+//   one bf16 each (|x − hi| ≤ 2⁻⁹|x|) and one product each, half the tensor-core work: the roundings HF's bf16
+//   attention does too. A score's error is Σ εᵢ·(q·scale)ᵢ·kᵢ, εᵢ independent and uniform within half a bf16 step
+//   (rms 2⁻⁹/√3 ≈ 1.1e-3), so ~1.1e-3·‖(q·scale)∘k‖₂: at most ~1.1e-3 of the score's largest term-sum, ~1e-3 in
+//   absolute terms for scores of a few units, and a probability moves by about its score's error, relatively. The
+//   output is a weighted mean of the values, so it moves by ~1e-3 of its size from the scores, plus the 1.0–1.3e-3
+//   measured above for the rounded probabilities: ~1.5e-3 a layer, the size of one rounded product's, which enters
+//   the residual through o_proj. As a random walk over the layers it adds √L·1.5e-3 (6e-3 for the 1B's 16, 8.5e-3
+//   for the 8B's 32) to the products' 6e-3 and 9e-3: ~8.5e-3 and ~1.2e-2 in quadrature, under the check's 2e-2.
+//   Scores far from a few units (a head that puts most of its weight on one key with a score of tens) move by
+//   tens of 1e-3: the check on the model's own prompt decides, as it does for HF's bf16.
 //
 // Set by the launcher (workbench/run/prefill_gpu.py): WB_HD (head_dim, a multiple of 16, at most 128), WB_THREADS and
 // WB_PA_ROWS (the rows a block takes, as its grid counts them), and two layouts that change no result, bit for bit
@@ -45,16 +56,37 @@
 #ifndef WB_PA_K_LDMATRIX
 #define WB_PA_K_LDMATRIX 0
 #endif
+#ifndef WB_PA_HALVES
+#define WB_PA_HALVES 2
+#endif
+static_assert(WB_PA_HALVES == 1 || WB_PA_HALVES == 2, "bf16 halves of the queries and probabilities: 1 or 2");
+// The launch bounds, for ptxas's register budget. One half frees the lo fragments (~30 registers at head_dim 64,
+// ~60 at 128); with the block size alone ptxas then aimed at 128 registers and spilled at head_dims 80 and 96 (8
+// and 24 bytes of stack), and with no limit it took up to 177 at 64, two blocks an SM where two halves have three.
+// Three blocks an SM (≤ 170 registers) keep the default layout out of local memory at every head_dim up to 128 at
+// the two halves' occupancy. Two halves keep the block size alone: a minimum of one block moved ptxas to more
+// registers for the same code (165 → 206 at head_dim 64).
+#if WB_PA_HALVES == 1
+#define PA_LAUNCH_BOUNDS __launch_bounds__(WB_THREADS, 3)
+#else
+#define PA_LAUNCH_BOUNDS __launch_bounds__(WB_THREADS)
+#endif
 static_assert(WB_HD % 16 == 0 && WB_HD <= 128, "head_dim: a multiple of 16, at most 128");
 static_assert(WB_THREADS == PA_WARPS * WB_WARP, "one warp per 16 query rows");
 static_assert(WB_PA_ROWS == PA_BM, "the launcher's grid counts rows in this tile's");
 static_assert(2 * 2 * PA_BN * PA_KS * 2 <= 48 * 1024, "two stages of both tiles fit static shared memory");
 
 // x ≈ hi + lo, both bf16 (|x − hi − lo| ≤ 2⁻¹⁷|x|), for a pair of operand elements: hi rounded, lo the rounded
-// rest (x − hi is exact in fp32)
+// rest (x − hi is exact in fp32). With one half, hi alone (lo is never read, and the compiler drops it).
 __device__ __forceinline__ void pa_split(float x0, float x1, u32& hi, u32& lo) {
     hi = wb_pack_bf16x2(x0, x1);
-    lo = wb_pack_bf16x2(x0 - bf16_lo(hi), x1 - bf16_hi(hi));
+    lo = WB_PA_HALVES == 2 ? wb_pack_bf16x2(x0 - bf16_lo(hi), x1 - bf16_hi(hi)) : 0u;
+}
+
+// acc += (hi + lo)·b, or hi·b with one half
+__device__ __forceinline__ void pa_mma(float* acc, const u32* hi, const u32* lo, const u32* b) {
+    wb_mma_bf16_16816(acc, hi, b);
+    if (WB_PA_HALVES == 2) wb_mma_bf16_16816(acc, lo, b);
 }
 
 // one tile's keys and values, keys j0.. of this kv head, into a stage; keys past the block's last are zeros (every
@@ -70,7 +102,7 @@ __device__ __forceinline__ void pa_load_tile(bf16* ks, bf16* vs, const bf16* kb,
     wb_cp_async_commit();
 }
 
-extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_attention(
+extern "C" __global__ void PA_LAUNCH_BOUNDS prefill_attention(
     const float* __restrict__ q,         // [n, Hq·hd]: the rows' queries, RoPE applied
     const bf16* __restrict__ k,          // [Hkv, kv_stride, hd]: this layer's keys, the kernel's cache (bf16)
     const bf16* __restrict__ v,          // [Hkv, kv_stride, hd]
@@ -155,18 +187,15 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_attention(
             for (; kk + 1 < WB_HD / 16; kk += 2) {
                 u32 b[4];
                 wb_ldmatrix_x4(b, kt + (nt * 8 + (lane & 7)) * PA_KS + kk * 16 + (lane >> 3) * 8);
-                wb_mma_bf16_16816(s[nt], qh[kk], b);
-                wb_mma_bf16_16816(s[nt], ql[kk], b);
-                wb_mma_bf16_16816(s[nt], qh[kk + 1], b + 2);
-                wb_mma_bf16_16816(s[nt], ql[kk + 1], b + 2);
+                pa_mma(s[nt], qh[kk], ql[kk], b);
+                pa_mma(s[nt], qh[kk + 1], ql[kk + 1], b + 2);
             }
 #endif
 #pragma unroll
             for (; kk < WB_HD / 16; ++kk) {
                 const bf16* kp = kt + (nt * 8 + g) * PA_KS + kk * 16 + 2 * t;
                 const u32 b[2] = {*(const u32*)kp, *(const u32*)(kp + 8)};
-                wb_mma_bf16_16816(s[nt], qh[kk], b);
-                wb_mma_bf16_16816(s[nt], ql[kk], b);
+                pa_mma(s[nt], qh[kk], ql[kk], b);
             }
         }
         // the causal mask where the tile reaches past the warp's first row, and each row's new max over the four
@@ -224,10 +253,8 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_attention(
                 u32 b[4];
                 wb_ldmatrix_x4_trans(b, vt + (kk * PA_KSTEP + ((lane >> 3) & 1) * 8 + (lane & 7)) * PA_KS
                                             + (nt + (lane >> 4)) * 8);
-                wb_mma_bf16_16816(o[nt], ah, b);
-                wb_mma_bf16_16816(o[nt], al, b);
-                wb_mma_bf16_16816(o[nt + 1], ah, b + 2);
-                wb_mma_bf16_16816(o[nt + 1], al, b + 2);
+                pa_mma(o[nt], ah, al, b);
+                pa_mma(o[nt + 1], ah, al, b + 2);
             }
         }
         __syncthreads();                              // before the next tile's copy overwrites this stage

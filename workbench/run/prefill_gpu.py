@@ -58,12 +58,16 @@ class FlashLayout:
 FLASH_LAYOUT = FlashLayout(k_ldmatrix=True)
 
 
-def flash_source(head_dim: int, layout: FlashLayout | None = None) -> str:
-    """The prefill attention kernel's source for one head_dim (and layout, FLASH_LAYOUT unless given): the
-    portability layer, then the kernel."""
+def flash_source(head_dim: int, layout: FlashLayout | None = None, halves: int = 2) -> str:
+    """The prefill attention kernel's source for one head_dim (and layout, FLASH_LAYOUT unless given), with the
+    queries and probabilities in `halves` bf16 halves (PRECISIONS; attention.cuh argues both): the portability
+    layer, then the kernel."""
+    if halves not in PRECISIONS.values():
+        raise ValueError(f"halves={halves}: the attention kernel takes {sorted(set(PRECISIONS.values()))}")
     k, layout = _kernels_dir(), layout or FLASH_LAYOUT
     return (f"#define WB_HD {head_dim}\n#define WB_THREADS {ATTN_THREADS}\n#define WB_PA_ROWS {ATTN_ROWS}\n"
             f"#define WB_PA_GQA_ROWS {int(layout.gqa_rows)}\n#define WB_PA_K_LDMATRIX {int(layout.k_ldmatrix)}\n"
+            f"#define WB_PA_HALVES {halves}\n"
             + (k / "portability.cuh").read_text() + (k / "prefill" / "attention.cuh").read_text())
 
 
@@ -94,11 +98,12 @@ def module(src: str):
     return _MODULES[src]
 
 
-def flash_attention(q, k_layer, v_layer, positions, n_heads: int, kernel=None, layout: FlashLayout | None = None):
+def flash_attention(q, k_layer, v_layer, positions, n_heads: int, kernel=None, layout: FlashLayout | None = None,
+                    halves: int = 2):
     """o [n, Hq·hd] of queries q [n, Hq·hd] (fp32, RoPE applied) over one layer's cache k_layer, v_layer
     [Hkv, n_ctx, hd] (bf16 bits, the kernel's cache as it is), row i over keys 0..positions[i]: what
     stages.attention_decode computes, in one kernel (kernels/prefill/attention.cuh, which argues its precision).
-    `kernel`: the compiled one for this head_dim and `layout`, if the caller holds it."""
+    `kernel`: the compiled one for this head_dim, `layout` and `halves` (PRECISIONS), if the caller holds it."""
     import cupy
     n_kv, n_ctx, hd = k_layer.shape
     n = q.shape[0]
@@ -121,7 +126,7 @@ def flash_attention(q, k_layer, v_layer, positions, n_heads: int, kernel=None, l
     if n == 0:
         return out
     layout = layout or FLASH_LAYOUT
-    kernel = kernel or module(flash_source(hd, layout)).get_function("prefill_attention")
+    kernel = kernel or module(flash_source(hd, layout, halves)).get_function("prefill_attention")
     kernel(layout.grid(n, n_heads, n_kv), (ATTN_THREADS,),
            (q, k_layer, v_layer, pos, out, np.int32(n), np.int32(n_ctx), np.int32(n_heads), np.int32(n_heads // n_kv),
             np.float32(hd ** -0.5)))
@@ -142,7 +147,9 @@ def flash_attention(q, k_layer, v_layer, positions, n_heads: int, kernel=None, l
 #   and independent across the K terms of a product, so a product's output is off by ~1.1e-3 of its rms. The
 #   residual takes 2L such products (L layers, o_proj and down) and every layer's keys depend on all before it: as
 #   a random walk, √(2L)·1.1e-3 ≈ 6e-3 for the 1B's 16 layers and 9e-3 for the 8B's 32, plus the LM head's 1.1e-3.
-#   The bound, 2e-2, is twice the 8B's; a wrong row, stage or chunk is off by its own size, O(1).
+#   The attention takes the same halves (its queries and probabilities, attention.cuh argues its ~1.5e-3 a layer):
+#   ~8.5e-3 and ~1.2e-2 in all. The bound, 2e-2, is 1.6× the 8B's; a wrong row, stage or chunk is off by its own
+#   size, O(1).
 # The decode after a prefill reads the cache it wrote, so it is held to the same bound (verify_after_prefill).
 PRECISIONS = {"fp32": 2, "bf16": 1}
 
