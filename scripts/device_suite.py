@@ -4,8 +4,13 @@ the editing loop's timings, the bench (this tree against a base tree in the same
 re-recorded timing traces.
 
     python scripts/device_suite.py [--out DIR] [--only smoke pytest mutants failures sanitize verify loop assembly bench
-                                   record]
+                                   record schedule hazy]
                                    [--base DIR] [--verify-models M ...] [--set FIELD=VALUE ...]
+
+`schedule` records the register path's traces at 0, 128 and 4,096 and the stream build's at 128 in one run, measures
+one SM's read, checks the schedule simulator on them and A/Bs the L1 split (BuildOptions.smem_carveout) against the
+stream build. `hazy` builds Hazy Research's megakernel from the sources under --anchors (MK, TK, the pydra-config
+wheel and the two anchor scripts) and runs it interleaved with our bench at position 128 and 4,096.
 
 Each part runs in its own process with a time limit (a hang or a crash in one cannot take the others down), its
 output goes to DIR/<part>.log, and the summary table comes last. `--base` names another checkout (e.g. the
@@ -139,6 +144,8 @@ def main():
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="a BuildOptions or launch field of the kernel the bench and the recorded traces run "
                          "(repeatable)")
+    ap.add_argument("--anchors", default=".anchors", help="the folder of Hazy's sources for `hazy`: mk/ (Megakernels), "
+                    "tk/ (ThunderKittens), wheels/ (pydra-config), hazy_build.sh and hazy_bench.py")
     ap.add_argument("--wheels", help="a folder of wheels to install first, without an index (a GPU machine without "
                                      "network: cuda-bindings for the verification build in units)")
     a = ap.parse_args()
@@ -193,7 +200,8 @@ def main():
         # (with the prefill's time per stage), then a long prefill verified and decoded after
         R["prefill-kernels"] = run("prefill-kernels", [PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                                                        "-s", "tests/test_gpu.py", "-k",
-                                                       "prefills_attention or prefills_gpu_path or fused_causal_softmax"], out, 240)
+                                                       "prefills_attention or prefills_gpu_path or fused_causal_softmax "
+                                                       "or bf16"], out, 240)
         for m in ("llama-3.2-1b", "llama-3.1-8b"):
             R[f"ttft-{m}"] = run(f"ttft-{m}", [PY, "-m", "workbench", "bench", "--model", m, "--positions", "128",
                                                "--tokens", "32", "--repeats", "3", "--no-hf", "--no-compile",
@@ -217,6 +225,35 @@ def main():
     if "record" in a.only:
         options = {k: option_from_text(k, v) for k, _, v in (x.partition("=") for x in a.set)}
         R["record"] = run("record", [PY, "-c", RECORD, str(out), a.commit, json.dumps(options)], out, 240)
+    if "schedule" in a.only:
+        plain, stream = out / "traces_plain", out / "traces_stream"
+        R["traces-plain"] = run("traces-plain", [PY, "scripts/record_traces.py", str(plain), "--positions", "0", "128",
+                                                 "4096"], out, 300)
+        R["traces-stream"] = run("traces-stream", [PY, "scripts/record_traces.py", str(stream), "--set", "stream=1",
+                                                   "--positions", "128"], out, 200)
+        R["sm-bandwidth"] = run("sm-bandwidth", [PY, "scripts/sm_bandwidth.py"], out, 120)
+        fit = sorted(str(f) for f in plain.glob("*_pos0.npz")) + sorted(str(f) for f in plain.glob("*_pos4096.npz"))
+        check = sorted(str(f) for f in plain.glob("*_pos128.npz")) + sorted(str(f) for f in stream.glob("*.npz"))
+        R["simulate-check"] = run("simulate-check", [PY, "-m", "workbench", "simulate", *fit, "--check", *check],
+                                  out, 180)
+        R["ab-carveout"] = run("ab-carveout", [PY, "scripts/ab.py", "--model", "llama-3.2-1b", "--positions", "128",
+                                               "--repeats", "2", "--variant", "base:", "--variant",
+                                               "l1-small:opt.smem_carveout=100", "--variant", "stream:opt.stream=1"],
+                               out, 300)
+    if "hazy" in a.only:
+        anchors = Path(a.anchors).resolve()
+        site = out / "hazy_site"
+        R["hazy-deps"] = run("hazy-deps", [PY, "-m", "pip", "install", "--no-index", "--no-deps", "--target",
+                                           str(site), *map(str, sorted((anchors / "wheels").glob("*.whl")))], out, 120)
+        R["hazy-build"] = run("hazy-build", ["bash", str(anchors / "hazy_build.sh"), str(anchors / "mk"),
+                                             str(anchors / "tk")], out, 300)
+        env = {"PYTHONPATH": f"{site}:{anchors / 'mk'}", "OUT": str(out)}
+        for i in range(2):                                       # interleaved: the two share the card's state
+            R[f"hazy-{i}"] = run(f"hazy-{i}", [PY, str(anchors / "hazy_bench.py"), str(anchors / "mk")], out, 240,
+                                 env=env)
+            R[f"bench-hazy-{i}"] = run(f"bench-hazy-{i}", [PY, "-m", "workbench", "bench", "--model", "llama-3.2-1b",
+                                                           "--positions", "128", "4096", "--no-torch", "--no-hf",
+                                                           "--json", str(out / f"bench_vs_hazy_{i}.json")], out, 240)
     (out / "suite.json").write_text(json.dumps(R, indent=1, default=str))
     print("\n=== summary")
     for k, v in R.items():
