@@ -63,12 +63,15 @@ function fillHover(gd) {
   for (const fd of gd._fullData || []) {
     const meta = fd && fd.meta;
     if (!meta || !meta.cell_index || !meta.cell_index.bdata) continue;
-    let names = cache.get(fd.index);
-    if (!names || names.key !== meta.cell_index.bdata) {
-      names = {key: meta.cell_index.bdata, text: cellText(meta)};
-      cache.set(fd.index, names);
-    }
-    fd._cellname = names.text;
+    // made on the first hover, not on every slider step
+    Object.defineProperty(fd, "_cellname", {configurable: true, enumerable: false, get() {
+      let names = cache.get(fd.index);
+      if (!names || names.key !== meta.cell_index.bdata) {
+        names = {key: meta.cell_index.bdata, text: cellText(meta)};
+        cache.set(fd.index, names);
+      }
+      return names.text;
+    }});
     if (fd._arrayAttrs && !fd._arrayAttrs.includes("_cellname")) fd._arrayAttrs.push("_cellname");
   }
 }
