@@ -591,8 +591,27 @@ def test_gantt_hover_shows_the_length():
     g = d.figures["gantt"]
     for tr in g.data[:2]:
         assert "%{x" not in tr.hovertemplate and "%{base" not in tr.hovertemplate
-    assert "%{text:.2f} µs, from %{customdata:.2f} µs" in d.gantt_heatmap.hovertemplate
+    h = d.gantt_heatmap
+    assert "%{text:.2f} µs, from %{customdata:.2f} µs" in h.hovertemplate
+    # the stage: the cell's name, which the page makes from the meta's table and indices (not sent one a cell)
+    assert h.hovertemplate.startswith("block %{y}: %{_cellname}<br>") and h.hovertext is None
+    index = D.from_typed_array(h.meta["cell_index"])
+    assert index.dtype == np.uint16 and index.shape == D.from_typed_array(h.z).shape
+    assert len(h.meta["cell_names"]) < 100 and h.meta["cell_names"][-1] == ""
+    assert set(range(len(h.meta["cell_names"]) - 1)) <= set(np.unique(index))     # no name unused but the last
     assert "%{customdata[2]:.2f} µs, from %{customdata[3]:.2f} µs to %{customdata[4]:.2f} µs" in g.data[0].hovertemplate
+
+
+def test_figures_share_one_plotly_module():
+    """Every figure's module is the small loader and plotly's module one plain trait: anywidget imports each model's
+    module apart, and five 5 MB imports at once on a page reload ran past its 2 s a model."""
+    import plotly.graph_objects as go
+    d = D.Dashboard(CFG, source="synthetic")
+    plotly_module = str(go.FigureWidget._esm)
+    for fig in [*d.figures.values(), d.ab.fig]:
+        state = fig.get_state()
+        assert len(state["_esm"]) < 10_000 and "import(url)" in state["_esm"]
+        assert state["_plotly_module"] == plotly_module and len(plotly_module) > 1_000_000
 
 
 def _hover_texts(fig_json: str, points: list[str]) -> list[str]:
@@ -602,16 +621,21 @@ def _hover_texts(fig_json: str, points: list[str]) -> list[str]:
     import plotly
     if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
         pytest.skip(f"no Chromium at {CHROMIUM}")
+    from workbench.ui.figure_widget import LOADER
     js = (Path(plotly.__file__).parent / "package_data" / "plotly.min.js").read_text()
+    # the cells' names filled in as the widget's loader does it in JupyterLab, by its own code
     page = ("<html><body><div id='g'></div><script>" + js + "</script><script>var f = " + fig_json
-            + "; Plotly.newPlot('g', f.data, f.layout);</script></body></html>")
+            + "; var loader = " + json.dumps(LOADER % {"hash": "test"}) + ";</script><script type='module'>"
+            "const m = await import(URL.createObjectURL(new Blob([loader], {type: 'text/javascript'})));"
+            "await Plotly.newPlot('g', f.data, f.layout); m.attach(document.getElementById('g'));"
+            "window.__wb_ready = true;</script></body></html>")
     out = []
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
         try:
             pg = browser.new_page()
             pg.set_content(page)
-            pg.wait_for_function("document.querySelector('#g .main-svg') !== null")
+            pg.wait_for_function("window.__wb_ready === true")
             for point in points:
                 pg.evaluate("Plotly.Fx.unhover('g')")
                 pg.wait_for_timeout(100)                        # plotly.js drops hovers closer than 50 ms apart
@@ -624,8 +648,9 @@ def _hover_texts(fig_json: str, points: list[str]) -> list[str]:
 
 
 def test_gantt_hover_in_a_browser():
-    """What plotly.js itself shows when hovering a wait cell, a work cell and a grid bar: the length, then where
-    it starts (and for the grid, its slot, layer and end)."""
+    """What plotly.js itself shows when hovering a wait cell, a work cell and a grid bar: the block, stage and layer
+    (the cell's name, made in the page from the heatmap's meta), the length, then where it starts (and for the grid,
+    its slot, layer and end)."""
     import plotly.io as pio
     t = synthetic()
     d = D.Dashboard(CFG, source="synthetic")
@@ -638,8 +663,8 @@ def test_gantt_hover_in_a_browser():
     s0, a, l0 = ((x[2, k, b] - t0) / 1e3 for x in (iv.start, iv.arrive, iv.leave))
     texts = _hover_texts(pio.to_json(g), [f"{{xval: {(a + l0) / 2}, yval: {b}}}", f"{{xval: {(s0 + a) / 2}, yval: {b}}}",
                                           "[{curveNumber: 0, pointNumber: 1}]"])
-    assert f"block {b}" in texts[0] and f"{l0 - a:.2f} µs, from {a:.2f} µs" in texts[0]
-    assert f"block {b}" in texts[1] and f"{a - s0:.2f} µs, from {s0:.2f} µs" in texts[1]
+    assert f"block {b}: wait at {MLP} layer 1" in texts[0] and f"{l0 - a:.2f} µs, from {a:.2f} µs" in texts[0]
+    assert f"block {b}: {MLP} layer 1" in texts[1] and f"{a - s0:.2f} µs, from {s0:.2f} µs" in texts[1]
     x, base = float(g.data[0].x[1]), float(g.data[0].base[1])
     assert f"grid: qkv_rope_append layer 0" in texts[2] and f"{x:.2f} µs, from {base:.2f} µs" in texts[2]
 

@@ -161,6 +161,19 @@ def test_check_finite_names_the_tensor_count_and_first_index(chunk):
         check_finite(dataclasses.replace(w, tensors=f), where={"x": "somewhere"}, chunk=chunk)
 
 
+def test_checking_values_shows_a_bar_by_bytes(tiny_hf_checkpoint, capsys, monkeypatch):
+    """The checkpoint's data is first read (memory-mapped) when its values are checked: 16 GB for llama-3.1-8b,
+    seconds from disk, so load_hf shows a bar there, once it has run BAR_DELAY_S; none with progress=False."""
+    from workbench.model import weights
+    monkeypatch.setattr(weights, "BAR_DELAY_S", 0.0)
+    w = load_hf(tiny_hf_checkpoint, progress=False)
+    assert "checking values" not in capsys.readouterr().err
+    load_hf(tiny_hf_checkpoint, progress=True)
+    err = capsys.readouterr().err
+    total = sum(t.nbytes for t in w.tensors.values())
+    assert "checking values (reading weights)" in err and f"/{total / 1024 ** 2:.2f}M " in err, (total, err)
+
+
 def test_check_finite_can_be_skipped(tiny_hf_checkpoint, tmp_path):
     name = layer_names(0)["wd"]
     def poison(t):

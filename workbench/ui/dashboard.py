@@ -47,6 +47,7 @@ from ..measure.timing import StageRow, first_step_label, label_stages, slot_name
 from ..measure.trace import (Trace, complete_steps, intervals, load_trace, names_at, recording_meta, roofline_tok_s,
                              save_trace, slots_from_meta, source_title, stage_rows, step_ns)
 from ..run.worker import BlockState
+from .figure_widget import figure_widget
 
 # colours by the stage's position in the plan (category10 without its grey, which is the wait's)
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf",
@@ -63,11 +64,11 @@ ROOF_NOTE_CHART = ("† above the roofline: that is a separate launch's streamin
 # start. Not %{x}: for a bar with a base, plotly's %{x} is where the bar ends (base + length).
 GRID_HOVER = ("grid: %{customdata[0]} %{customdata[1]}<br>%{customdata[2]:.2f} µs, from %{customdata[3]:.2f} µs "
               "to %{customdata[4]:.2f} µs<extra></extra>")
-# The block rows' hover text (one heatmap cell): the interval the cell shows, its length (text, a number) and start
-# (customdata), in µs from the token's start; its stage is the cell's colour (the legend). Not the stage's name: one
-# string a cell (~120k) made a slider step ~150 ms slower (the widget walks every string in the kernel and again in
-# the browser), numbers travel as one binary string a figure attribute.
-BLOCK_HOVER = "block %{y}<br>%{text:.2f} µs, from %{customdata:.2f} µs<extra></extra>"
+# The block rows' hover text (one heatmap cell): the cell's stage and layer (_cellname, made in the browser from
+# the trace's meta: figure_widget.py), the length (text, a number) and start (customdata) of the interval it shows, in
+# µs from the token's start. Numbers travel as one binary string a figure attribute; one string a cell (~120k) sent
+# from here made a slider step ~150 ms slower, and in the browser's figure data far more (figure_widget.fillHover).
+BLOCK_HOVER = "block %{y}: %{_cellname}<br>%{text:.2f} µs, from %{customdata:.2f} µs<extra></extra>"
 
 
 def short_name(stage: str) -> str:
@@ -106,11 +107,6 @@ def gantt_labels(names: list[tuple[str, int]], step0_label: str) -> list[str]:
 
 def _layer_text(layer) -> str:
     return f"layer {int(layer)}" if int(layer) >= 0 else ""
-
-
-def _go():
-    import plotly.graph_objects as go
-    return go
 
 
 def _widgets():
@@ -379,8 +375,9 @@ def gantt_cells(d: dict, labels: list[str], rows, x_max: float, n_bins: int = GA
                 names: bool = True) -> dict:
     """gantt_data's intervals as heatmap cells: rows = `rows` (block ids), n_bins time bins of x_max / n_bins µs.
     {"z": [rows, bins] float32 stage code (0 the wait, 1 + i labels[i], NaN nothing), "start", "length": [rows,
-    bins] float32 of the interval shown, "text" (with names=True): [rows, bins] its stage and layer ("wait at
-    <label> ..." for a wait), "dx": the bin width}.
+    bins] float32 of the interval shown, "names": what cells show, by name ("<label> layer <l>", "wait at <label>
+    layer <l>", "" last: nothing), "index": [rows, bins] uint16 into names, "text" (with names=True): [rows, bins]
+    the names themselves, "dx": the bin width}.
 
     Which interval a cell shows: the one that covers the cell's centre (for intervals that tile a block's time,
     the one covering most of the cell, give or take half a bin); an interval that covers no centre (shorter than a
@@ -399,8 +396,8 @@ def gantt_cells(d: dict, labels: list[str], rows, x_max: float, n_bins: int = GA
     parts.append((wb, wst, wdu, np.zeros(len(wb), int), wlayer))
     b, start, dur, code, layer = (np.concatenate([np.asarray(p[i]) for p in parts]) if parts else np.zeros(0)
                                   for i in range(5))
-    wait_label = np.concatenate([np.full(sum(len(p[0]) for p in parts[:-1]), "", dtype=object),
-                                 np.asarray(wlab, dtype=object)])
+    wait_of, wait_inv = np.unique(np.asarray(wlab, dtype=str), return_inverse=True)
+    wait_label = np.concatenate([np.zeros(sum(len(p[0]) for p in parts[:-1]), int), 1 + wait_inv.ravel()])
     b = b.astype(int)
     keep = (b < row_of.size) & (dur > 0)
     keep[keep] &= row_of[b[keep]] >= 0
@@ -436,23 +433,27 @@ def gantt_cells(d: dict, labels: list[str], rows, x_max: float, n_bins: int = GA
     length[has] = dur[cell[has]]
     out = {"z": z.reshape(n_rows, n_bins), "start": first.reshape(n_rows, n_bins),
            "length": length.reshape(n_rows, n_bins), "dx": dx}
-    if names:               # one text per (stage, layer, wait or not): a small table, indexed per cell
-        labels_of = ["", *labels]
-        keys = [(int(c), int(l), str(w)) for c, l, w in zip(code, layer, wait_label)]
-        table = {k: i for i, k in enumerate(dict.fromkeys(keys))}
-        text_of = np.array([(f"wait at {w}" if c == 0 else labels_of[c]) + (f" layer {l}" if l >= 0 else "")
-                            for c, l, w in table] + [""], dtype=object)
-        per = np.array([table[k] for k in keys] + [len(table)])
-        out["text"] = text_of[per[np.where(has, cell, len(code))]].reshape(n_rows, n_bins)
+    # the names: one per (stage, layer, wait or not), a small table, and each cell's index into it
+    key = (code.astype(np.int64) * (len(wait_of) + 1) + wait_label) * (int(layer.max()) + 2 if layer.size else 1) \
+        + layer.astype(np.int64) + 1
+    keys, first, inv = np.unique(key, return_index=True, return_inverse=True)
+    labels_of = ["", *labels]
+    names_of = [(f"wait at {wait_of[wait_label[i] - 1]}" if code[i] == 0 else labels_of[int(code[i])])
+                + (f" layer {int(layer[i])}" if layer[i] >= 0 else "") for i in first] + [""]
+    index = np.full(n_rows * n_bins, len(keys), np.uint16)
+    index[has] = inv.ravel()[cell[has]]
+    out["names"], out["index"] = names_of, index.reshape(n_rows, n_bins)
+    if names:
+        out["text"] = np.array(names_of, dtype=object)[out["index"]]
     return out
 
 
-def typed_array(a: np.ndarray) -> dict:
-    """A numpy array as plotly.js's typed-array spec (base64 little-endian float32 with its shape): a 2-D or 3-D
-    array goes to the browser as one string, where plotly's widget serializer would send it as nested JSON lists
-    (and NaN is no JSON)."""
-    a = np.ascontiguousarray(a, dtype="<f4")
-    return {"dtype": "f4", "bdata": base64.b64encode(a.tobytes()).decode("ascii"),
+def typed_array(a: np.ndarray, dtype: str = "f4") -> dict:
+    """A numpy array as plotly.js's typed-array spec (base64 little-endian float32, or `dtype`, with its shape): a
+    2-D or 3-D array goes to the browser as one string, where plotly's widget serializer would send it as nested
+    JSON lists (and NaN is no JSON)."""
+    a = np.ascontiguousarray(a, dtype={"f4": "<f4", "u2": "<u2"}[dtype])
+    return {"dtype": dtype, "bdata": base64.b64encode(a.tobytes()).decode("ascii"),
             "shape": ", ".join(map(str, a.shape))}
 
 
@@ -523,8 +524,8 @@ class ABView(_Shown):
 
     def __init__(self, a=None, b=None, labels: tuple[str, str] | None = None, title: str | None = None):
         """Empty until `set` (see there for what a and b may be), unless given them here."""
-        go, w = _go(), _widgets()
-        self.fig = go.FigureWidget()
+        w = _widgets()
+        self.fig = figure_widget()
         for name, colour in (("A", "#4c78a8"), ("B", "#f58518")):
             self.fig.add_bar(name=name, x=[], y=[], marker_color=colour,
                              error_y=dict(type="data", symmetric=False, array=[], arrayminus=[]),
@@ -606,7 +607,7 @@ class Dashboard(_Shown):
 
     def __init__(self, cfg: ModelConfig | None = None, *, roofline_tbps: float | None = None,
                  source: str | None = None, meta: dict | None = None, gantt_blocks=None):
-        go, w = _go(), _widgets()
+        w = _widgets()
         self.cfg = cfg
         self.meta = dict(meta or {})
         self.roofline_tbps = roofline_tbps if roofline_tbps is not None else self.meta.get("roofline_tbps")
@@ -630,7 +631,7 @@ class Dashboard(_Shown):
         self.step_slider.observe(self._on_step, names="value")
         self._follow = True
 
-        stages = go.FigureWidget()
+        stages = figure_widget()
         stages.add_bar(name="µs per token (mean)", x=[], y=[], marker_color=[],
                        error_y=dict(type="data", symmetric=False, array=[], arrayminus=[], color="#333"),
                        customdata=[], hovertemplate="%{x}<br>mean %{y:.1f} µs/token<br>p10–p90 %{customdata[0]:.1f}"
@@ -640,7 +641,7 @@ class Dashboard(_Shown):
                              title=title_below_modebar(410),
                              yaxis_title="µs per token (all layers)")
 
-        bw = go.FigureWidget()
+        bw = figure_widget()
         bw.add_bar(name="achieved TB/s", x=[], y=[], marker_color=[], text=[], textposition="outside",
                    customdata=[], hovertemplate="%{x}<br>%{y:.2f} TB/s (%{text} of roofline)<br>"
                    "%{customdata:.1f} MB per token<extra></extra>")
@@ -650,7 +651,7 @@ class Dashboard(_Shown):
 
         # Bars with a base: plotly's %{x} is where the bar ends (base + length), not its length, so the hover texts
         # read the length, start and end from customdata
-        gantt = go.FigureWidget()
+        gantt = figure_widget()
         gantt.add_bar(name="grid: barrier to barrier", orientation="h", y=[], x=[], base=[], marker_color=[],
                       text=[], textposition="inside", insidetextanchor="middle", textfont=dict(size=9),
                       customdata=[], width=2.4, showlegend=False, hovertemplate=GRID_HOVER)
@@ -663,7 +664,7 @@ class Dashboard(_Shown):
                             legend=dict(orientation="h", y=-0.07, x=0.5, xanchor="center", yanchor="top"),
                             uniformtext=dict(minsize=8, mode="hide"))
 
-        toks = go.FigureWidget()
+        toks = figure_widget()
         toks.add_scatter(name="tok/s of each step", x=[], y=[], mode="lines+markers", line=dict(color="#4c78a8"),
                          hovertemplate="position %{x}: %{y:,.0f} tok/s<extra></extra>")
         toks.add_scatter(name="roofline at that position", x=[], y=[], mode="lines",
@@ -726,9 +727,9 @@ class Dashboard(_Shown):
 
     def gantt_names(self) -> np.ndarray:
         """What each of the Gantt heatmap's cells shows, by name: [blocks, bins] "<label> layer <l>" or "wait at
-        <label> layer <l>" ("" where nothing)."""
-        d, rows, x_max = self._gantt_drawn
-        return gantt_cells(d, self._gantt_labels, rows, x_max)["text"]
+        <label> layer <l>" ("" where nothing): the hover's text, as the browser makes it from the heatmap's meta."""
+        meta = self.gantt_heatmap.meta
+        return np.array(meta["cell_names"], dtype=object)[from_typed_array(meta["cell_index"])]
 
     def gantt_trace(self, label: str, wait: bool = False):
         """The Gantt chart's legend entry of a slot label (of the wait, with wait=True): shown while the token on
@@ -1002,7 +1003,6 @@ class Dashboard(_Shown):
         g_stage, g_start, g_dur, g_layer = d["grid"]
         ends = [g_start + g_dur, d["wait"][1] + d["wait"][2]]
         x_max = max((float(np.max(e)) for e in ends if len(e)), default=0.0)
-        # the cells' names (what the hover does not say) only on demand: gantt_names()
         cells = gantt_cells(d, self._gantt_labels, rows, x_max, names=False)
         self.gantt_cells = cells
         self._gantt_drawn = (d, rows, x_max)
@@ -1021,6 +1021,7 @@ class Dashboard(_Shown):
             h.z = typed_array(cells["z"])
             h.customdata = typed_array(cells["start"])
             h.text = typed_array(cells["length"])
+            h.meta = {"cell_names": cells["names"], "cell_index": typed_array(cells["index"], "u2")}
             h.x0, h.dx = cells["dx"] / 2, cells["dx"]
             h.y = rows.astype(np.int32)
             for label, i in self._gantt_stage_traces.items():
