@@ -18,7 +18,8 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 def test_there_are_notebooks():
     names = {p.name for p in NOTEBOOKS}
-    assert {"quickstart.ipynb", "editing.ipynb", "timing.ipynb", "variants.ipynb"} <= names
+    assert {"quickstart.ipynb", "editing.ipynb", "timing.ipynb", "variants.ipynb", "assembly.ipynb",
+            "python_sections.ipynb"} <= names
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
@@ -44,12 +45,13 @@ def test_notebook_runs(path, tmp_path):
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", allow_errors=False,
                                      resources={"metadata": {"path": str(path.parent)}})
     sections = ROOT / "kernels" / "sections"
-    before = set(sections.glob("*@*.cuh"))
+    before = set(sections.glob("*@*"))
     try:
         client.execute(env=env)                            # in notebooks/, as JupyterLab runs it
     finally:
-        # a notebook that edits sections works on variants it removes again; whatever it left is removed here
-        left = [p for p in set(sections.glob("*@notebook*.cuh")) - before]
+        # a notebook that edits sections works on variants it removes again (notebook_demo, or numba_notebook: a
+        # numba variant's name starts with numba), .cuh and .py; whatever it left is removed here
+        left = [p for p in set(sections.glob("*@*notebook*")) - before]
         for p in left:
             p.unlink(missing_ok=True)
     assert not left, f"{path.name} left section variants behind: {[p.name for p in left]}"

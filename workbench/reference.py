@@ -26,6 +26,7 @@ import numpy as np
 
 from . import plan, schedule
 from .model import stage_math as S
+from .model import widen
 from .model.config import ModelConfig
 from .model.weights import Prepared, Weights, layer_names, qkv_row_order, rope_tables, to_f32
 
@@ -72,20 +73,19 @@ class PreparedView:
         self._model: dict = {}
         self._inv = self.xp.asarray(np.argsort(qkv_row_order(self.cfg)))
 
-    def _f(self, a):
-        return to_f32(a, self.xp).astype(self.dtype, copy=False)    # fp32 asked: the conversion is the copy
-
     def layer(self, name: str, layer: int):
         if layer != self._layer:
-            c, xp = self.cfg, self.xp
-            qkv = self._f(self.p.wqkv[layer])[self._inv]
-            gu = self._f(self.p.wgu[layer]).reshape(c.intermediate, 2, c.hidden)
+            c, xp, dt = self.cfg, self.xp, self.dtype
+            # every decode step widens every layer again: in one pass each (model.widen), rows picked on the way
+            qkv = widen.rows(self.p.wqkv[layer], self._inv, dt)
+            gu = self.p.wgu[layer]
+            pairs = xp.arange(c.intermediate, dtype=xp.int64) * 2            # gate row j, then up row j
             ones = xp.ones(c.hidden, dtype=self.dtype)
             self._tensors = {"wq": qkv[:c.q_dim], "wk": qkv[c.q_dim:c.q_dim + c.kv_dim], "wv": qkv[c.q_dim + c.kv_dim:],
                              # gate and up apart once per layer, not in every product that reads them strided
-                             "wo": self._f(self.p.wo[layer]), "wg": xp.ascontiguousarray(gu[:, 0]),
-                             "wu": xp.ascontiguousarray(gu[:, 1]),
-                             "wd": xp.ascontiguousarray(self._f(self.p.wd[layer]).T),   # stored [F, D]
+                             "wo": widen.rows(self.p.wo[layer], None, dt), "wg": widen.rows(gu, pairs, dt),
+                             "wu": widen.rows(gu, pairs + 1, dt),
+                             "wd": widen.transposed(self.p.wd[layer], dt),   # stored [F, D]
                              "attn_norm": ones, "mlp_norm": ones}
             if c.qkv_bias:                              # fp32 already, in wqkv's row order
                 b = xp.asarray(self.p.bqkv[layer], dtype=self.dtype)[self._inv]
@@ -99,7 +99,8 @@ class PreparedView:
     def model(self, name: str):
         if name not in self._model:
             self._model[name] = (self.xp.ones(self.cfg.hidden, dtype=self.dtype) if name == "final_norm"
-                                 else self._f({"embed": self.p.embed, "lm_head": self.p.lm_head}[name]))
+                                 else widen.rows({"embed": self.p.embed, "lm_head": self.p.lm_head}[name], None,
+                                                 self.dtype))
         return self._model[name]
 
 
