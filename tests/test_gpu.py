@@ -548,6 +548,20 @@ def test_the_fused_causal_softmax_is_the_array_codes(dtype):
     assert (got[:, :, 1:][:, last == 0] == 0).all() and np.allclose(got.sum(-1)[got.sum(-1) > 0], 1, rtol=rtol)
 
 
+def _attention_inputs(heads, kv_heads, hd, n, pos0):
+    """Queries for rows pos0.. and a bf16 cache 37 positions past them (which the mask must hide), with the cache
+    widened to fp64 for the reference."""
+    import cupy as cp
+
+    from workbench.model.weights import to_bf16, to_f32
+    rng = np.random.default_rng(fresh_seed())
+    n_ctx = pos0 + n + 37
+    q = cp.asarray(rng.standard_normal((n, heads * hd)) * 1.5, dtype=cp.float32)
+    kb, vb = (to_bf16(cp.asarray(rng.standard_normal((kv_heads, n_ctx, hd)), dtype=cp.float32), cp) for _ in range(2))
+    k, v = to_f32(kb, cp).astype(cp.float64), to_f32(vb, cp).astype(cp.float64)
+    return q, kb, vb, k, v, cp.arange(pos0, pos0 + n)
+
+
 @pytest.mark.parametrize("heads,kv_heads,hd,n,pos0", [(32, 8, 64, 700, 1500), (6, 2, 32, 130, 0),
                                                        (8, 8, 96, 65, 63), (16, 4, 128, 257, 4100)])
 def test_the_prefills_attention_kernel_is_the_references_attention(heads, kv_heads, hd, n, pos0):
@@ -561,14 +575,8 @@ def test_the_prefills_attention_kernel_is_the_references_attention(heads, kv_hea
     import cupy as cp
 
     from workbench.model import stage_math as S
-    from workbench.model.weights import to_bf16, to_f32
     from workbench.run.prefill_gpu import flash_attention
-    rng = np.random.default_rng(fresh_seed())
-    n_ctx = pos0 + n + 37
-    q = cp.asarray(rng.standard_normal((n, heads * hd)) * 1.5, dtype=cp.float32)
-    kb, vb = (to_bf16(cp.asarray(rng.standard_normal((kv_heads, n_ctx, hd)), dtype=cp.float32), cp) for _ in range(2))
-    k, v = to_f32(kb, cp).astype(cp.float64), to_f32(vb, cp).astype(cp.float64)
-    positions = cp.arange(pos0, pos0 + n)
+    q, kb, vb, k, v, positions = _attention_inputs(heads, kv_heads, hd, n, pos0)
     got = flash_attention(q, kb, vb, positions, heads)
     want = S.attention_decode(q.astype(cp.float64), k, v, positions)
     assert bool(cp.isfinite(got).all())
@@ -602,14 +610,8 @@ def test_the_bf16_prefills_attention_is_within_its_bound(heads, kv_heads, hd, n,
     import cupy as cp
 
     from workbench.model import stage_math as S
-    from workbench.model.weights import to_bf16, to_f32
     from workbench.run.prefill_gpu import FlashLayout, flash_attention
-    rng = np.random.default_rng(fresh_seed())
-    n_ctx = pos0 + n + 37
-    q = cp.asarray(rng.standard_normal((n, heads * hd)) * 1.5, dtype=cp.float32)
-    kb, vb = (to_bf16(cp.asarray(rng.standard_normal((kv_heads, n_ctx, hd)), dtype=cp.float32), cp) for _ in range(2))
-    k, v = to_f32(kb, cp).astype(cp.float64), to_f32(vb, cp).astype(cp.float64)
-    positions = cp.arange(pos0, pos0 + n)
+    q, kb, vb, k, v, positions = _attention_inputs(heads, kv_heads, hd, n, pos0)
     want = S.attention_decode(q.astype(cp.float64), k, v, positions)
     rel = {}
     for halves in (1, 2):
