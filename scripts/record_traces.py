@@ -7,7 +7,10 @@ with its stage table printed, beside the plain build's tok/s at the same positio
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 def main():

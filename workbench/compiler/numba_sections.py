@@ -140,8 +140,18 @@ def declarations(section: str, display: str, text: str) -> NumbaSource:
     return NumbaSource(section, display, text, tuple(out))
 
 
+def _numpy_names_numba_cuda_needs():
+    """numba-cuda (0.30.4 and before) overloads np.row_stack when its typing registries load, at the first compile;
+    NumPy 2.5 removed that alias of vstack (deprecated since 2.0), so every compile died with an AttributeError
+    inside numba. The alias is put back, as vstack, before numba-cuda looks."""
+    import numpy as np
+    if not hasattr(np, "row_stack"):
+        np.row_stack = np.vstack
+
+
 def numba_problem() -> str | None:
     """Why numba sections cannot be compiled here, or None."""
+    _numpy_names_numba_cuda_needs()
     try:
         import numba  # noqa: F401
         from numba import cuda  # noqa: F401
@@ -262,6 +272,7 @@ def _for_target(cc: tuple):
 
 def _compile_each(src: NumbaSource, module, cc: tuple, at, out: dict):
     import warnings
+    _numpy_names_numba_cuda_needs()
     from numba import cuda
     from numba.core.errors import NumbaError as NumbaCoreError
     for d in src.functions:
