@@ -209,6 +209,17 @@ def test_the_cli_reports_a_wrong_typed_edit_in_one_line_at_the_py_line(tmp_path)
     assert errors == [next(line for line in errors if line.startswith(f"{PY}:{RETURN_LINE}: error: numba: "))]
 
 
+@needs_numba
+def test_a_numpy_without_row_stack_still_compiles_numba_sections():
+    """NumPy 2.5 removed the np.row_stack alias, which numba-cuda (0.30.4 and before) overloads as its typing loads
+    at the first compile: on the GPU machine every numba section died inside numba. The build runs here in a
+    process whose NumPy has no row_stack, as that one's, and must still compile the shipped epilogue."""
+    r = _build("--model", "tiny", "--variant", "gate_up_silu=numba",
+               pre="import numpy; del numpy.row_stack; ")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "wb_generate" in r.stdout
+
+
 def test_a_missing_numba_is_refused_in_one_line_naming_the_install():
     r = _build("--model", "tiny", "--variant", "gate_up_silu=numba", pre="sys_ = __import__('sys'); "
                "sys_.modules['numba'] = None; ")
