@@ -220,6 +220,20 @@ def test_a_numpy_without_row_stack_still_compiles_numba_sections():
     assert "wb_generate" in r.stdout
 
 
+@needs_numba
+def test_a_fault_inside_numba_cuda_is_one_line_naming_the_versions():
+    """The same NumPy without row_stack, with the alias not put back: the fault is numba-cuda's own, so the build
+    says so in one line (numba-cuda's and NumPy's versions, the function it was compiling), not a traceback, and
+    does not blame the section's code."""
+    r = _build("--model", "tiny", "--variant", "gate_up_silu=numba",
+               pre="import numpy; del numpy.row_stack; import workbench.compiler.numba_sections as N; "
+                   "N._numpy_names_numba_cuda_needs = lambda: None; ")
+    assert r.returncode == 2 and r.stdout == "", r.stderr[-2000:]
+    (line,) = r.stderr.strip().splitlines()
+    assert line.startswith("error: numba-cuda ") and "failed inside its own code compiling wb_silu_mul" in line
+    assert "AttributeError" in line and "row_stack" in line and "with NumPy " in line
+
+
 def test_a_missing_numba_is_refused_in_one_line_naming_the_install():
     r = _build("--model", "tiny", "--variant", "gate_up_silu=numba", pre="sys_ = __import__('sys'); "
                "sys_.modules['numba'] = None; ")

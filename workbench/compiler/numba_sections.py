@@ -149,6 +149,14 @@ def _numpy_names_numba_cuda_needs():
         np.row_stack = np.vstack
 
 
+def _version(dist: str) -> str:
+    from importlib import metadata
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "(version unknown)"
+
+
 def numba_problem() -> str | None:
     """Why numba sections cannot be compiled here, or None."""
     _numpy_names_numba_cuda_needs()
@@ -289,6 +297,11 @@ def _compile_each(src: NumbaSource, module, cc: tuple, at, out: dict):
         except (ImportError, OSError) as e:     # no libnvvm or libdevice (the cu13 extra: the nvidia-nvvm wheel)
             raise FileNotFoundError(f"numba-cuda cannot compile here: {' '.join(str(e).split())[:200]}: "
                                     f"{paths.pip_install('cuda')}") from None
+        except Exception as e:                  # a fault inside numba-cuda itself: the user's code fails as NumbaError
+            raise FileNotFoundError(f"numba-cuda {_version('numba-cuda')} failed inside its own code compiling "
+                                    f"{d.name} ({type(e).__name__}: {' '.join(str(e).split())[:160]}) with NumPy "
+                                    f"{_version('numpy')}: not this section's error; a numba-cuda release that "
+                                    f"supports this NumPy, or a NumPy it supports, compiles it") from None
         if ret != _numba_type(d.ret):
             raise at(d.line, f"{d.name} returns {ret} where its declaration says {d.ret} ({_numba_type(d.ret)}): "
                      f"change the declaration or convert the result (e.g. float32(...))")
