@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -814,6 +815,21 @@ def test_a_reloaded_page_starts_from_the_figure_as_it_is_now(monkeypatch):
     assert "_py2js_update" in keys and not keys & {"_widget_data", "_widget_layout"}   # open views: the update only
     ab = d.ab.set(T.recorded_path(0), T.recorded_path(3700))
     assert ab.fig.get_state()["_widget_layout"]["title"]["text"].startswith("A/B per stage")
+
+
+def test_a_recorded_run_shows_one_tok_s_on_every_panel():
+    """The header gives the run's measured tok/s; the stages chart names the same figure (its µs are the stages'
+    sum, which leaves out the time outside the stamped steps), and the A/B of two runs speaks in µs: no second tok/s
+    for a run anywhere on the dashboard."""
+    d = D.Dashboard.from_trace(T.recorded_path(0))
+    d.compare(T.recorded_path(0), T.recorded_path(3700))
+    texts = [d.header.value, d.ab.table.value] + [f.layout.title.text for f in d.figures.values()] + \
+        [d.ab.fig.layout.title.text]
+    figures = {m for t in texts for m in re.findall(r"([\d,]+) tok/s", t)}
+    assert figures == {"1,270"}, figures
+    stages = d.figures["stages"].layout.title.text
+    assert "µs (run: 1,270 tok/s)" in stages
+    assert "µs a token" in d.ab.fig.layout.title.text
 
 
 def test_save_from_the_dashboard(tmp_path):

@@ -569,8 +569,10 @@ class ABView(_Shown):
                 tr.error_y.array = [by[s].spread[1] - by[s].us_per_token for s in st]
                 tr.error_y.arrayminus = [by[s].us_per_token - by[s].spread[0] for s in st]
             tot = self.rows[-1]
-            self.fig.layout.title.text = (f"A/B per stage: {html.escape(la)} ({tot['a_tok_s']:,.0f} tok/s) vs "
-                                          f"{html.escape(lb)} ({tot['b_tok_s']:,.0f} tok/s)"
+            # µs, the chart's unit: a tok/s here, from the stages' sum, would be a second figure for a run whose
+            # dashboard header gives its measured one
+            self.fig.layout.title.text = (f"A/B per stage: {html.escape(la)} ({tot['a_us']:,.1f} µs a token) vs "
+                                          f"{html.escape(lb)} ({tot['b_us']:,.1f} µs)"
                                           + (f"<br><sup>{html.escape(title)}</sup>" if title else ""))
         _keep_state(self.fig)
         self.table.value = self._html()
@@ -587,11 +589,8 @@ class ABView(_Shown):
             cells = [r["stage"], f"{r['a_us']:.1f} µs", f"{r['b_us']:.1f} µs",
                      f"<span style='color:{colour}'>{r['delta_us']:+.1f} µs</span>", f"{r['delta_pct']:+.1f}%"]
             body.append("<tr>" + "".join(f"{td}{c}</td>" for c in cells) + "</tr>")
-        tot = self.rows[-1] if self.rows else None
-        foot = (f"<tr>{td}tok/s</td>{td}{tot['a_tok_s']:,.0f}</td>{td}{tot['b_tok_s']:,.0f}</td><td></td><td></td></tr>"
-                if tot else "")
         return ("<table class='wb-ab' style='border-collapse:collapse;font-size:12px'>"
-                f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}{foot}</tbody></table>")
+                f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>")
 
     @property
     def widget(self):
@@ -921,8 +920,13 @@ class Dashboard(_Shown):
         tr.error_y.arrayminus = [r.us_per_token - r.spread[0] for r in rows]
         tr.customdata = [[r.spread[0], r.spread[1], r.work_us, r.wait_us] for r in rows]
         total = sum(r.us_per_token for r in rows)
-        fig.layout.title.text = ("Per-stage time per token" + (f": {total:,.0f} µs, {1e6 / total:,.0f} tok/s"
-                                                               if total else " (no complete step yet)")
+        # one tok/s a run, the header's: the run's measured one where there is one (its time outside the stamped
+        # steps makes it differ from the stages' sum), else the stages' sum's
+        if not total:
+            fig.layout.title.text = "Per-stage time per token (no complete step yet)" + self._sub()
+            return
+        rate = f"run: {self.tok_s:,.0f} tok/s" if self.tok_s else f"{1e6 / total:,.0f} tok/s"
+        fig.layout.title.text = (f"Per-stage time per token: {total:,.0f} µs ({rate})"
                                  + self._sub())
 
     def _draw_bandwidth(self):
