@@ -111,6 +111,8 @@ def _lut(dtype: np.dtype) -> np.ndarray:
 
 
 # ---- the loops (plain Python here; compiled by numba on first use, cached on disk) -----------------------------
+# Two of each kind: fp32 by a shift, other dtypes through the table. One table loop for all (fp32 as a table of bit
+# patterns) gives the same bits, but widened a 1b layer to fp32 in 75-76 ms against the shift's 64-66 (+17%).
 
 def _rows_bits(src, index, out):
     for i in range(index.size):
