@@ -1,0 +1,139 @@
+"""Where the prefill's time goes, kernel by kernel, beside HF transformers' prefill of the same prompt in the same
+run: both run under torch.profiler (CUPTI sees every kernel of the process, CuPy's and cuBLAS's too), and the GPU
+time of each kernel is summed over the prompt. Wall times are taken unprofiled, after a warm-up.
+
+    python scripts/prefill_profile.py --model llama-3.2-1b --prompt 4096 [--precision bf16 fp32] [--json FILE]
+
+The table gives each kernel's share of our GPU time, grouped by what it serves (the products, the attention, the
+row-wise kernels, copies), then the same for HF; a gap between the wall time and the kernels' sum is time the GPU
+waited on the host.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+
+def group(name: str) -> str:
+    """What a kernel serves, from its name."""
+    n = name.lower()
+    if "prefill_attention" in n or "flash" in n or "fmha" in n or "attention" in n or "sdpa" in n:
+        return "attention"
+    if re.search(r"gemm|cutlass|sm90_|sm80_|xmma|ampere|hopper|cublas|nvjet", n):
+        return "products"
+    if n.startswith("prefill_"):
+        return "row kernels (ours)"
+    if "copy" in n or "memcpy" in n or "memset" in n or "fill" in n:
+        return "copies"
+    return "other"
+
+
+def profile(fn, reps: int) -> dict:
+    """GPU µs per call of every kernel fn launches, summed by name, over `reps` calls."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile as prof
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as p:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out: dict = {}
+    for e in p.events():
+        dev = getattr(e, "device_type", None)
+        if dev is not None and str(dev).endswith("CUDA") and e.device_time_total > 0:
+            key = e.name[:90]
+            c, us = out.get(key, (0, 0.0))
+            out[key] = (c + 1, us + e.device_time_total)
+    return {k: (c / reps, us / reps) for k, (c, us) in out.items()}
+
+
+def wall(fn, reps: int) -> list:
+    import torch
+    fn()
+    torch.cuda.synchronize()
+    ms = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ms.append(1e3 * (time.perf_counter() - t0))
+    return ms
+
+
+def table(title: str, kernels: dict, wall_ms: list) -> list[str]:
+    total = sum(us for _, us in kernels.values()) / 1e3
+    lines = [f"\n{title}: wall {np.median(wall_ms):.2f} ms (min {min(wall_ms):.2f}), kernels {total:.2f} ms",
+             f"{'group':22s} {'ms':>8s} {'share':>6s}"]
+    groups: dict = {}
+    for name, (_, us) in kernels.items():
+        groups[group(name)] = groups.get(group(name), 0.0) + us / 1e3
+    for g, ms in sorted(groups.items(), key=lambda kv: -kv[1]):
+        lines.append(f"{g:22s} {ms:8.2f} {100 * ms / max(total, 1e-9):5.1f}%")
+    lines.append(f"{'kernel':90s} {'calls':>6s} {'ms':>8s}")
+    for name, (calls, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:18]:
+        lines.append(f"{name:90s} {calls:6.0f} {us / 1e3:8.3f}")
+    return lines
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama-3.2-1b")
+    ap.add_argument("--prompt", type=int, nargs="+", default=[4096])
+    ap.add_argument("--precision", nargs="+", default=["bf16", "fp32"])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+
+    import cupy as cp
+    import torch
+    from workbench.measure.baselines import tensors_from_weights
+    from workbench.measure.bench import hf_model, hf_prefill
+    from workbench.model.config import get_config
+    from workbench.model.weights import prepare, random_weights
+    from workbench.run.runtime import Monokernel
+
+    cfg = get_config(a.model)
+    cfg = cfg.with_(max_seq=max(cfg.max_seq, max(a.prompt) + 8))
+    w = random_weights(cfg, 0, xp=cp, progress=False)
+    p = prepare(w, xp=cp, progress=False)
+    mk = Monokernel(p, max_steps=cfg.max_seq)
+    rng = np.random.default_rng(2)
+    report, lines = {}, [f"{cfg.name} on {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}"]
+    hfm = None
+    if not a.no_hf:
+        hfm = hf_model(cfg, tensors_from_weights(w, torch.device("cuda"), torch.bfloat16), "cuda", torch.bfloat16,
+                       attn="sdpa")
+    for n in a.prompt:
+        prompt = rng.integers(0, cfg.vocab, n).tolist()
+        for precision in a.precision:
+            def ours():
+                mk.prefill(prompt[:-1], precision=precision)
+            ms = wall(ours, a.reps)
+            k = profile(ours, a.reps)
+            lines += table(f"ours, {precision}, prompt {n}", k, ms)
+            report[f"ours {precision} {n}"] = {"wall_ms": ms, "kernels": {x: list(v) for x, v in k.items()}}
+        if hfm is not None:
+            ids = torch.tensor([prompt], device="cuda")
+
+            def hf():
+                hf_prefill(hfm, ids).argmax()
+            ms = wall(hf, a.reps)
+            k = profile(hf, a.reps)
+            lines += table(f"HF sdpa bf16, prompt {n}", k, ms)
+            report[f"hf {n}"] = {"wall_ms": ms, "kernels": {x: list(v) for x, v in k.items()}}
+    print("\n".join(lines))
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
