@@ -1,8 +1,8 @@
 """A/B of the prefill attention kernel's layouts (workbench.run.prefill_gpu.FlashLayout) and precisions on one
 GPU, in one run: a whole prompt's causal attention, chunk by chunk as the prefill runs it, for one layer of a
-model's shapes, each layout timed (median of repeats, CUDA events) and held to the per-head layout's output bit for
-bit; then the bf16 precision (one bf16 half of the queries and probabilities, half the products) at the default
-layout, with its relative error against the fp32 precision's output.
+model's shapes, every layout (prefill_gpu.LAYOUTS) at each precision timed (median of repeats, CUDA events) and held
+to the same precision's per-head output bit for bit, with its relative error against the fp32 per-head output (the
+bf16 precision: one bf16 half of the queries and probabilities, half the products).
 
     python scripts/ab_prefill_attention.py --model llama-3.2-1b --prompt 4096 32768 [--json FILE]
 
@@ -13,6 +13,7 @@ the fp32 precision issues twice those mma FLOPs (queries and probabilities split
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -28,11 +29,17 @@ from workbench.model.weights import to_bf16  # noqa: E402
 from workbench.run import prefill_gpu as G  # noqa: E402
 from workbench.run.prefill import PREFILL_CHUNK  # noqa: E402
 
-LAYOUTS = {"per-head": G.FlashLayout(), "gqa-rows": G.FlashLayout(gqa_rows=True),
-           "k-ldmatrix": G.FlashLayout(k_ldmatrix=True), "both": G.FlashLayout(True, True)}
-# (layout, halves) a row times: every layout at the fp32 precision, the default layout at bf16's
-RUNS = {**{name: (layout, G.PRECISIONS["fp32"]) for name, layout in LAYOUTS.items()},
-        "bf16, default layout": (G.FLASH_LAYOUT, G.PRECISIONS["bf16"])}
+
+
+def layout_name(layout) -> str:
+    on = [f.name.replace("_", "-") for f in dataclasses.fields(layout) if getattr(layout, f.name)]
+    return "+".join(on) or "per-head"
+
+
+# (layout, halves) a row times: every layout at each precision, the fp32 per-head layout first (the others'
+# bits are compared with the first of their precision)
+RUNS = {f"{precision}, {layout_name(layout)}": (layout, halves)
+        for precision, halves in G.PRECISIONS.items() for layout in G.LAYOUTS}
 
 
 def one_prompt(cfg, n: int, chunk: int, repeats: int, rng) -> dict:
@@ -40,7 +47,7 @@ def one_prompt(cfg, n: int, chunk: int, repeats: int, rng) -> dict:
     q = cp.asarray(rng.standard_normal((n, hq * hd)) * 1.5, dtype=cp.float32)
     kb, vb = (to_bf16(cp.asarray(rng.standard_normal((hkv, n, hd)), dtype=cp.float32), cp) for _ in range(2))
     chunks = [(c, min(c + chunk, n)) for c in range(0, n, chunk)]
-    base, rows = None, {}
+    base, base_halves, ref, rows = None, None, None, {}
     for name, (layout, halves) in RUNS.items():
         kernel = G.module(G.flash_source(hd, layout, halves)).get_function("prefill_attention")
 
@@ -48,10 +55,11 @@ def one_prompt(cfg, n: int, chunk: int, repeats: int, rng) -> dict:
             return [G.flash_attention(q[a:b], kb, vb, cp.arange(a, b), hq, kernel=kernel, layout=layout)
                     for a, b in chunks]
         out = cp.concatenate(run())                                    # compiled and warm
-        if base is None:
-            base = out
+        if base is None or halves != base_halves:
+            base, base_halves = out, halves
+        ref = out if ref is None else ref                              # the fp32 per-head layout's
         same = bool(((out == base) | (cp.isnan(out) & cp.isnan(base))).all())
-        rel = float(cp.linalg.norm(out - base) / cp.linalg.norm(base))
+        rel = float(cp.linalg.norm(out - ref) / cp.linalg.norm(ref))
         times = []
         for _ in range(repeats):
             t0, t1 = cp.cuda.Event(), cp.cuda.Event()

@@ -151,11 +151,10 @@ def test_the_prefills_kernels_compile_for_every_presets_head_dim():
     memory of two stages of both tiles; head_dims the kernel does not take go the interpreter's way."""
     from workbench.compiler.compile import nvrtc_program, resource_usage
     from workbench.model.config import PRESETS
-    from workbench.run.prefill_gpu import FlashLayout, covers, flash_source, flash_supported, layer_source
+    from workbench.run.prefill_gpu import LAYOUTS, covers, flash_source, flash_supported, layer_source
     dims = sorted({get_config(name).head_dim for name in PRESETS})
     assert 64 in dims and 128 in dims
-    layouts = [FlashLayout(g, k) for g in (False, True) for k in (False, True)]
-    for hd, layout in [(hd, None) for hd in dims] + [(hd, lay) for hd in (64, 80, 128) for lay in layouts]:
+    for hd, layout in [(hd, None) for hd in dims] + [(hd, lay) for hd in (64, 80, 128) for lay in LAYOUTS]:
         ok, log, _, cubin = nvrtc_program(flash_source(hd, layout), ["--std=c++17", "-arch=sm_90"])
         assert ok, (hd, layout, log)
         (r,) = [r for r in resource_usage(cubin) if r.kernel == "prefill_attention"]

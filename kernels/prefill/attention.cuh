@@ -56,6 +56,12 @@
 #ifndef WB_PA_K_LDMATRIX
 #define WB_PA_K_LDMATRIX 0
 #endif
+// WB_PA_HEAVY_FIRST: the grid is (heads, row tiles) and the last row tiles, whose rows see the most keys, go first,
+// every head's before any head's next: the blocks are dispatched in that order, so the causal triangle's longest
+// blocks start early and its shortest fill the end, instead of a last wave of one head's longest
+#ifndef WB_PA_HEAVY_FIRST
+#define WB_PA_HEAVY_FIRST 0
+#endif
 #ifndef WB_PA_HALVES
 #define WB_PA_HALVES 2
 #endif
@@ -117,14 +123,19 @@ extern "C" __global__ void PA_LAUNCH_BOUNDS prefill_attention(
     const long long stride = (long long)n_heads * WB_HD;              // of q's rows and out's
     // this lane's two rows, and where each one's query and output start; a row past the last attends to key 0 alone
     // and is not written
-    const int ra = blockIdx.x * PA_BM + warp * PA_FRAG_M + g, rb = ra + 8;
+#if WB_PA_HEAVY_FIRST
+    const int row_tile = gridDim.y - 1 - blockIdx.y, head = blockIdx.x;
+#else
+    const int row_tile = blockIdx.x, head = blockIdx.y;
+#endif
+    const int ra = row_tile * PA_BM + warp * PA_FRAG_M + g, rb = ra + 8;
 #if WB_PA_GQA_ROWS
-    const int kvh = blockIdx.y, rows = n * group;
+    const int kvh = head, rows = n * group;
     const long long qa = ra < rows ? (ra / group) * stride + (kvh * group + ra % group) * WB_HD : 0;
     const long long qb = rb < rows ? (rb / group) * stride + (kvh * group + rb % group) * WB_HD : 0;
     const int pa = ra < rows ? (int)pos[ra / group] : 0, pb = rb < rows ? (int)pos[rb / group] : 0;
 #else
-    const int h = blockIdx.y, kvh = h / group, rows = n;
+    const int h = head, kvh = h / group, rows = n;
     const long long qa = ra * stride + h * WB_HD, qb = rb * stride + h * WB_HD;
     const int pa = ra < n ? (int)pos[ra] : 0, pb = rb < n ? (int)pos[rb] : 0;
 #endif

@@ -168,7 +168,8 @@ def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int 
     positions = xp.arange(pos0, end, dtype=xp.int64)
     clock = _clock(xp, timings)
     if gpu:
-        logits = _prefill_gpu(p, tokens, positions, k_cache, v_cache, chunk, clock, G.PRECISIONS[precision])
+        G.check_tokens(tokens, cfg.vocab)
+        logits = _prefill_gpu(p, tokens, positions, k_cache, v_cache, chunk, clock, G.PRECISIONS[precision], pos0)
     else:
         with _tf32(xp, tf32 and np.dtype(dtype) == np.float32):
             logits = _prefill_interpreted(p, tokens, positions, k_cache, v_cache, chunk, dtype, clock)
@@ -216,15 +217,24 @@ def _layers(cfg, xp, n: int, chunk: int, run, clock, before_layer=None):
             for name in names:
                 with clock(name):
                     run(name, layer, st, a, b)
-            if x_next is None:
-                x_next = xp.empty((n, st["x"].shape[1]), dtype=st["x"].dtype)
-            x_next[a:b] = st["x"]
+            if x_next is None:               # the GPU path adds onto the residual in its own rows (prefill_gpu.project)
+                in_place = "x" in state and _same(st["x"], state["x"][a:b])
+                x_next = state["x"] if in_place else xp.empty((n, st["x"].shape[1]), dtype=st["x"].dtype)
+            if not _same(st["x"], x_next[a:b]):
+                x_next[a:b] = st["x"]
             del st
         state = {"x": x_next}
     raise ValueError("the plan has no LM head after its layers")
 
 
-def _prefill_gpu(p: Prepared, tokens, positions, k_cache, v_cache, chunk: int, clock, halves: int):
+def _same(a, b) -> bool:
+    """Whether two arrays are one view of the same memory."""
+    def where(x):
+        return x.data.ptr if hasattr(x.data, "ptr") else x.__array_interface__["data"][0]
+    return a.shape == b.shape and a.strides == b.strides and a.dtype == b.dtype and where(a) == where(b)
+
+
+def _prefill_gpu(p: Prepared, tokens, positions, k_cache, v_cache, chunk: int, clock, halves: int, pos0: int):
     """The prefill's own path (prefill_gpu): each stage's implementation found through its math; a token stage
     without one (the sampler) runs its reference's math on the last row's logits."""
     layer_kernels = G.module(G.layer_source())
@@ -241,7 +251,7 @@ def _prefill_gpu(p: Prepared, tokens, positions, k_cache, v_cache, chunk: int, c
             run_stage(w, name, layer, st, None, positions[a:b], tokens[a:b], True)
             return
         out = impl(G.PrefillIO(p, layer, positions[a:b], tokens[a:b], k_cache, v_cache, layer_kernels, attend,
-                               halves), st)
+                               halves, (pos0 + a, pos0 + b - 1)), st)
         undeclared = set(out) - declared[name]
         if undeclared:                            # the plan says what a stage writes, on this path too
             raise RuntimeError(f"the prefill's {name} wrote {sorted(undeclared)}, which the plan's {name} does not")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 
 import numpy as np
 
@@ -43,16 +44,24 @@ def _kernels_dir():
 class FlashLayout:
     """How the attention kernel lays its work out; no choice changes a result, bit for bit (the GPU test holds
     every combination to it). gqa_rows: a block's 64 rows are (position, query head) pairs of one kv head, so
-    each key and value tile serves the whole group; k_ldmatrix: the keys' fragments by ldmatrix."""
+    each key and value tile serves the whole group; k_ldmatrix: the keys' fragments by ldmatrix; heavy_first: the
+    row tiles with the most keys are dispatched first, every head's (the grid is (heads, row tiles))."""
     gqa_rows: bool = False
     k_ldmatrix: bool = False
+    heavy_first: bool = False
 
     def grid(self, n: int, n_heads: int, n_kv: int) -> tuple:
         if self.gqa_rows:
-            return ((n * (n_heads // n_kv) + ATTN_ROWS - 1) // ATTN_ROWS, n_kv)
-        return ((n + ATTN_ROWS - 1) // ATTN_ROWS, n_heads)
+            g = ((n * (n_heads // n_kv) + ATTN_ROWS - 1) // ATTN_ROWS, n_kv)
+        else:
+            g = ((n + ATTN_ROWS - 1) // ATTN_ROWS, n_heads)
+        if self.heavy_first and g[0] > 65535:
+            raise ValueError(f"{g[0]} row tiles: the heavy-first grid counts them in y, at most 65,535")
+        return (g[1], g[0]) if self.heavy_first else g
 
 
+# every layout, for the A/B and the tests that hold them to the same bits
+LAYOUTS = tuple(FlashLayout(*bits) for bits in itertools.product((False, True), repeat=3))
 # measured on the H200 (scripts/ab_prefill_attention.py): the keys by ldmatrix 3-5% faster at 4k
 # and 32k; rows per kv head 1-15% slower (more blocks on the diagonal's long tail than tiles saved)
 FLASH_LAYOUT = FlashLayout(k_ldmatrix=True)
@@ -67,6 +76,7 @@ def flash_source(head_dim: int, layout: FlashLayout | None = None, halves: int =
     k, layout = _kernels_dir(), layout or FLASH_LAYOUT
     return (f"#define WB_HD {head_dim}\n#define WB_THREADS {ATTN_THREADS}\n#define WB_PA_ROWS {ATTN_ROWS}\n"
             f"#define WB_PA_GQA_ROWS {int(layout.gqa_rows)}\n#define WB_PA_K_LDMATRIX {int(layout.k_ldmatrix)}\n"
+            f"#define WB_PA_HEAVY_FIRST {int(layout.heavy_first)}\n"
             f"#define WB_PA_HALVES {halves}\n"
             + (k / "portability.cuh").read_text() + (k / "prefill" / "attention.cuh").read_text())
 
@@ -99,11 +109,14 @@ def module(src: str):
 
 
 def flash_attention(q, k_layer, v_layer, positions, n_heads: int, kernel=None, layout: FlashLayout | None = None,
-                    halves: int = 2):
+                    halves: int = 2, span: tuple[int, int] | None = None):
     """o [n, Hq·hd] of queries q [n, Hq·hd] (fp32, RoPE applied) over one layer's cache k_layer, v_layer
     [Hkv, n_ctx, hd] (bf16 bits, the kernel's cache as it is), row i over keys 0..positions[i]: what
     stages.attention_decode computes, in one kernel (kernels/prefill/attention.cuh, which argues its precision).
-    `kernel`: the compiled one for this head_dim, `layout` and `halves` (PRECISIONS), if the caller holds it."""
+    `kernel`: the compiled one for this head_dim, `layout` and `halves` (PRECISIONS), if the caller holds it.
+    `span`: the positions' least and greatest where the caller knows them on the host (the prefill's rows are
+    consecutive); without it they are read back from the GPU to be checked, a wait for everything queued before
+    (the profile of a 4k prefill had 64 such waits leaving the GPU idle ~7 ms of 31)."""
     import cupy
     n_kv, n_ctx, hd = k_layer.shape
     n = q.shape[0]
@@ -118,8 +131,10 @@ def flash_attention(q, k_layer, v_layer, positions, n_heads: int, kernel=None, l
     pos = cupy.ascontiguousarray(cupy.asarray(positions, dtype=cupy.int64).reshape(-1))
     if pos.size != n:
         raise ValueError(f"{n} query rows but {pos.size} positions")
-    if n and (int(pos.max()) >= n_ctx or int(pos.min()) < 0):
-        raise ValueError(f"positions {int(pos.min())}..{int(pos.max())} are not all in a cache of {n_ctx} positions")
+    if n:
+        lo, hi = span if span is not None else (int(pos.min()), int(pos.max()))
+        if hi >= n_ctx or lo < 0:
+            raise ValueError(f"positions {lo}..{hi} are not all in a cache of {n_ctx} positions")
     if k_layer.data.ptr % 16 or v_layer.data.ptr % 16:      # the kernel copies 16-byte pieces
         raise ValueError("the keys and values must start on a 16-byte boundary")
     out = cupy.empty_like(q)
@@ -210,10 +225,13 @@ def gemm(a, w, out, accumulate: bool, w_t: bool = False):
 
 
 def project(a: Split, w, onto=None, w_t: bool = False):
-    """a·wᵀ as W·hi + W·lo (W·hi alone in the bf16 precision), onto a copy of `onto` if given (a residual:
-    x + W·a); `w_t`: w stored transposed."""
+    """a·wᵀ as W·hi + W·lo (W·hi alone in the bf16 precision), added onto `onto` in place if given (a residual:
+    x + W·a, in the residual's own rows: the stages that read x before it did so already, and a copy cost ~6% of a
+    4k prefill); `w_t`: w stored transposed."""
     import cupy
-    out = onto.copy() if onto is not None else cupy.empty((a.shape[0], w.shape[1 if w_t else 0]), dtype=cupy.float32)
+    if onto is not None and not onto.flags.c_contiguous:
+        raise ValueError("the residual a product adds onto must be contiguous (the chunk's rows of x)")
+    out = onto if onto is not None else cupy.empty((a.shape[0], w.shape[1 if w_t else 0]), dtype=cupy.float32)
     gemm(a.hi, w, out, accumulate=onto is not None, w_t=w_t)
     return out if a.lo is None else gemm(a.lo, w, out, accumulate=True, w_t=w_t)
 
@@ -243,6 +261,7 @@ class PrefillIO:
     layer_kernels: object      # the compiled layer.cuh
     attend: tuple              # (the compiled attention kernel for this head_dim, the FlashLayout it was built for)
     halves: int = 2            # bf16 halves of an activation in a product (PRECISIONS)
+    span: tuple | None = None  # the rows' least and greatest position, known on the host (flash_attention's span)
 
     @property
     def cfg(self):
@@ -275,10 +294,15 @@ def split(io: PrefillIO, a) -> Split:
 # ---- the stages: each stage reference's math, on this path --------------------------------------------------------
 
 def embedding(io: PrefillIO, st: dict) -> dict:
-    tokens = io.tokens
-    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= io.cfg.vocab):
-        raise ValueError(f"token ids outside the vocabulary [0, {io.cfg.vocab})")
-    return {"x": to_f32(io.p.embed[tokens], _cp())}
+    """The rows' embeddings; the prefill checked the tokens against the vocabulary once, before its first chunk
+    (check_tokens), as every read back from the GPU here would stall it."""
+    return {"x": to_f32(io.p.embed[io.tokens], _cp())}
+
+
+def check_tokens(tokens, vocab: int):
+    """ValueError unless every token id is in [0, vocab): one read back from the GPU, for the whole prompt."""
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+        raise ValueError(f"token ids outside the vocabulary [0, {vocab})")
 
 
 def qkv_rope_append(io: PrefillIO, st: dict) -> dict:
@@ -302,7 +326,7 @@ def qkv_rope_append(io: PrefillIO, st: dict) -> dict:
 
 def attention(io: PrefillIO, st: dict) -> dict:
     return {"o": flash_attention(st["q"], io.k_cache[io.layer], io.v_cache[io.layer], io.positions, io.cfg.n_heads,
-                                 kernel=io.attend[0], layout=io.attend[1])}
+                                 kernel=io.attend[0], layout=io.attend[1], span=io.span)}
 
 
 def o_proj_residual(io: PrefillIO, st: dict) -> dict:
