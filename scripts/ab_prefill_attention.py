@@ -32,14 +32,16 @@ from workbench.run.prefill import PREFILL_CHUNK  # noqa: E402
 
 
 def layout_name(layout) -> str:
-    on = [f.name.replace("_", "-") for f in dataclasses.fields(layout) if getattr(layout, f.name)]
+    on = [f.name.replace("_", "-") + ("" if getattr(layout, f.name) is True else f"={getattr(layout, f.name)}")
+          for f in dataclasses.fields(layout) if getattr(layout, f.name)]
     return "+".join(on) or "per-head"
 
 
 # (layout, halves) a row times: every layout at each precision, the fp32 per-head layout first (the others'
 # bits are compared with the first of their precision)
 RUNS = {f"{precision}, {layout_name(layout)}": (layout, halves)
-        for precision, halves in G.PRECISIONS.items() for layout in G.LAYOUTS}
+        for precision, halves in G.PRECISIONS.items()
+        for layout in (*G.LAYOUTS, dataclasses.replace(G.FLASH_LAYOUT, min_blocks=4))}
 
 
 def one_prompt(cfg, n: int, chunk: int, repeats: int, rng) -> dict:
@@ -52,8 +54,8 @@ def one_prompt(cfg, n: int, chunk: int, repeats: int, rng) -> dict:
         kernel = G.module(G.flash_source(hd, layout, halves)).get_function("prefill_attention")
 
         def run():
-            return [G.flash_attention(q[a:b], kb, vb, cp.arange(a, b), hq, kernel=kernel, layout=layout)
-                    for a, b in chunks]
+            return [G.flash_attention(q[a:b], kb, vb, cp.arange(a, b), hq, kernel=kernel, layout=layout,
+                                      span=(a, b - 1)) for a, b in chunks]        # no read back between launches
         out = cp.concatenate(run())                                    # compiled and warm
         if base is None or halves != base_halves:
             base, base_halves = out, halves

@@ -6,7 +6,8 @@ time of each kernel is summed over the prompt. Wall times are taken unprofiled, 
 
 The table gives each kernel's share of our GPU time, grouped by what it serves (the products, the attention, the
 row-wise kernels, copies), then the same for HF; a gap between the wall time and the kernels' sum is time the GPU
-waited on the host.
+waited on the host, and the idle time between kernels is summed by the kernel that came after it (--host: the
+host's own time by function).
 """
 from __future__ import annotations
 
@@ -46,13 +47,39 @@ def profile(fn, reps: int) -> dict:
             fn()
         torch.cuda.synchronize()
     out: dict = {}
+    spans = []
     for e in p.events():
         dev = getattr(e, "device_type", None)
         if dev is not None and str(dev).endswith("CUDA") and e.device_time_total > 0:
             key = e.name[:90]
             c, us = out.get(key, (0, 0.0))
             out[key] = (c + 1, us + e.device_time_total)
-    return {k: (c / reps, us / reps) for k, (c, us) in out.items()}
+            spans.append((e.time_range.start, e.time_range.end, key))
+    kernels = {k: (c / reps, us / reps) for k, (c, us) in out.items()}
+    # where the GPU sat idle between two kernels: the gap before each kernel, summed by that kernel's name
+    spans.sort()
+    idle: dict = {}
+    end = spans[0][1] if spans else 0
+    for a, b, name in spans[1:]:
+        if a - end > 2.0:
+            c, us = idle.get(name, (0, 0.0))
+            idle[name] = (c + 1, us + a - end)
+        end = max(end, b)
+    return kernels, {k: (c / reps, us / reps) for k, (c, us) in idle.items()}
+
+
+def host_profile(fn) -> str:
+    """The host's own time in one call, by function (cProfile, cumulative), to find what keeps the GPU waiting."""
+    import cProfile
+    import io
+    import pstats
+    pr = cProfile.Profile()
+    pr.enable()
+    fn()
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(22)
+    return buf.getvalue()
 
 
 def wall(fn, reps: int) -> list:
@@ -68,7 +95,8 @@ def wall(fn, reps: int) -> list:
     return ms
 
 
-def table(title: str, kernels: dict, wall_ms: list) -> list[str]:
+def table(title: str, prof: tuple, wall_ms: list) -> list[str]:
+    kernels, idle = prof
     total = sum(us for _, us in kernels.values()) / 1e3
     lines = [f"\n{title}: wall {np.median(wall_ms):.2f} ms (min {min(wall_ms):.2f}), kernels {total:.2f} ms",
              f"{'group':22s} {'ms':>8s} {'share':>6s}"]
@@ -80,6 +108,10 @@ def table(title: str, kernels: dict, wall_ms: list) -> list[str]:
     lines.append(f"{'kernel':90s} {'calls':>6s} {'ms':>8s}")
     for name, (calls, us) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:18]:
         lines.append(f"{name:90s} {calls:6.0f} {us / 1e3:8.3f}")
+    lines.append(f"GPU idle between kernels {sum(us for _, us in idle.values()) / 1e3:.2f} ms, by the kernel it "
+                 f"waited for (gaps over 2 µs):")
+    for name, (calls, us) in sorted(idle.items(), key=lambda kv: -kv[1][1])[:10]:
+        lines.append(f"{name:90s} {calls:6.0f} {us / 1e3:8.3f}")
     return lines
 
 
@@ -90,6 +122,7 @@ def main():
     ap.add_argument("--precision", nargs="+", default=["bf16", "fp32"])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--host", action="store_true", help="also the host's time by function in one prefill")
     ap.add_argument("--json")
     a = ap.parse_args()
 
@@ -120,7 +153,10 @@ def main():
             ms = wall(ours, a.reps)
             k = profile(ours, a.reps)
             lines += table(f"ours, {precision}, prompt {n}", k, ms)
-            report[f"ours {precision} {n}"] = {"wall_ms": ms, "kernels": {x: list(v) for x, v in k.items()}}
+            report[f"ours {precision} {n}"] = {"wall_ms": ms, "kernels": {x: list(v) for x, v in k[0].items()},
+                                               "idle": {x: list(v) for x, v in k[1].items()}}
+            if a.host:
+                lines.append(host_profile(ours))
         if hfm is not None:
             ids = torch.tensor([prompt], device="cuda")
 
@@ -129,7 +165,8 @@ def main():
             ms = wall(hf, a.reps)
             k = profile(hf, a.reps)
             lines += table(f"HF sdpa bf16, prompt {n}", k, ms)
-            report[f"hf {n}"] = {"wall_ms": ms, "kernels": {x: list(v) for x, v in k.items()}}
+            report[f"hf {n}"] = {"wall_ms": ms, "kernels": {x: list(v) for x, v in k[0].items()},
+                                 "idle": {x: list(v) for x, v in k[1].items()}}
     print("\n".join(lines))
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1))

@@ -72,8 +72,12 @@ static_assert(WB_PA_HALVES == 1 || WB_PA_HALVES == 2, "bf16 halves of the querie
 // Three blocks an SM (≤ 170 registers) keep the default layout out of local memory at every head_dim up to 128 at
 // the two halves' occupancy. Two halves keep the block size alone: a minimum of one block moved ptxas to more
 // registers for the same code (165 → 206 at head_dim 64).
-#if WB_PA_HALVES == 1
-#define PA_LAUNCH_BOUNDS __launch_bounds__(WB_THREADS, 3)
+// WB_PA_MIN_BLOCKS (FlashLayout.min_blocks) asks for more: 4 an SM is 16 warps, at ≤ 128 registers.
+#ifndef WB_PA_MIN_BLOCKS
+#define WB_PA_MIN_BLOCKS (WB_PA_HALVES == 1 ? 3 : 0)
+#endif
+#if WB_PA_MIN_BLOCKS > 0
+#define PA_LAUNCH_BOUNDS __launch_bounds__(WB_THREADS, WB_PA_MIN_BLOCKS)
 #else
 #define PA_LAUNCH_BOUNDS __launch_bounds__(WB_THREADS)
 #endif
