@@ -2,7 +2,8 @@
 run: both run under torch.profiler (CUPTI sees every kernel of the process, CuPy's and cuBLAS's too), and the GPU
 time of each kernel is summed over the prompt. Wall times are taken unprofiled, after a warm-up.
 
-    python scripts/prefill_profile.py --model llama-3.2-1b --prompt 4096 [--precision bf16 fp32] [--json FILE]
+    python scripts/prefill_profile.py --model llama-3.2-1b --prompt 4096 [--precision bf16 fp32] [--chunk 2048 4096]
+                                      [--host] [--json FILE]
 
 The table gives each kernel's share of our GPU time, grouped by what it serves (the products, the attention, the
 row-wise kernels, copies), then the same for HF; a gap between the wall time and the kernels' sum is time the GPU
@@ -12,6 +13,7 @@ host's own time by function).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import sys
@@ -21,6 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
+
+from workbench.run.prefill import PREFILL_CHUNK  # noqa: E402
 
 
 def group(name: str) -> str:
@@ -121,6 +125,7 @@ def main():
     ap.add_argument("--prompt", type=int, nargs="+", default=[4096])
     ap.add_argument("--precision", nargs="+", default=["bf16", "fp32"])
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--chunk", type=int, nargs="+", default=[PREFILL_CHUNK], help="rows a chunk (each is timed)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--host", action="store_true", help="also the host's time by function in one prefill")
     ap.add_argument("--json")
@@ -147,14 +152,15 @@ def main():
                        attn="sdpa")
     for n in a.prompt:
         prompt = rng.integers(0, cfg.vocab, n).tolist()
-        for precision in a.precision:
+        for precision, chunk in itertools.product(a.precision, a.chunk):
             def ours():
-                mk.prefill(prompt[:-1], precision=precision)
+                mk.prefill(prompt[:-1], precision=precision, chunk=chunk)
             ms = wall(ours, a.reps)
             k = profile(ours, a.reps)
-            lines += table(f"ours, {precision}, prompt {n}", k, ms)
-            report[f"ours {precision} {n}"] = {"wall_ms": ms, "kernels": {x: list(v) for x, v in k[0].items()},
-                                               "idle": {x: list(v) for x, v in k[1].items()}}
+            lines += table(f"ours, {precision}, prompt {n}, chunks of {chunk}", k, ms)
+            report[f"ours {precision} {n} {chunk}"] = {"wall_ms": ms,
+                                                       "kernels": {x: list(v) for x, v in k[0].items()},
+                                                       "idle": {x: list(v) for x, v in k[1].items()}}
             if a.host:
                 lines.append(host_profile(ours))
         if hfm is not None:

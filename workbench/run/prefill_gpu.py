@@ -216,15 +216,21 @@ def gemm(a, w, out, accumulate: bool, w_t: bool = False):
     h = cupy.cuda.device.get_cublas_handle()
     cublas.setStream(h, cupy.cuda.get_current_stream().ptr)
     mode = cublas.getPointerMode(h)
-    cublas.setPointerMode(h, cublas.CUBLAS_POINTER_MODE_HOST)
-    one, beta = np.ones(1, np.float32), np.full(1, 1.0 if accumulate else 0.0, np.float32)
+    if mode != cublas.CUBLAS_POINTER_MODE_HOST:
+        cublas.setPointerMode(h, cublas.CUBLAS_POINTER_MODE_HOST)
     try:
-        cublas.gemmEx(h, _OP_N if w_t else _OP_T, _OP_N, n, m, k, one.ctypes.data, w.data.ptr, _CUDA_R_16BF,
-                      n if w_t else k, a.data.ptr,
-                      _CUDA_R_16BF, k, beta.ctypes.data, out.data.ptr, _CUDA_R_32F, n, _COMPUTE_32F, _GEMM_DEFAULT)
+        cublas.gemmEx(h, _OP_N if w_t else _OP_T, _OP_N, n, m, k, _SCALARS.ctypes.data, w.data.ptr, _CUDA_R_16BF,
+                      n if w_t else k, a.data.ptr, _CUDA_R_16BF, k, _SCALARS.ctypes.data + 4 * (not accumulate),
+                      out.data.ptr, _CUDA_R_32F, n, _COMPUTE_32F, _GEMM_DEFAULT)
     finally:
-        cublas.setPointerMode(h, mode)
+        if mode != cublas.CUBLAS_POINTER_MODE_HOST:
+            cublas.setPointerMode(h, mode)
     return out
+
+
+# alpha = 1, then beta = 1 or 0 (accumulate or not) at the next word: host scalars that outlive every call (cuBLAS
+# reads them when the call is made, in host pointer mode)
+_SCALARS = np.array([1.0, 0.0], np.float32)
 
 
 def project(a: Split, w, onto=None, w_t: bool = False):
