@@ -348,6 +348,8 @@ def gate_up_silu(io: PrefillIO, st: dict) -> dict:
     gu = project(norm_split(io, st["h"]), io.p.wgu[io.layer])       # [rows, 2F]: gate j, up j interleaved
     rows, f = gu.shape[0], gu.shape[1] // 2
     h = Split.empty((rows, f), io.halves)
+    if f % 4:
+        raise ValueError(f"the MLP's width {f} is not a multiple of 4, which prefill_silu_mul_split takes a step")
     if rows:
         io.fn("prefill_silu_mul_split")(_grid(rows * f), (LAYER_THREADS,), (gu, np.int64(rows * f), *h.args()))
     return {"hmlp": h}
