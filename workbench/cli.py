@@ -44,6 +44,7 @@ from .nbclean import main as nbclean_main
 from .model.config import DEFAULT_MODEL, PRESETS, ModelConfig, get_config, local_folder
 from .paths import ROOT, write_problem
 from .plan import Launch
+from .run.prefill import PREFILL_CHUNK
 from .run.prefill_gpu import PRECISIONS
 from .run.runtime import WORKER_CONTEXT, KernelError, Monokernel, RegisteredMapped, Sampling
 from .run.worker import Worker, WorkerFailure, phase_setter
@@ -606,7 +607,6 @@ def stream_text(tokenizer, ids: Iterable[int], prompt: Iterable[int] = ()) -> It
         yield tail
 
 
-PREFILL_WARM_TOKENS = 64       # generate's warm-up prefill: enough rows to run every prefill kernel and product
 
 
 def cmd_generate(args) -> int:
@@ -623,11 +623,14 @@ def cmd_generate(args) -> int:
     timeout = getattr(args, "timeout", 5.0)
     warm = None
     if prefilled:
-        # the first prefill of a process loads its kernels and creates cuBLAS's handle and workspace, hundreds of ms
-        # that a serving process pays once: a short prefill of the prompt's own first tokens pays them here, untimed
-        # (the timed prefill writes the same positions again)
+        # the first prefill of a process loads its kernels, creates cuBLAS's handle and workspace, has cuBLAS choose
+        # its kernels for the products' shapes and grows the memory pool to a chunk's activations: what a serving
+        # process pays once. A prefill of the prompt's first chunk pays it here, untimed (the timed prefill writes
+        # the same positions again); 64 tokens left a 4k prompt's first token at 33.1 ms against the bench's ~25
+        # (one H100), the pool and the products' shapes still to come.
+        warm_n = min(len(ids) - 1, PREFILL_CHUNK)
         t0 = time.perf_counter()
-        mk.prefill(ids[:min(len(ids) - 1, PREFILL_WARM_TOKENS)], precision=args.prefill_precision)
+        mk.prefill(ids[:warm_n], precision=args.prefill_precision)
         warm = time.perf_counter() - t0
     pre = mk.prefill(ids[:-1], precision=args.prefill_precision) if prefilled else None
     tokens = mk.stream_tokens(fed, args.tokens, s, pos0=len(ids) - len(fed), eos=None if args.stop_on_eos else [],
@@ -654,8 +657,8 @@ def cmd_generate(args) -> int:
         how = (f"{pre.n} prompt tokens prefilled ({pre.precision} products) in {1e3 * pre.seconds:.1f} ms "
                f"({pre.chunks} chunk{'s' if pre.chunks != 1 else ''}), then the kernel" if pre
                else f"the kernel fed the {len(ids)}-token prompt step by step and")
-        after = (f"; an untimed warm-up prefill of {min(len(ids) - 1, PREFILL_WARM_TOKENS)} tokens came first "
-                 f"({1e3 * warm:.0f} ms: the prefill's kernels loaded, cuBLAS set up)" if warm is not None else "")
+        after = (f"; an untimed warm-up prefill of its first {warm_n} tokens came first ({1e3 * warm:.0f} ms: the "
+                 f"prefill's kernels loaded, cuBLAS and the memory pool set up)" if warm is not None else "")
         print(f"time to first token {1e3 * first[0]:.1f} ms: {how} generated{after}")
     if args.check_prefill and pre is not None:
         c = check_prefill(p, ids[:-1], pre, mk.k_cache, mk.v_cache)

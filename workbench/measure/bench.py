@@ -14,6 +14,7 @@ Verification (teacher-forced, against the reference) runs first; a failing kerne
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import time
 
@@ -198,6 +199,11 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
     if torch_paths:
         import torch
         t = tensors_from_weights(w, torch.device("cuda"), torch.bfloat16)
+        # our kernel is done: its weights, cache and the prefill's pooled activations go back before PyTorch's
+        # models are built (the 8B's two copies beside ours ran an 80 GB card out of memory)
+        del mk, p, w
+        gc.collect()                                 # the kernel's objects may hold each other
+        cp.get_default_memory_pool().free_all_blocks()
         gf = gpt_fast_model(cfg, t, torch.device("cuda"), max_pos) if compiled else None
         n_runs = max(2, repeats // 2)
         from tqdm import tqdm
