@@ -741,7 +741,8 @@ def test_generate_prefills_the_prompt_and_continues_after_it(capsys, monkeypatch
     assert "22 prompt tokens prefilled (fp32 products) in" in out and "(5 chunks)" in out
     # a warm-up prefill of the prompt's first chunk (here all 22: fewer than a chunk), untimed, and said so
     assert seen["prefilled"] == [ids[:22], ids[:22]]
-    assert "time to first token" in out and "an untimed warm-up prefill of its first 22 tokens came first" in out
+    assert "time to first token" in out and "an untimed warm-up prefill of its first 22 tokens and one kernel step" \
+        in out
     assert "prefill passed" in out
     assert_error(capsys, ["generate", "--model", str(tiny_hf_checkpoint), "--check-prefill", "--no-prefill",
                           "--prompt-ids", "5,6"],

@@ -628,9 +628,15 @@ def cmd_generate(args) -> int:
         # process pays once. A prefill of the prompt's first chunk pays it here, untimed (the timed prefill writes
         # the same positions again); 64 tokens left a 4k prompt's first token at 33.1 ms against the bench's ~25
         # (one H100), the pool and the products' shapes still to come.
+        # A fresh machine's first process also paid ~270 ms in the kernel's first step (one H100: first token 294.9
+        # ms after a 22.3 ms prefill, 25.9 ms in the next process), the first launch's one-time work (CuPy's own
+        # small kernels compiled for the launch's resets and poisoning, the module loaded): one step at position 0
+        # pays it here too, and the timed prefill writes that position again.
         warm_n = min(len(ids) - 1, PREFILL_CHUNK)
         t0 = time.perf_counter()
         mk.prefill(ids[:warm_n], precision=args.prefill_precision)
+        for _ in mk.stream_tokens(ids[:1], 1, s, pos0=0, eos=[], timeout_s=timeout):
+            pass
         warm = time.perf_counter() - t0
     pre = mk.prefill(ids[:-1], precision=args.prefill_precision) if prefilled else None
     tokens = mk.stream_tokens(fed, args.tokens, s, pos0=len(ids) - len(fed), eos=None if args.stop_on_eos else [],
@@ -657,8 +663,9 @@ def cmd_generate(args) -> int:
         how = (f"{pre.n} prompt tokens prefilled ({pre.precision} products) in {1e3 * pre.seconds:.1f} ms "
                f"({pre.chunks} chunk{'s' if pre.chunks != 1 else ''}), then the kernel" if pre
                else f"the kernel fed the {len(ids)}-token prompt step by step and")
-        after = (f"; an untimed warm-up prefill of its first {warm_n} tokens came first ({1e3 * warm:.0f} ms: the "
-                 f"prefill's kernels loaded, cuBLAS and the memory pool set up)" if warm is not None else "")
+        after = (f"; an untimed warm-up prefill of its first {warm_n} tokens and one kernel step came first "
+                 f"({1e3 * warm:.0f} ms: the kernels loaded, cuBLAS and the memory pool set up)"
+                 if warm is not None else "")
         print(f"time to first token {1e3 * first[0]:.1f} ms: {how} generated{after}")
     if args.check_prefill and pre is not None:
         c = check_prefill(p, ids[:-1], pre, mk.k_cache, mk.v_cache)
