@@ -234,3 +234,44 @@ def test_the_bf16_attention_issues_half_the_products_and_the_same_layouts():
         assert mma2 > 0 and mma1 * 2 == mma2, (hd, layout, mma1, mma2)
     with pytest.raises(ValueError, match="halves=3"):
         flash_source(64, None, 3)
+
+
+@pytest.mark.parametrize("mode", ["new arrays", "in place", "first chunk in place"])
+def test_the_residual_survives_its_chunks_updated_in_place_or_not(mode):
+    """_layers carries the residual from layer to layer: the interpreter's stages return new arrays, the GPU path's
+    products add onto the chunk's own rows of it (prefill_gpu.project). Each way, and mixed, every row of every
+    chunk must reach the next layer: with each stage adding (layer + 1) to x, every layer's first stage sees
+    x + what the layers before it added, in every row, and the last row's "logits" carry all of it."""
+    import contextlib
+
+    from workbench import plan, schedule
+    from workbench.run.prefill import _layers
+    cfg = CFGS["tiny"]
+    n, chunk = 23, 8
+    start = np.arange(n * 3, dtype=np.float64).reshape(n, 3)
+    stages = [(name, at) for name, at in schedule.execution(cfg) if plan.stage(name).reference is not None]
+    per_layer = {l: sum(1 for _, at in stages if at == l) for l in range(cfg.n_layers)}
+    first = {l: next(name for name, at in stages if at == l) for l in range(cfg.n_layers)}
+    seen = {}
+
+    def run(name, layer, st, a, b):
+        if layer < 0 and "x" not in st:                          # the token stages before the layers: x's rows
+            st["x"] = start[a:b].copy()
+            return
+        if layer < 0:                                            # after them: the last row's "logits"
+            st.setdefault("logits", st["x"].copy())
+            return
+        if name == first[layer]:
+            seen[layer, a] = st["x"].copy()
+        if mode == "in place" or (mode == "first chunk in place" and a == 0):
+            st["x"] += layer + 1
+        else:
+            st["x"] = st["x"] + (layer + 1)
+    got = _layers(cfg, np, n, chunk, run, lambda name: contextlib.nullcontext())
+    before = 0
+    for l in range(cfg.n_layers):
+        rows = np.concatenate([seen[l, a] for a in range(0, n, chunk)])
+        np.testing.assert_array_equal(rows, start + before, err_msg=f"layer {l}")
+        before += (l + 1) * per_layer[l]
+    assert before > 0
+    np.testing.assert_array_equal(got, start[-1] + before)
