@@ -41,7 +41,8 @@ def layout_name(layout) -> str:
 # bits are compared with the first of their precision)
 RUNS = {f"{precision}, {layout_name(layout)}": (layout, halves)
         for precision, halves in G.PRECISIONS.items()
-        for layout in (*G.LAYOUTS, dataclasses.replace(G.FLASH_LAYOUT, min_blocks=4))}
+        for layout in (*G.LAYOUTS, dataclasses.replace(G.FLASH_LAYOUT, min_blocks=4),
+                       dataclasses.replace(G.FLASH_LAYOUT, frags=2))}
 
 
 def one_prompt(cfg, n: int, chunk: int, repeats: int, rng) -> dict:

@@ -613,7 +613,7 @@ def test_the_bf16_prefills_attention_is_within_its_bound(heads, kv_heads, hd, n,
     import cupy as cp
 
     from workbench.model import stage_math as S
-    from workbench.run.prefill_gpu import LAYOUTS, FlashLayout, flash_attention
+    from workbench.run.prefill_gpu import FLASH_LAYOUT, LAYOUTS, FlashLayout, flash_attention
     q, kb, vb, k, v, positions = _attention_inputs(heads, kv_heads, hd, n, pos0)
     want = S.attention_decode(q.astype(cp.float64), k, v, positions)
     rel = {}
@@ -629,7 +629,7 @@ def test_the_bf16_prefills_attention_is_within_its_bound(heads, kv_heads, hd, n,
     q[n // 2, :hd] = cp.nan
     base = flash_attention(q, kb, vb, positions, heads, halves=1, layout=FlashLayout())
     assert int(cp.isnan(base).sum()) == hd and bool(cp.isnan(base[n // 2, :hd]).all())
-    for layout in LAYOUTS[1:]:
+    for layout in (*LAYOUTS[1:], dataclasses.replace(FLASH_LAYOUT, frags=2)):
         got = flash_attention(q, kb, vb, positions, heads, halves=1, layout=layout)
         same = (got == base) | (cp.isnan(got) & cp.isnan(base))
         assert bool(same.all()), f"{layout}: {int((~same).sum())} elements differ"
@@ -643,7 +643,7 @@ def test_the_prefills_attention_layouts_change_no_bit(heads, kv_heads, hd, n):
     import cupy as cp
 
     from workbench.model.weights import to_bf16
-    from workbench.run.prefill_gpu import LAYOUTS, FlashLayout, flash_attention
+    from workbench.run.prefill_gpu import FLASH_LAYOUT, LAYOUTS, FlashLayout, flash_attention
     rng = np.random.default_rng(fresh_seed())
     pos0 = 300
     n_ctx = pos0 + n + 5
@@ -653,7 +653,7 @@ def test_the_prefills_attention_layouts_change_no_bit(heads, kv_heads, hd, n):
     positions = cp.arange(pos0, pos0 + n)
     base = flash_attention(q, kb, vb, positions, heads, layout=FlashLayout())
     assert int(cp.isnan(base).sum()) == hd
-    for layout in LAYOUTS[1:]:
+    for layout in (*LAYOUTS[1:], dataclasses.replace(FLASH_LAYOUT, frags=2)):
         got = flash_attention(q, kb, vb, positions, heads, layout=layout)
         same = (got == base) | (cp.isnan(got) & cp.isnan(base))
         assert bool(same.all()), f"{layout}: {int((~same).sum())} elements differ"

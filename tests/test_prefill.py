@@ -275,3 +275,25 @@ def test_the_residual_survives_its_chunks_updated_in_place_or_not(mode):
         before += (l + 1) * per_layer[l]
     assert before > 0
     np.testing.assert_array_equal(got, start[-1] + before)
+
+
+def test_two_fragments_a_warp_load_each_key_and_value_fragment_once_for_both():
+    """FlashLayout(frags=2): 32 rows a warp, each ldmatrix of a key or value tile feeding both fragments' products:
+    at head_dim 64 (the Llamas') the same tensor-core products per row as one fragment, half the shared-memory
+    loads per product, and no spill in the bf16 precision (two blocks an SM, ≤ 255 registers). Its results are the
+    default's bit for bit (the GPU tests hold every layout to it)."""
+    import dataclasses
+
+    from workbench.compiler.compile import disassemble, nvrtc_program, resource_usage
+    from workbench.run.prefill_gpu import FLASH_LAYOUT, flash_source
+    built = {}
+    for frags in (1, 2):
+        layout = dataclasses.replace(FLASH_LAYOUT, frags=frags)
+        assert layout.rows == 64 * frags and layout.grid(1000, 32, 8)[1] == -(-1000 // layout.rows)
+        ok, log, _, cubin = nvrtc_program(flash_source(64, layout, 1), ["--std=c++17", "-arch=sm_90"])
+        assert ok, log
+        (r,) = [r for r in resource_usage(cubin) if r.kernel == "prefill_attention"]
+        sass = disassemble(cubin)
+        built[frags] = (r, sass.count("HMMA."), sass.count("LDSM"))
+    (r1, mma1, ld1), (r2, mma2, ld2) = built[1], built[2]
+    assert r2.stack == 0 and mma2 == 2 * mma1 and ld2 * mma1 * 2 <= ld1 * mma2 * 1.01, built

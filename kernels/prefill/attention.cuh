@@ -42,7 +42,14 @@
 // The tile, in mma.sync's m16n8k16 fragments: each warp 16 query rows (one fragment's M), a tile PA_BN keys
 #define PA_FRAG_M 16
 #define PA_WARPS 4
-#define PA_BM (PA_WARPS * PA_FRAG_M)
+// WB_PA_FRAGS (FlashLayout.frags): each warp's 16-row fragments, 1 or 2. Two take 32 rows a warp, 128 a block, and
+// every key and value fragment loaded from shared memory serves both (half the loads a product), at twice the
+// accumulators' registers; each row's arithmetic is the same, in the same order.
+#ifndef WB_PA_FRAGS
+#define WB_PA_FRAGS 1
+#endif
+#define PA_MF WB_PA_FRAGS
+#define PA_BM (PA_WARPS * PA_FRAG_M * PA_MF)
 // keys a tile: four 16-key steps of P·V up to head_dim 64, two beyond (two stages of both tiles in 48 KB)
 #define PA_KSTEP 16
 #define PA_BN (PA_KSTEP * (WB_HD <= 4 * PA_KSTEP ? 4 : 2))
@@ -74,7 +81,7 @@ static_assert(WB_PA_HALVES == 1 || WB_PA_HALVES == 2, "bf16 halves of the querie
 // registers for the same code (165 → 206 at head_dim 64).
 // WB_PA_MIN_BLOCKS (FlashLayout.min_blocks) asks for more: 4 an SM is 16 warps, at ≤ 128 registers.
 #ifndef WB_PA_MIN_BLOCKS
-#define WB_PA_MIN_BLOCKS (WB_PA_HALVES == 1 ? 3 : 0)
+#define WB_PA_MIN_BLOCKS (WB_PA_FRAGS == 2 ? 2 : WB_PA_HALVES == 1 ? 3 : 0)
 #endif
 #if WB_PA_MIN_BLOCKS > 0
 #define PA_LAUNCH_BOUNDS __launch_bounds__(WB_THREADS, WB_PA_MIN_BLOCKS)
@@ -82,7 +89,8 @@ static_assert(WB_PA_HALVES == 1 || WB_PA_HALVES == 2, "bf16 halves of the querie
 #define PA_LAUNCH_BOUNDS __launch_bounds__(WB_THREADS)
 #endif
 static_assert(WB_HD % 16 == 0 && WB_HD <= 128, "head_dim: a multiple of 16, at most 128");
-static_assert(WB_THREADS == PA_WARPS * WB_WARP, "one warp per 16 query rows");
+static_assert(WB_THREADS == PA_WARPS * WB_WARP, "four warps a block");
+static_assert(WB_PA_FRAGS == 1 || WB_PA_FRAGS == 2, "16-row fragments a warp: 1 or 2");
 static_assert(WB_PA_ROWS == PA_BM, "the launcher's grid counts rows in this tile's");
 static_assert(2 * 2 * PA_BN * PA_KS * 2 <= 48 * 1024, "two stages of both tiles fit static shared memory");
 
@@ -125,52 +133,77 @@ extern "C" __global__ void PA_LAUNCH_BOUNDS prefill_attention(
     __shared__ int last_key;
     const int warp = threadIdx.x / WB_WARP, lane = threadIdx.x % WB_WARP, g = lane >> 2, t = lane & 3;
     const long long stride = (long long)n_heads * WB_HD;              // of q's rows and out's
-    // this lane's two rows, and where each one's query and output start; a row past the last attends to key 0 alone
-    // and is not written
+    // this lane's two rows of each fragment, and where each one's query and output start; a row past the last
+    // attends to key 0 alone and is not written
 #if WB_PA_HEAVY_FIRST
     const int row_tile = gridDim.y - 1 - blockIdx.y, head = blockIdx.x;
 #else
     const int row_tile = blockIdx.x, head = blockIdx.y;
 #endif
-    const int ra = row_tile * PA_BM + warp * PA_FRAG_M + g, rb = ra + 8;
 #if WB_PA_GQA_ROWS
     const int kvh = head, rows = n * group;
-    const long long qa = ra < rows ? (ra / group) * stride + (kvh * group + ra % group) * WB_HD : 0;
-    const long long qb = rb < rows ? (rb / group) * stride + (kvh * group + rb % group) * WB_HD : 0;
-    const int pa = ra < rows ? (int)pos[ra / group] : 0, pb = rb < rows ? (int)pos[rb / group] : 0;
 #else
     const int h = head, kvh = h / group, rows = n;
-    const long long qa = ra * stride + h * WB_HD, qb = rb * stride + h * WB_HD;
-    const int pa = ra < n ? (int)pos[ra] : 0, pb = rb < n ? (int)pos[rb] : 0;
 #endif
+    int ra[PA_MF], rb[PA_MF], pa[PA_MF], pb[PA_MF];
+    long long qa[PA_MF], qb[PA_MF];
+#pragma unroll
+    for (int f = 0; f < PA_MF; ++f) {
+        ra[f] = row_tile * PA_BM + (warp * PA_MF + f) * PA_FRAG_M + g;
+        rb[f] = ra[f] + 8;
+#if WB_PA_GQA_ROWS
+        qa[f] = ra[f] < rows ? (ra[f] / group) * stride + (kvh * group + ra[f] % group) * WB_HD : 0;
+        qb[f] = rb[f] < rows ? (rb[f] / group) * stride + (kvh * group + rb[f] % group) * WB_HD : 0;
+        pa[f] = ra[f] < rows ? (int)pos[ra[f] / group] : 0;
+        pb[f] = rb[f] < rows ? (int)pos[rb[f] / group] : 0;
+#else
+        qa[f] = ra[f] * stride + h * WB_HD;
+        qb[f] = rb[f] * stride + h * WB_HD;
+        pa[f] = ra[f] < n ? (int)pos[ra[f]] : 0;
+        pb[f] = rb[f] < n ? (int)pos[rb[f]] : 0;
+#endif
+    }
     if (threadIdx.x == 0) last_key = 0;
     __syncthreads();
-    atomicMax(&last_key, max(pa, pb));                                // two rows a lane: all 64 rows counted
     // the warp's first row position: tiles wholly at or before it need no mask
-    int first = min(pa, pb);
+    int first = min(pa[0], pb[0]), most = max(pa[0], pb[0]);
+#pragma unroll
+    for (int f = 1; f < PA_MF; ++f) {
+        first = min(first, min(pa[f], pb[f]));
+        most = max(most, max(pa[f], pb[f]));
+    }
+    atomicMax(&last_key, most);                                       // every lane's rows: all the block's counted
 #pragma unroll
     for (int m = 1; m < WB_WARP; m <<= 1) first = min(first, wb_shfl_xor(first, m));
 
     // the queries as A fragments, one per 16 of head_dim: rows g, g+8; columns 2t, 2t+1 and 2t+8, 2t+9
-    u32 qh[WB_HD / 16][4], ql[WB_HD / 16][4];
+    u32 qh[PA_MF][WB_HD / 16][4], ql[PA_MF][WB_HD / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < WB_HD / 16; ++kk) {
+    for (int f = 0; f < PA_MF; ++f) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int row = (i & 1) ? rb : ra, col = kk * 16 + 2 * t + ((i & 2) ? 8 : 0);
-            float x0 = 0.f, x1 = 0.f;
-            if (row < rows) {
-                const float* p = q + ((i & 1) ? qb : qa) + col;
-                x0 = p[0] * scale;
-                x1 = p[1] * scale;
+        for (int kk = 0; kk < WB_HD / 16; ++kk) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int row = (i & 1) ? rb[f] : ra[f], col = kk * 16 + 2 * t + ((i & 2) ? 8 : 0);
+                float x0 = 0.f, x1 = 0.f;
+                if (row < rows) {
+                    const float* p = q + ((i & 1) ? qb[f] : qa[f]) + col;
+                    x0 = p[0] * scale;
+                    x1 = p[1] * scale;
+                }
+                pa_split(x0, x1, qh[f][kk][i], ql[f][kk][i]);
             }
-            pa_split(x0, x1, qh[kk][i], ql[kk][i]);
         }
     }
-    float o[WB_HD / 8][4];
+    float o[PA_MF][WB_HD / 8][4];
+    float ma[PA_MF], mb[PA_MF], la[PA_MF], lb[PA_MF];                // running max and (this lane's part of) sum
 #pragma unroll
-    for (int nt = 0; nt < WB_HD / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
-    float ma = -WB_INF, mb = -WB_INF, la = 0.f, lb = 0.f;            // running max and (this lane's part of) sum
+    for (int f = 0; f < PA_MF; ++f) {
+#pragma unroll
+        for (int nt = 0; nt < WB_HD / 8; ++nt) o[f][nt][0] = o[f][nt][1] = o[f][nt][2] = o[f][nt][3] = 0.f;
+        ma[f] = mb[f] = -WB_INF;
+        la[f] = lb[f] = 0.f;
+    }
     __syncthreads();
     const int tiles = last_key / PA_BN + 1;
     const bf16* kb = k + (long long)kvh * kv_stride * WB_HD;
@@ -189,11 +222,13 @@ extern "C" __global__ void PA_LAUNCH_BOUNDS prefill_attention(
         const bf16* kt = ks[stage];
         const bf16* vt = vs[stage];
 
-        // S = Q·Kᵀ, the warp's 16 rows × PA_BN keys as tiles of 8 keys; B[d][key] = K[key][d], a word a pair
-        float s[PA_BN / 8][4];
+        // S = Q·Kᵀ, each fragment's 16 rows × PA_BN keys as tiles of 8 keys; B[d][key] = K[key][d], a word a pair,
+        // loaded once for every fragment
+        float s[PA_MF][PA_BN / 8][4];
 #pragma unroll
         for (int nt = 0; nt < PA_BN / 8; ++nt) {
-            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+            for (int f = 0; f < PA_MF; ++f) s[f][nt][0] = s[f][nt][1] = s[f][nt][2] = s[f][nt][3] = 0.f;
             int kk = 0;
 #if WB_PA_K_LDMATRIX
             // two 16-wide steps of head_dim an instruction: lane L names row L % 8 of the tile's keys nt·8.., at
@@ -202,84 +237,102 @@ extern "C" __global__ void PA_LAUNCH_BOUNDS prefill_attention(
             for (; kk + 1 < WB_HD / 16; kk += 2) {
                 u32 b[4];
                 wb_ldmatrix_x4(b, kt + (nt * 8 + (lane & 7)) * PA_KS + kk * 16 + (lane >> 3) * 8);
-                pa_mma(s[nt], qh[kk], ql[kk], b);
-                pa_mma(s[nt], qh[kk + 1], ql[kk + 1], b + 2);
+#pragma unroll
+                for (int f = 0; f < PA_MF; ++f) {
+                    pa_mma(s[f][nt], qh[f][kk], ql[f][kk], b);
+                    pa_mma(s[f][nt], qh[f][kk + 1], ql[f][kk + 1], b + 2);
+                }
             }
 #endif
 #pragma unroll
             for (; kk < WB_HD / 16; ++kk) {
                 const bf16* kp = kt + (nt * 8 + g) * PA_KS + kk * 16 + 2 * t;
                 const u32 b[2] = {*(const u32*)kp, *(const u32*)(kp + 8)};
-                pa_mma(s[nt], qh[kk], ql[kk], b);
+#pragma unroll
+                for (int f = 0; f < PA_MF; ++f) pa_mma(s[f][nt], qh[f][kk], ql[f][kk], b);
             }
         }
-        // the causal mask where the tile reaches past the warp's first row, and each row's new max over the four
-        // lanes that hold it
-        if (j0 + PA_BN - 1 > first) {
 #pragma unroll
-            for (int nt = 0; nt < PA_BN / 8; ++nt) {
+        for (int f = 0; f < PA_MF; ++f) {
+            // the causal mask where the tile reaches past the warp's first row, and each row's new max over the
+            // four lanes that hold it
+            if (j0 + PA_BN - 1 > first) {
 #pragma unroll
-                for (int c = 0; c < 2; ++c) {
-                    const int key = j0 + nt * 8 + 2 * t + c;
-                    if (key > pa) s[nt][c] = -WB_INF;
-                    if (key > pb) s[nt][2 + c] = -WB_INF;
+                for (int nt = 0; nt < PA_BN / 8; ++nt) {
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const int key = j0 + nt * 8 + 2 * t + c;
+                        if (key > pa[f]) s[f][nt][c] = -WB_INF;
+                        if (key > pb[f]) s[f][nt][2 + c] = -WB_INF;
+                    }
                 }
             }
-        }
-        float xa = ma, xb = mb;
+            float xa = ma[f], xb = mb[f];
 #pragma unroll
-        for (int nt = 0; nt < PA_BN / 8; ++nt) {
-            xa = wb_fmaxf(xa, wb_fmaxf(s[nt][0], s[nt][1]));
-            xb = wb_fmaxf(xb, wb_fmaxf(s[nt][2], s[nt][3]));
-        }
-        xa = wb_fmaxf(xa, wb_shfl_xor(xa, 1)); xa = wb_fmaxf(xa, wb_shfl_xor(xa, 2));
-        xb = wb_fmaxf(xb, wb_shfl_xor(xb, 1)); xb = wb_fmaxf(xb, wb_shfl_xor(xb, 2));
-        // key 0 is in every row's first tile, so the max is finite from then on; before it nothing is rescaled
-        const float ca = ma == -WB_INF ? 0.f : wb_exp(ma - xa);
-        const float cb = mb == -WB_INF ? 0.f : wb_exp(mb - xb);
-        ma = xa;
-        mb = xb;
-        la *= ca;
-        lb *= cb;
+            for (int nt = 0; nt < PA_BN / 8; ++nt) {
+                xa = wb_fmaxf(xa, wb_fmaxf(s[f][nt][0], s[f][nt][1]));
+                xb = wb_fmaxf(xb, wb_fmaxf(s[f][nt][2], s[f][nt][3]));
+            }
+            xa = wb_fmaxf(xa, wb_shfl_xor(xa, 1)); xa = wb_fmaxf(xa, wb_shfl_xor(xa, 2));
+            xb = wb_fmaxf(xb, wb_shfl_xor(xb, 1)); xb = wb_fmaxf(xb, wb_shfl_xor(xb, 2));
+            // key 0 is in every row's first tile, so the max is finite from then on; before it nothing is rescaled
+            const float ca = ma[f] == -WB_INF ? 0.f : wb_exp(ma[f] - xa);
+            const float cb = mb[f] == -WB_INF ? 0.f : wb_exp(mb[f] - xb);
+            ma[f] = xa;
+            mb[f] = xb;
+            la[f] *= ca;
+            lb[f] *= cb;
 #pragma unroll
-        for (int nt = 0; nt < WB_HD / 8; ++nt) {
-            o[nt][0] *= ca; o[nt][1] *= ca;
-            o[nt][2] *= cb; o[nt][3] *= cb;
-        }
+            for (int nt = 0; nt < WB_HD / 8; ++nt) {
+                o[f][nt][0] *= ca; o[f][nt][1] *= ca;
+                o[f][nt][2] *= cb; o[f][nt][3] *= cb;
+            }
 #pragma unroll
-        for (int nt = 0; nt < PA_BN / 8; ++nt) {
-            s[nt][0] = wb_exp(s[nt][0] - ma); s[nt][1] = wb_exp(s[nt][1] - ma);
-            s[nt][2] = wb_exp(s[nt][2] - mb); s[nt][3] = wb_exp(s[nt][3] - mb);
-            la += s[nt][0] + s[nt][1];
-            lb += s[nt][2] + s[nt][3];
+            for (int nt = 0; nt < PA_BN / 8; ++nt) {
+                s[f][nt][0] = wb_exp(s[f][nt][0] - ma[f]); s[f][nt][1] = wb_exp(s[f][nt][1] - ma[f]);
+                s[f][nt][2] = wb_exp(s[f][nt][2] - mb[f]); s[f][nt][3] = wb_exp(s[f][nt][3] - mb[f]);
+                la[f] += s[f][nt][0] + s[f][nt][1];
+                lb[f] += s[f][nt][2] + s[f][nt][3];
+            }
         }
         // O += P·V, 16 keys a step: the scores' tiles 2kk and 2kk+1 are the A fragment as they lie in registers,
         // split in hi + lo as the queries are; the values' B fragments come transposed out of their row-major tile,
-        // two 8-wide column tiles a load (lane L: key 16kk + 8·(L/8 % 2) + L % 8, columns 8·(nt + L/16)..)
+        // two 8-wide column tiles a load (lane L: key 16kk + 8·(L/8 % 2) + L % 8, columns 8·(nt + L/16)..), loaded
+        // once for every fragment
 #pragma unroll
         for (int kk = 0; kk < PA_BN / PA_KSTEP; ++kk) {
-            u32 ah[4], al[4];                         // rows g, g + 8 of keys 2t.. and of keys 2t + 8..
-            pa_split(s[2 * kk][0], s[2 * kk][1], ah[0], al[0]);
-            pa_split(s[2 * kk][2], s[2 * kk][3], ah[1], al[1]);
-            pa_split(s[2 * kk + 1][0], s[2 * kk + 1][1], ah[2], al[2]);
-            pa_split(s[2 * kk + 1][2], s[2 * kk + 1][3], ah[3], al[3]);
+            u32 ah[PA_MF][4], al[PA_MF][4];           // rows g, g + 8 of keys 2t.. and of keys 2t + 8..
+#pragma unroll
+            for (int f = 0; f < PA_MF; ++f) {
+                pa_split(s[f][2 * kk][0], s[f][2 * kk][1], ah[f][0], al[f][0]);
+                pa_split(s[f][2 * kk][2], s[f][2 * kk][3], ah[f][1], al[f][1]);
+                pa_split(s[f][2 * kk + 1][0], s[f][2 * kk + 1][1], ah[f][2], al[f][2]);
+                pa_split(s[f][2 * kk + 1][2], s[f][2 * kk + 1][3], ah[f][3], al[f][3]);
+            }
 #pragma unroll
             for (int nt = 0; nt < WB_HD / 8; nt += 2) {
                 u32 b[4];
                 wb_ldmatrix_x4_trans(b, vt + (kk * PA_KSTEP + ((lane >> 3) & 1) * 8 + (lane & 7)) * PA_KS
                                             + (nt + (lane >> 4)) * 8);
-                pa_mma(o[nt], ah, al, b);
-                pa_mma(o[nt + 1], ah, al, b + 2);
+#pragma unroll
+                for (int f = 0; f < PA_MF; ++f) {
+                    pa_mma(o[f][nt], ah[f], al[f], b);
+                    pa_mma(o[f][nt + 1], ah[f], al[f], b + 2);
+                }
             }
         }
         __syncthreads();                              // before the next tile's copy overwrites this stage
     }
-    la += wb_shfl_xor(la, 1); la += wb_shfl_xor(la, 2);
-    lb += wb_shfl_xor(lb, 1); lb += wb_shfl_xor(lb, 2);
 #pragma unroll
-    for (int nt = 0; nt < WB_HD / 8; ++nt) {
-        const int d = nt * 8 + 2 * t;
-        if (ra < rows) { out[qa + d] = o[nt][0] / la; out[qa + d + 1] = o[nt][1] / la; }
-        if (rb < rows) { out[qb + d] = o[nt][2] / lb; out[qb + d + 1] = o[nt][3] / lb; }
+    for (int f = 0; f < PA_MF; ++f) {
+        float sa = la[f], sb = lb[f];
+        sa += wb_shfl_xor(sa, 1); sa += wb_shfl_xor(sa, 2);
+        sb += wb_shfl_xor(sb, 1); sb += wb_shfl_xor(sb, 2);
+#pragma unroll
+        for (int nt = 0; nt < WB_HD / 8; ++nt) {
+            const int d = nt * 8 + 2 * t;
+            if (ra[f] < rows) { out[qa[f] + d] = o[f][nt][0] / sa; out[qa[f] + d + 1] = o[f][nt][1] / sa; }
+            if (rb[f] < rows) { out[qb[f] + d] = o[f][nt][2] / sb; out[qb[f] + d + 1] = o[f][nt][3] / sb; }
+        }
     }
 }

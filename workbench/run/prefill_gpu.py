@@ -30,7 +30,7 @@ from ..model import stage_math as ref
 from ..model.weights import Prepared, to_f32
 
 ATTN_THREADS = 128           # four warps of 16 query rows, and so 64 rows a block: the kernel's static_asserts
-ATTN_ROWS = 64               # hold both to its tile
+ATTN_ROWS = 64               # hold both to its tile (a warp's 16-row fragment each: FlashLayout.frags takes more)
 LAYER_THREADS = 256          # the row-wise kernels' blocks (a multiple of the warp on both vendors)
 
 
@@ -46,17 +46,24 @@ class FlashLayout:
     every combination to it). gqa_rows: a block's 64 rows are (position, query head) pairs of one kv head, so
     each key and value tile serves the whole group; k_ldmatrix: the keys' fragments by ldmatrix; heavy_first: the
     row tiles with the most keys are dispatched first, every head's (the grid is (heads, row tiles)); min_blocks:
-    the blocks an SM the kernel's registers are capped for (0: attention.cuh's default for the precision)."""
+    the blocks an SM the kernel's registers are capped for (0: attention.cuh's default for the precision); frags:
+    16-row fragments a warp (2: 128 rows a block, each key and value fragment loaded once for both)."""
     gqa_rows: bool = False
     k_ldmatrix: bool = False
     heavy_first: bool = False
     min_blocks: int = 0
+    frags: int = 1
+
+    @property
+    def rows(self) -> int:
+        """Rows a block takes."""
+        return ATTN_ROWS * self.frags
 
     def grid(self, n: int, n_heads: int, n_kv: int) -> tuple:
         if self.gqa_rows:
-            g = ((n * (n_heads // n_kv) + ATTN_ROWS - 1) // ATTN_ROWS, n_kv)
+            g = ((n * (n_heads // n_kv) + self.rows - 1) // self.rows, n_kv)
         else:
-            g = ((n + ATTN_ROWS - 1) // ATTN_ROWS, n_heads)
+            g = ((n + self.rows - 1) // self.rows, n_heads)
         if self.heavy_first and g[0] > 65535:
             raise ValueError(f"{g[0]} row tiles: the heavy-first grid counts them in y, at most 65,535")
         return (g[1], g[0]) if self.heavy_first else g
@@ -77,7 +84,8 @@ def flash_source(head_dim: int, layout: FlashLayout | None = None, halves: int =
     if halves not in PRECISIONS.values():
         raise ValueError(f"halves={halves}: the attention kernel takes {sorted(set(PRECISIONS.values()))}")
     k, layout = _kernels_dir(), layout or FLASH_LAYOUT
-    return (f"#define WB_HD {head_dim}\n#define WB_THREADS {ATTN_THREADS}\n#define WB_PA_ROWS {ATTN_ROWS}\n"
+    return (f"#define WB_HD {head_dim}\n#define WB_THREADS {ATTN_THREADS}\n#define WB_PA_ROWS {layout.rows}\n"
+            f"#define WB_PA_FRAGS {layout.frags}\n"
             f"#define WB_PA_GQA_ROWS {int(layout.gqa_rows)}\n#define WB_PA_K_LDMATRIX {int(layout.k_ldmatrix)}\n"
             f"#define WB_PA_HEAVY_FIRST {int(layout.heavy_first)}\n#define WB_PA_HALVES {halves}\n"
             + (f"#define WB_PA_MIN_BLOCKS {layout.min_blocks}\n" if layout.min_blocks else "")
