@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
+from workbench.cli import output_file  # noqa: E402
 from workbench.run.prefill import PREFILL_CHUNK  # noqa: E402
 
 
@@ -128,7 +129,7 @@ def main():
     ap.add_argument("--chunk", type=int, nargs="+", default=[PREFILL_CHUNK], help="rows a chunk (each is timed)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--host", action="store_true", help="also the host's time by function in one prefill")
-    ap.add_argument("--json")
+    ap.add_argument("--json", type=output_file, help="the report's JSON, checked before anything runs")
     a = ap.parse_args()
 
     import cupy as cp

@@ -172,7 +172,8 @@ def test_bench_json_into_a_good_folder_passes_the_check(tmp_path):
     assert (tmp_path / "old.json").read_text() == "{}"                       # an old file is left as it was
 
 
-@pytest.mark.parametrize("script", ["failure_suite.py", "mutation_suite.py", "ab_prefill_attention.py"])
+@pytest.mark.parametrize("script", ["failure_suite.py", "mutation_suite.py", "ab_prefill_attention.py",
+                                    "prefill_profile.py"])
 def test_scripts_check_their_json_path(tmp_path, script):
     if script == "ab_prefill_attention.py":
         pytest.importorskip("cupy")
