@@ -760,3 +760,39 @@ def test_generate_prefills_the_prompt_and_continues_after_it(capsys, monkeypatch
 ])
 def test_verify_after_a_prefill_refuses_what_cannot_run(capsys, argv, message):
     assert_error(capsys, argv, message)
+
+
+@pytest.mark.parametrize("extra,after", [([], {"fp32": None, "bf16": None}), (["--rtol", "1e-2"], {"fp32": 1e-2,
+                                                                                                  "bf16": 1e-2})])
+def test_verify_holds_the_decode_after_a_prefill_to_its_precisions_bound(monkeypatch, capsys, extra, after):
+    """`verify --prefill-len N --prefill-precision P`: the decode after the prefill reads the cache it wrote, so
+    verify_after_prefill chooses P's bound (check.prefill.PREFILL_RTOL: 5e-3 for fp32, 2e-2 for bf16) unless
+    --rtol is given, while the plain end-to-end check keeps the decode's own 5e-3. (The command line had filled in
+    5e-3 everywhere, holding a bf16 prefill's decode to fp32's tolerance.) The GPU parts are stand-ins that
+    record what they were asked."""
+    import types
+
+    from workbench.check.verify import DEFAULT_RTOL
+    seen = {}
+    ok = types.SimpleNamespace(passed=True, summary=lambda: "ok", text=lambda: "ok")
+    monkeypatch.setattr(cli, "_load", lambda args: types.SimpleNamespace(cfg=cli.get_config("tiny")))
+    monkeypatch.setattr(cli, "Monokernel", lambda *a, **k: None)
+    monkeypatch.setattr(cli, "_kernel", lambda *a, **k: None)
+    monkeypatch.setattr(cli, "verify_stages", lambda *a, **k: (ok, None))
+    monkeypatch.setattr(cli, "verify_stops", lambda *a, **k: [])
+    def end_to_end(mk, rtol, **k):
+        seen["end_to_end"] = rtol
+        return ok
+
+    def after_prefill(mk, rtol, precision, **k):
+        seen[precision] = rtol
+        return ok, ok
+    monkeypatch.setattr(cli, "verify", end_to_end)
+    monkeypatch.setattr(cli, "verify_after_prefill", after_prefill)
+    for precision in ("fp32", "bf16"):
+        args = cli._parser().parse_args(["verify", "--model", "tiny", "--prefill-len", "9",
+                                         "--prefill-precision", precision, *extra])
+        cli._check_verify(args)
+        assert cli.cmd_verify(args) == 0
+        assert seen[precision] == after[precision]
+    assert seen["end_to_end"] == (float(extra[1]) if extra else DEFAULT_RTOL)
