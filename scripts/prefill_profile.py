@@ -120,6 +120,12 @@ def table(title: str, prof: tuple, wall_ms: list) -> list[str]:
     return lines
 
 
+def as_json(wall_ms: list, prof: tuple) -> dict:
+    kernels, idle = prof
+    return {"wall_ms": wall_ms, "kernels": {x: list(v) for x, v in kernels.items()},
+            "idle": {x: list(v) for x, v in idle.items()}}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="llama-3.2-1b")
@@ -159,9 +165,7 @@ def main():
             ms = wall(ours, a.reps)
             k = profile(ours, a.reps)
             lines += table(f"ours, {precision}, prompt {n}, chunks of {chunk}", k, ms)
-            report[f"ours {precision} {n} {chunk}"] = {"wall_ms": ms,
-                                                       "kernels": {x: list(v) for x, v in k[0].items()},
-                                                       "idle": {x: list(v) for x, v in k[1].items()}}
+            report[f"ours {precision} {n} {chunk}"] = as_json(ms, k)
             if a.host:
                 lines.append(host_profile(ours))
         if hfm is not None:
@@ -172,8 +176,7 @@ def main():
             ms = wall(hf, a.reps)
             k = profile(hf, a.reps)
             lines += table(f"HF sdpa bf16, prompt {n}", k, ms)
-            report[f"hf {n}"] = {"wall_ms": ms, "kernels": {x: list(v) for x, v in k[0].items()},
-                                 "idle": {x: list(v) for x, v in k[1].items()}}
+            report[f"hf {n}"] = as_json(ms, k)
     print("\n".join(lines))
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1))
