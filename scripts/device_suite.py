@@ -3,8 +3,8 @@ injections (hangs, faults, compiler hangs through the loop's worker), compute-sa
 the editing loop's timings, the bench (this tree against a base tree in the same run, and PyTorch), and
 re-recorded timing traces.
 
-    python scripts/device_suite.py [--out DIR] [--only smoke pytest mutants failures sanitize verify loop assembly bench
-                                   record schedule hazy]
+    python scripts/device_suite.py [--out DIR] [--only smoke pytest mutants failures sanitize verify loop assembly numba
+                                   prefill bench record schedule hazy]
                                    [--base DIR] [--verify-models M ...] [--set FIELD=VALUE ...]
 
 `schedule` records the register path's traces at 0, 128 and 4,096 and the stream build's at 128 in one run, measures
@@ -99,6 +99,20 @@ print("wrong edit:", out["wrong_edit"]["first_failure"], out["wrong_edit"]["caug
 print("overhead", {k: v for k, v in out["overhead"].items() if k.endswith("pct") or k.endswith("tok_s")})
 """
 
+NUMBA = r"""
+import json, os, sys
+from workbench.loop.benchmark import numba_loop_benchmark
+out = numba_loop_benchmark("llama-3.2-1b", edits=6)
+json.dump(out, open(os.path.join(sys.argv[1], "numba_loop.json"), "w"), indent=1, default=str)
+for k in ("select_variant", "numba_edit", "cpp_edit", "compile_added_s", "verdict_added_s", "undo_restored",
+          "files_restored"):
+    print(k, out[k])
+t, w = out["typing_error"], out["wrong_edit"]
+print("typing error:", t["status"], "at the .py line" if t["at_py_line"] else "NOT at the .py line", t["error"])
+print("wrong edit (1e-4):", w["first_failure"], "caught as the section at layer 0" if w["caught_as_section_layer0"]
+      else "NOT caught as the section at layer 0")
+"""
+
 RECORD = r"""
 import json, sys, numpy as np, cupy as cp
 from pathlib import Path
@@ -128,7 +142,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=output_folder, default=os.environ.get("OUT", "out"))
     ap.add_argument("--only", nargs="*", default=["smoke", "pytest", "mutants", "failures", "sanitize", "verify",
-                                                 "loop", "assembly", "prefill", "bench", "record"])
+                                                 "loop", "assembly", "numba", "prefill", "bench", "record"])
     ap.add_argument("--verify-models", nargs="*", default=list(PRESETS), help="default: every preset")
     ap.add_argument("--bench-models", nargs="*", default=["llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"])
     ap.add_argument("--sanitize-models", nargs="*", default=["tiny", "llama-3.2-1b"])
@@ -195,6 +209,12 @@ def main():
         R["assembly"] = run("assembly", [PY, "scripts/ab.py", "--model", "llama-3.2-1b", "--variant", "cpp:",
                                          "--variant", "ptx:@embedding=ptx", "--variant",
                                          "gemv_ptx:@o_proj_residual=ptx", "--stages"], out, 300)
+    if "numba" in a.only:
+        # the numba variant against its C++ original, verified and timed in one run, per stage; then the loop on
+        # a numba edit (edit → verdict against a C++ edit's, a typing error at its .py line, a 1e-4 edit named)
+        R["numba-ab"] = run("numba-ab", [PY, "scripts/ab.py", "--model", "llama-3.2-1b", "--variant", "cpp:",
+                                         "--variant", "numba:@gate_up_silu=numba", "--stages"], out, 300)
+        R["numba-loop"] = run("numba-loop", [PY, "-c", NUMBA, str(out)], out, 300)
     if "prefill" in a.only:
         # the prefill's own kernels against the reference first, then time to first token against HF's prefill
         # (with the prefill's time per stage), then a long prefill verified and decoded after

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -390,3 +391,20 @@ def test_pointers_pass_as_the_c_abi_passes_them_const_kept_in_the_prototype():
     head = N.compile_source(src).ptx["wb_twice"]
     head = head[head.index(".visible"):head.index("{")]
     assert head.count(".param .b64") == 2 and head.count(".param .b32") == 2     # two addresses; n and the result
+
+
+@needs_numba
+def test_the_numba_loop_benchmark_runs_its_edits_and_puts_every_file_back(tmp_path):
+    """The device suite's measurement of a numba edit, on the CPU backend: its harmless .py edits compile, its
+    typing error comes back at the return line of the .py, and undo leaves both files as they were."""
+    from workbench.loop.benchmark import numba_loop_benchmark
+    ws = _workspace(tmp_path)
+    py, cuh = Path(ws) / "sections" / "gate_up_silu@numba.py", Path(ws) / "sections" / "gate_up_silu.cuh"
+    before = py.read_bytes(), cuh.read_bytes()
+    with paths.use_kernels_dir(ws):
+        out = numba_loop_benchmark("tiny", edits=1, device="cpu")
+    assert [r["status"] for r in out["numba_edits"] + out["cpp_edits"]] == ["compiled; no GPU to run"] * 2
+    t = out["typing_error"]
+    assert t["status"] == "compile error" and t["at_py_line"] and t["expected_line"] == RETURN_LINE
+    assert out["undo_restored"] and out["files_restored"]
+    assert (py.read_bytes(), cuh.read_bytes()) == before

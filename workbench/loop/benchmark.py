@@ -32,14 +32,20 @@ EDIT_SECTIONS = (*plan.STAGE_NAMES, "matvec")
 
 def timed_edit(wb, name: str, text: str) -> dict:
     """One harmless edit → reload, with the edit → verdict and edit → record times (the write included)."""
+    return _timed(wb, name, lambda: wb.edit(name, text))[0]
+
+
+def _timed(wb, section: str, write) -> tuple[dict, ReloadRecord]:
+    """An edit (any write: a .cuh, a numba variant's .py) → reload: the record in brief with edit → verdict and
+    edit → record (the write included), and the record."""
     t1 = time.perf_counter()
-    wb.edit(name, text)
+    write()
     written = time.perf_counter() - t1
-    rec = wb.reload(trigger="edit", section=name)
-    b = {"section": name, **_brief(rec)}
+    rec = wb.reload(trigger="edit", section=section)
+    b = {"section": section, **_brief(rec)}
     b["edit_to_record_s"] = time.perf_counter() - t1
     b["edit_to_verdict_s"] = written + rec.verdict_s if math.isfinite(rec.verdict_s) else None
-    return b
+    return b, rec
 
 
 LOOP_TIMES = ("compile_s", "timed_compile_s", "verify_s", "verdict_s", "time_s", "total_s", "edit_to_verdict_s",
@@ -173,3 +179,75 @@ def _brief(rec: ReloadRecord | None) -> dict | None:
             "stages_summary": rec.stages.summary() if rec.stages is not None else None,
             # where verify_s went: filling the cache, the taps runs, the stage checks, the end-to-end check
             "verify_parts": dict(rec.stages.seconds) if rec.stages is not None else None}
+
+
+def numba_loop_benchmark(model: str = "llama-3.2-1b", *, section: str = "gate_up_silu", variant: str = "numba",
+                         edits: int = 6, **workbench_kw) -> dict:
+    """Measure the loop for a numba variant (workbench.compiler.numba_sections) on its section: the variant
+    selected (its first build), then `edits` harmless edits to its .py (a comment line, different each time, so
+    each is a real numba compile), interleaved with as many to the C++ original's file with the variant off, so
+    the two compile paths' edit → verdict are measured on one machine in one run; then two deliberately wrong .py
+    edits: a typing error, which must come back as a compile error at its .py line with the last good kernel still
+    loaded, and silu · up off by 1e-4 relative, which the stage check must name as `section` at layer 0; every
+    file put back by undo. Returns a dict (JSON-ready)."""
+    from ..compiler.assemble import numba_path
+    out: dict = {"model": model, "section": section, "variant": variant}
+    hist = Path(tempfile.mkdtemp(prefix="wb-numba-loop-"))
+    py_path, cpp_path = numba_path(section, variant), section_file(section)
+    py_original, cpp_original = py_path.read_bytes(), cpp_path.read_bytes()
+    py_text = py_original.decode()
+    ret = [n for n, line in enumerate(py_text.splitlines(), 1) if line.strip().startswith("return ")]
+    if len(ret) != 1:
+        raise ValueError(f"{display_path(py_path)}: the wrong edits need exactly one return line, found {len(ret)}")
+    ret_line = py_text.splitlines()[ret[0] - 1]
+    wb = None
+    try:
+        t0 = time.perf_counter()
+        wb = Workbench(model, history_dir=hist, activate=False, watch=False, **workbench_kw)
+        out["setup_s"] = time.perf_counter() - t0
+        out["initial"] = _brief(wb.last)
+        out["select_variant"] = _brief(wb.use_variant(section, variant))
+        py_runs, cpp_runs = [], []
+        for i in range(edits):
+            wb.use_variant(section, variant, reload=False)
+            py_runs.append(_timed(wb, section, lambda: wb.edit(
+                section, py_text + f"\n# loop_benchmark: harmless edit {i} at {time.time_ns()}\n", variant,
+                python=True))[0])
+            wb.use_variant(section, None, reload=False)
+            cpp_runs.append(timed_edit(wb, section, cpp_original.decode()
+                                       + f"\n// loop_benchmark: harmless edit {i} at {time.time_ns()}\n"))
+        out["numba_edits"], out["cpp_edits"] = py_runs, cpp_runs
+        out["numba_edit"], out["cpp_edit"] = medians(py_runs), medians(cpp_runs)
+        for k in ("numba_edit", "cpp_edit"):
+            out[k]["all_passed"] = all(r["passed"] for r in (py_runs if k == "numba_edit" else cpp_runs))
+        out["compile_added_s"] = out["numba_edit"]["compile_s"] - out["cpp_edit"]["compile_s"]
+        out["verdict_added_s"] = out["numba_edit"]["edit_to_verdict_s"] - out["cpp_edit"]["edit_to_verdict_s"]
+        # a typing error: a CompileError at the .py's return line, the last good kernel kept
+        wb.use_variant(section, variant)
+        typo = py_text.replace(ret_line, ret_line + ' + "not a float"', 1)
+        brief, rec = _timed(wb, section, lambda: wb.edit(section, typo, variant, python=True))
+        out["typing_error"] = {**brief, "messages": [list(m) for m in rec.messages],
+                               "at_py_line": any(m[0] == display_path(py_path) and m[1] == ret[0]
+                                                 for m in rec.messages),
+                               "expected_line": ret[0]}
+        # a numeric error 1e-4 relative: the stage check names the section at layer 0
+        wrong = py_text.replace(ret_line, ret_line + " * float32(1.0001)", 1)
+        brief, rec = _timed(wb, section, lambda: wb.edit(section, wrong, variant, python=True))
+        f = rec.failure
+        out["wrong_edit"] = {**brief, "where": list(f.where) if f else None,
+                             "caught_as_section_layer0": bool(f and tuple(f.where) == (section, 0))}
+        for python in (True, False):
+            while wb.section_history(section, variant if python else None, python=python):
+                wb.undo(section, variant if python else None, reload=False, python=python)
+        out["undo_restored"] = py_path.read_bytes() == py_original and cpp_path.read_bytes() == cpp_original
+        out["after_undo"] = _brief(wb.reload(trigger="manual"))
+    finally:
+        if wb is not None:
+            wb.close()
+        for path, text in ((py_path, py_original), (cpp_path, cpp_original)):
+            if path.read_bytes() != text:
+                _atomic_write(path, text.decode())
+        shutil.rmtree(hist, ignore_errors=True)
+        out["files_restored"] = py_path.read_bytes() == py_original and cpp_path.read_bytes() == cpp_original
+    return out
+
