@@ -9,3 +9,6 @@ if root not in sys.path:                            # the workbench importable f
     sys.path.insert(0, root)
 
 c.ContentsManager.pre_save_hook = "workbench.nbclean.pre_save_hook"  # noqa: F821 (traitlets' config object)
+# no "notified about official Jupyter news?" toast: it sits over the bottom right of the dashboards' charts (their
+# legends) until dismissed
+c.LabApp.news_url = None  # noqa: F821

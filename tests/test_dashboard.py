@@ -496,7 +496,8 @@ def _cells(d):
     """The Gantt heatmap as the browser gets it: stage codes, starts and lengths [blocks, bins], the bin width, and
     each code's colour from the colorscale."""
     h = d.gantt_heatmap
-    z, start, length = (D.from_typed_array(x) for x in (h.z, h.customdata, h.text))
+    z, index = D.from_typed_array(h.z), D.from_typed_array(h.meta["cell_index"])
+    start, length = (D.from_typed_array(h.meta["cell_interval"][k])[index] for k in ("start", "length"))
     assert z.shape == start.shape == length.shape
     lo, hi = h.zmin, h.zmax
     scale = [(float(f), c) for f, c in h.colorscale]
@@ -586,20 +587,26 @@ def test_gantt_cells_keep_what_is_shorter_than_a_bin():
 
 def test_gantt_hover_shows_the_length():
     """A bar with a base: plotly's %{x} is where it ends (a 3.7 µs wait read "305.06 µs from 301.38 µs"). The
-    hover texts take the length, start and end from customdata."""
+    hover texts take the length, start and end from customdata (the bars) and from the table of the intervals the
+    cells show (the heatmap: the page makes them per cell)."""
     d = D.Dashboard(CFG, source="synthetic")
     d.update_timing(synthetic())
     g = d.figures["gantt"]
     for tr in g.data[:2]:
         assert "%{x" not in tr.hovertemplate and "%{base" not in tr.hovertemplate
     h = d.gantt_heatmap
-    assert "%{text:.2f} µs, from %{customdata:.2f} µs" in h.hovertemplate
-    # the stage: the cell's name, which the page makes from the meta's table and indices (not sent one a cell)
+    assert "%{_celllength:.2f} µs, from %{_cellstart:.2f} µs" in h.hovertemplate
+    # the stage: the cell's name, which the page makes from the meta's tables and indices (not sent one a cell)
     assert h.hovertemplate.startswith("block %{y}: %{_cellname}<br>") and h.hovertext is None
+    assert h.customdata is None and h.text is None                      # nothing a cell but z and the index
     index = D.from_typed_array(h.meta["cell_index"])
     assert index.dtype == np.uint16 and index.shape == D.from_typed_array(h.z).shape
+    shown = {k: D.from_typed_array(v) for k, v in h.meta["cell_interval"].items()}
+    n = shown["name"].size                                                      # the intervals shown, and nothing
+    assert set(range(n - 1)) <= set(np.unique(index)) <= set(range(n))
+    assert shown["name"][-1] == len(h.meta["cell_names"]) - 1 and np.isnan(shown["start"][-1])
     assert len(h.meta["cell_names"]) < 100 and h.meta["cell_names"][-1] == ""
-    assert set(range(len(h.meta["cell_names"]) - 1)) <= set(np.unique(index))     # no name unused but the last
+    assert set(range(len(h.meta["cell_names"]) - 1)) <= set(shown["name"][index].ravel())   # no name unused but ""
     assert "%{customdata[2]:.2f} µs, from %{customdata[3]:.2f} µs to %{customdata[4]:.2f} µs" in g.data[0].hovertemplate
 
 

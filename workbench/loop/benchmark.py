@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import plan
+from ..compiler.assemble import numba_path
 from .records import ReloadRecord
 from .sections import _atomic_write, display_path, section_file
 from .session import Workbench
@@ -190,7 +191,6 @@ def numba_loop_benchmark(model: str = "llama-3.2-1b", *, section: str = "gate_up
     edits: a typing error, which must come back as a compile error at its .py line with the last good kernel still
     loaded, and silu · up off by 1e-4 relative, which the stage check must name as `section` at layer 0; every
     file put back by undo. Returns a dict (JSON-ready)."""
-    from ..compiler.assemble import numba_path
     out: dict = {"model": model, "section": section, "variant": variant}
     hist = Path(tempfile.mkdtemp(prefix="wb-numba-loop-"))
     py_path, cpp_path = numba_path(section, variant), section_file(section)

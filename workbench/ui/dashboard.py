@@ -64,11 +64,12 @@ ROOF_NOTE_CHART = ("† above the roofline: that is a separate launch's streamin
 # start. Not %{x}: for a bar with a base, plotly's %{x} is where the bar ends (base + length).
 GRID_HOVER = ("grid: %{customdata[0]} %{customdata[1]}<br>%{customdata[2]:.2f} µs, from %{customdata[3]:.2f} µs "
               "to %{customdata[4]:.2f} µs<extra></extra>")
-# The block rows' hover text (one heatmap cell): the cell's stage and layer (_cellname, made in the browser from
-# the trace's meta: figure_widget.py), the length (text, a number) and start (customdata) of the interval it shows, in
-# µs from the token's start. Numbers travel as one binary string a figure attribute; one string a cell (~120k) sent
-# from here made a slider step ~150 ms slower, and in the browser's figure data far more (figure_widget.fillHover).
-BLOCK_HOVER = "block %{y}: %{_cellname}<br>%{text:.2f} µs, from %{customdata:.2f} µs<extra></extra>"
+# The block rows' hover text (one heatmap cell): the cell's stage and layer (_cellname), and the length and start
+# of the interval it shows (_celllength, _cellstart), in µs from the token's start, all made in the browser from the
+# trace's meta (figure_widget.py). One string a cell (~120k) sent from here made a slider step ~150 ms slower, and
+# in the browser's figure data far more (figure_widget.fillHover); a start and a length a cell, 1.3 MB of base64
+# a step, cost the page's update ~40 ms more than the table of the intervals shown.
+BLOCK_HOVER = "block %{y}: %{_cellname}<br>%{_celllength:.2f} µs, from %{_cellstart:.2f} µs<extra></extra>"
 
 
 def short_name(stage: str) -> str:
@@ -376,8 +377,11 @@ def gantt_cells(d: dict, labels: list[str], rows, x_max: float, n_bins: int = GA
     """gantt_data's intervals as heatmap cells: rows = `rows` (block ids), n_bins time bins of x_max / n_bins µs.
     {"z": [rows, bins] float32 stage code (0 the wait, 1 + i labels[i], NaN nothing), "start", "length": [rows,
     bins] float32 of the interval shown, "names": what cells show, by name ("<label> layer <l>", "wait at <label>
-    layer <l>", "" last: nothing), "index": [rows, bins] uint16 into names, "text" (with names=True): [rows, bins]
-    the names themselves, "dx": the bin width}.
+    layer <l>", "" last: nothing), "shown": the intervals some cell shows, {"name": uint16 into names, "start",
+    "length": float32}, one more last for nothing (name "", NaN), "index": [rows, bins] uint16 (uint32 past 65,535
+    intervals) into shown, "text" (with names=True): [rows, bins] the names themselves, "dx": the bin width}.
+    The page gets z, names, shown and index, and makes a cell's hover from them (figure_widget): the per-cell
+    starts and lengths would be 1.3 MB more a slider step.
 
     Which interval a cell shows: the one that covers the cell's centre (for intervals that tile a block's time,
     the one covering most of the cell, give or take half a bin); an interval that covers no centre (shorter than a
@@ -427,32 +431,35 @@ def gantt_cells(d: dict, labels: list[str], rows, x_max: float, n_bins: int = GA
     has = cell >= 0
     z = np.full(n_rows * n_bins, np.nan, np.float32)
     z[has] = code[cell[has]]
-    first = np.full(n_rows * n_bins, np.nan, np.float32)
-    first[has] = start[cell[has]]
-    length = np.full(n_rows * n_bins, np.nan, np.float32)
-    length[has] = dur[cell[has]]
-    out = {"z": z.reshape(n_rows, n_bins), "start": first.reshape(n_rows, n_bins),
-           "length": length.reshape(n_rows, n_bins), "dx": dx}
-    # the names: one per (stage, layer, wait or not), a small table, and each cell's index into it
+    # the names: one per (stage, layer, wait or not), a small table
     key = (code.astype(np.int64) * (len(wait_of) + 1) + wait_label) * (int(layer.max()) + 2 if layer.size else 1) \
         + layer.astype(np.int64) + 1
     keys, first, inv = np.unique(key, return_index=True, return_inverse=True)
     labels_of = ["", *labels]
     names_of = [(f"wait at {wait_of[wait_label[i] - 1]}" if code[i] == 0 else labels_of[int(code[i])])
                 + (f" layer {int(layer[i])}" if layer[i] >= 0 else "") for i in first] + [""]
-    index = np.full(n_rows * n_bins, len(keys), np.uint16)
-    index[has] = inv.ravel()[cell[has]]
-    out["names"], out["index"] = names_of, index.reshape(n_rows, n_bins)
+    # the intervals some cell shows, and each cell's index into them (the last: nothing)
+    shown, at = np.unique(cell[has], return_inverse=True)
+    index = np.full(n_rows * n_bins, shown.size, np.uint16 if shown.size < 2 ** 16 else np.uint32)
+    index[has] = at.ravel()
+    table = {"name": np.append(inv.ravel()[shown], len(keys)).astype(np.uint16),
+             "start": np.append(start[shown], np.nan).astype(np.float32),
+             "length": np.append(dur[shown], np.nan).astype(np.float32)}
+    index = index.reshape(n_rows, n_bins)
+    out = {"z": z.reshape(n_rows, n_bins), "start": table["start"][index], "length": table["length"][index],
+           "names": names_of, "shown": table, "index": index, "dx": dx}
     if names:
-        out["text"] = np.array(names_of, dtype=object)[out["index"]]
+        out["text"] = np.array(names_of, dtype=object)[table["name"][index]]
     return out
 
 
-def typed_array(a: np.ndarray, dtype: str = "f4") -> dict:
-    """A numpy array as plotly.js's typed-array spec (base64 little-endian float32, or `dtype`, with its shape): a
+def typed_array(a: np.ndarray, dtype: str | None = None) -> dict:
+    """A numpy array as plotly.js's typed-array spec (base64 little-endian: `dtype`, or u2/u4 for a uint16/uint32
+    array and f4 for any other, with its shape): a
     2-D or 3-D array goes to the browser as one string, where plotly's widget serializer would send it as nested
     JSON lists (and NaN is no JSON)."""
-    a = np.ascontiguousarray(a, dtype={"f4": "<f4", "u2": "<u2"}[dtype])
+    dtype = dtype or {np.dtype(np.uint16): "u2", np.dtype(np.uint32): "u4"}.get(np.asarray(a).dtype, "f4")
+    a = np.ascontiguousarray(a, dtype={"f4": "<f4", "u2": "<u2", "u4": "<u4"}[dtype])
     return {"dtype": dtype, "bdata": base64.b64encode(a.tobytes()).decode("ascii"),
             "shape": ", ".join(map(str, a.shape))}
 
@@ -657,9 +664,11 @@ class Dashboard(_Shown):
         self._gantt_stage_traces: dict[str, int] = {}
         self.gantt_cells: dict | None = None
         gantt.update_layout(barmode="overlay", width=980, height=800, bargap=0,
-                            margin=dict(l=70, r=20, t=105, b=90), xaxis_title="µs from the start of the token",
-                            title=title_below_modebar(800),
-                            yaxis=dict(title="block (one per SM)", autorange=False, zeroline=False),
+                            margin=dict(l=70, r=20, t=105, b=90), title=title_below_modebar(800),
+                            xaxis=dict(title="µs from the start of the token", automargin=False,
+                                       ticklabeloverflow="allow"),
+                            yaxis=dict(title="block (one per SM)", autorange=False, zeroline=False,
+                                       automargin=False, ticklabeloverflow="allow"),
                             legend=dict(orientation="h", y=-0.07, x=0.5, xanchor="center", yanchor="top"),
                             uniformtext=dict(minsize=8, mode="hide"))
 
@@ -728,7 +737,8 @@ class Dashboard(_Shown):
         """What each of the Gantt heatmap's cells shows, by name: [blocks, bins] "<label> layer <l>" or "wait at
         <label> layer <l>" ("" where nothing): the hover's text, as the browser makes it from the heatmap's meta."""
         meta = self.gantt_heatmap.meta
-        return np.array(meta["cell_names"], dtype=object)[from_typed_array(meta["cell_index"])]
+        name = from_typed_array(meta["cell_interval"]["name"])[from_typed_array(meta["cell_index"])]
+        return np.array(meta["cell_names"], dtype=object)[name]
 
     def gantt_trace(self, label: str, wait: bool = False):
         """The Gantt chart's legend entry of a slot label (of the wait, with wait=True): shown while the token on
@@ -1023,9 +1033,10 @@ class Dashboard(_Shown):
                             for s, l, x, s0 in zip(g_stage, g_layer, r3(g_dur), r3(g_start))]
             h = fig.data[1]
             h.z = typed_array(cells["z"])
-            h.customdata = typed_array(cells["start"])
-            h.text = typed_array(cells["length"])
-            h.meta = {"cell_names": cells["names"], "cell_index": typed_array(cells["index"], "u2")}
+            shown = cells["shown"]
+            h.meta = {"cell_names": cells["names"], "cell_index": typed_array(cells["index"]),
+                      "cell_interval": {"name": typed_array(shown["name"]), "start": typed_array(shown["start"]),
+                                        "length": typed_array(shown["length"])}}
             h.x0, h.dx = cells["dx"] / 2, cells["dx"]
             h.y = rows.astype(np.int32)
             for label, i in self._gantt_stage_traces.items():

@@ -9,10 +9,13 @@ chart never changes again. Measured in headless Chromium on a loaded 2-core mach
 five at once 2.1–18 s each. Here the module each model imports is a small loader, and plotly's module travels as a
 plain trait that the first model to load imports for the page; the others wait on the same import.
 
-Names per heatmap cell: a heatmap whose `meta` has {"cell_names": [...], "cell_index": typed array [rows, cols] of
-indices into cell_names} has cell_names[cell_index[row, col]] as its hover's %{_cellname}, made here in the
-browser. Sending the names themselves would cost ~60 ms of Python per slider step (one string a cell, ~120k,
-walked by plotly's validators, ipywidgets and json) and far more in the browser (see fillHover).
+Hover values per heatmap cell: a heatmap whose `meta` has {"cell_names": [...], "cell_interval": {"name", "start",
+"length": typed arrays, one entry per interval shown}, "cell_index": typed array [rows, cols] into cell_interval}
+has, for the cell's interval i = cell_index[row, col], cell_names[name[i]], start[i] and length[i] as its hover's
+%{_cellname}, %{_cellstart} and %{_celllength}, made here in the browser on the first hover. Sending the names
+themselves would cost ~60 ms of Python per slider step (one string a cell, ~120k, walked by plotly's validators,
+ipywidgets and json) and far more in the browser (see fillHover); a start and a length a cell are 1.3 MB of base64
+a step, where the table of the intervals shown is a few tens of kB.
 """
 from __future__ import annotations
 
@@ -41,38 +44,52 @@ function decode(spec) {
   return new TYPES[spec.dtype](bytes.buffer);
 }
 
-function cellText(meta) {
-  if (!meta || !meta.cell_names || !meta.cell_index || !meta.cell_index.bdata) return undefined;
-  const names = meta.cell_names, idx = decode(meta.cell_index);
+// [rows][cols] of a per-interval array at each cell's interval (rows as arrays of the values, or typed subarrays)
+function perCell(meta) {
+  const idx = decode(meta.cell_index), iv = meta.cell_interval;
   const [rows, cols] = String(meta.cell_index.shape).split(",").map(Number);
-  const out = new Array(rows);
-  for (let r = 0; r < rows; r++) {
-    const row = new Array(cols);
-    for (let c = 0; c < cols; c++) row[c] = names[idx[r * cols + c]];
-    out[r] = row;
-  }
-  return out;
+  const name = decode(iv.name), start = decode(iv.start), length = decode(iv.length);
+  const grid = (f, typed) => {
+    const out = new Array(rows);
+    for (let r = 0; r < rows; r++) {
+      const row = typed ? new Float32Array(cols) : new Array(cols);
+      for (let c = 0; c < cols; c++) row[c] = f(idx[r * cols + c]);
+      out[r] = row;
+    }
+    return out;
+  };
+  return {
+    _cellname: grid(i => meta.cell_names[name[i]], false),
+    _cellstart: grid(i => start[i], true),
+    _celllength: grid(i => length[i], true),
+  };
 }
 
-// The names go into the full trace as `_cellname`, an array attribute of its own (listed in _arrayAttrs, which
-// plotly.js reads per point into the hover's variables: %%{_cellname}), and nowhere else: after every update the
-// widget deep-copies the figure's data and full data (lodash merge) but skips keys that start with "_"; ~120k
-// strings in `text` or `hovertext` made a slider step 1.9 s, where a typed array is passed by reference.
+const HOVER_ATTRS = ["_cellname", "_cellstart", "_celllength"];
+
+// The values go into the full trace as attributes of their own (listed in _arrayAttrs, which plotly.js reads per
+// point into the hover's variables: %%{_cellname}), and nowhere else: after every update the widget deep-copies the
+// figure's data and full data (lodash merge) but skips keys that start with "_"; ~120k strings in `text` or
+// `hovertext` made a slider step 1.9 s, where a typed array is passed by reference.
 function fillHover(gd) {
-  const cache = gd.__wbNames || (gd.__wbNames = new Map());
+  const cache = gd.__wbCells || (gd.__wbCells = new Map());
   for (const fd of gd._fullData || []) {
     const meta = fd && fd.meta;
-    if (!meta || !meta.cell_index || !meta.cell_index.bdata) continue;
+    if (!meta || !meta.cell_index || !meta.cell_index.bdata || !meta.cell_interval) continue;
     // made on the first hover, not on every slider step
-    Object.defineProperty(fd, "_cellname", {configurable: true, enumerable: false, get() {
-      let names = cache.get(fd.index);
-      if (!names || names.key !== meta.cell_index.bdata) {
-        names = {key: meta.cell_index.bdata, text: cellText(meta)};
-        cache.set(fd.index, names);
+    const values = () => {
+      let got = cache.get(fd.index);
+      // a new step may keep the cells' indices and change the intervals: both are the key
+      if (!got || got.index !== meta.cell_index.bdata || got.start !== meta.cell_interval.start.bdata) {
+        got = {index: meta.cell_index.bdata, start: meta.cell_interval.start.bdata, values: perCell(meta)};
+        cache.set(fd.index, got);
       }
-      return names.text;
-    }});
-    if (fd._arrayAttrs && !fd._arrayAttrs.includes("_cellname")) fd._arrayAttrs.push("_cellname");
+      return got.values;
+    };
+    for (const attr of HOVER_ATTRS) {
+      Object.defineProperty(fd, attr, {configurable: true, enumerable: false, get() { return values()[attr]; }});
+      if (fd._arrayAttrs && !fd._arrayAttrs.includes(attr)) fd._arrayAttrs.push(attr);
+    }
   }
 }
 
