@@ -79,9 +79,10 @@ function fillHover(gd) {
     // made on the first hover, not on every slider step
     const values = () => {
       let got = cache.get(fd.index);
-      // a new step may keep the cells' indices and change the intervals: both are the key
-      if (!got || got.index !== meta.cell_index.bdata || got.start !== meta.cell_interval.start.bdata) {
-        got = {index: meta.cell_index.bdata, start: meta.cell_interval.start.bdata, values: perCell(meta)};
+      // a new step may keep the cells' indices and change the intervals: every table is the key
+      const iv = meta.cell_interval, key = [meta.cell_index, iv.name, iv.start, iv.length].map(t => t.bdata);
+      if (!got || got.key.some((k, i) => k !== key[i])) {
+        got = {key, values: perCell(meta)};
         cache.set(fd.index, got);
       }
       return got.values;
