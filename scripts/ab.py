@@ -72,7 +72,8 @@ def main():
     for spec in a.variant:
         name, defines, variants, fields, kdir = parse(spec)
         paths.set_kernels_dir(kdir)
-        opt = A.with_fields(threads=a.threads, defines=defines, variants=variants, **fields)
+        fields = {"threads": a.threads, **fields}        # a variant's opt.threads over --threads
+        opt = A.with_fields(defines=defines, variants=variants, **fields)
         mk = Monokernel(p, opt, max_steps=4400)
         try:
             rep = verify(mk, prompt_len=6, max_new=10, seed=3)
@@ -84,8 +85,8 @@ def main():
             runs = [mk.generate([1], a.tokens, eos=[], pos0=pos).tok_per_s for _ in range(a.repeats)]
             row[f"tok_s@{pos}"] = float(np.median(runs))
         if a.stages:
-            mkt = Monokernel(p, A.with_fields(threads=a.threads, defines=defines, variants=variants, timing=True,
-                                              **fields), max_steps=4400)
+            timing = A.with_fields(defines=defines, variants=variants, timing=True, **fields)
+            mkt = Monokernel(p, timing, max_steps=4400)
             row["stages"] = ""
             for sp in a.stage_positions:
                 r = mkt.generate([1], 48, eos=[], timing_steps=48, pos0=sp)
