@@ -297,3 +297,20 @@ def test_two_fragments_a_warp_load_each_key_and_value_fragment_once_for_both():
         built[frags] = (r, sass.count("HMMA."), sass.count("LDSM"))
     (r1, mma1, ld1), (r2, mma2, ld2) = built[1], built[2]
     assert r2.stack == 0 and mma2 == 2 * mma1 and ld2 * mma1 * 2 <= ld1 * mma2 * 1.01, built
+
+
+def test_the_prefill_runs_two_fragments_a_warp_only_where_they_build_without_a_spill():
+    """prefill_gpu.flash_layout: frags=2 at one bf16 half and head_dim 64 (measured faster there), the default
+    elsewhere; every preset's head_dim builds its chosen layout in each precision without a spill."""
+    from workbench.compiler.compile import nvrtc_program, resource_usage
+    from workbench.model.config import PRESETS
+    from workbench.run.prefill_gpu import FLASH_LAYOUT, PRECISIONS, flash_layout, flash_source
+    assert flash_layout(64, PRECISIONS["bf16"]).frags == 2
+    assert flash_layout(64, PRECISIONS["fp32"]) == flash_layout(128, PRECISIONS["bf16"]) == FLASH_LAYOUT
+    for hd in sorted({c.head_dim for c in PRESETS.values()}):
+        for halves in PRECISIONS.values():
+            ok, log, _, cubin = nvrtc_program(flash_source(hd, flash_layout(hd, halves), halves),
+                                              ["--std=c++17", "-arch=sm_90"])
+            assert ok, log
+            (r,) = [r for r in resource_usage(cubin) if r.kernel == "prefill_attention"]
+            assert r.stack == 0, (hd, halves, r)

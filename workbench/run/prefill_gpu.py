@@ -77,6 +77,15 @@ LAYOUTS = tuple(FlashLayout(*bits) for bits in itertools.product((False, True), 
 FLASH_LAYOUT = FlashLayout(k_ldmatrix=True, heavy_first=True)
 
 
+def flash_layout(head_dim: int, halves: int) -> FlashLayout:
+    """The layout the prefill runs at this head_dim and precision (PRECISIONS' halves). Two fragments a warp where
+    they were measured faster and build without a spill: one bf16 half at head_dim 64, 0.34 against 0.38 ms a 1B
+    layer at 4k and 17.2 against 19.0 at 32k (one H100, scripts/ab_prefill_attention.py, NOTES.md round 28). In fp32
+    (two halves) they spill 32-544 B and lost at 4k (0.59 against 0.50 ms); at head_dim 128 the bf16 build spills."""
+    two = halves == PRECISIONS["bf16"] and head_dim <= 64
+    return dataclasses.replace(FLASH_LAYOUT, frags=2) if two else FLASH_LAYOUT
+
+
 def flash_source(head_dim: int, layout: FlashLayout | None = None, halves: int = 2) -> str:
     """The prefill attention kernel's source for one head_dim (and layout, FLASH_LAYOUT unless given), with the
     queries and probabilities in `halves` bf16 halves (PRECISIONS; attention.cuh argues both): the portability
