@@ -81,10 +81,7 @@ def loop_benchmark(model: str = "llama-3.2-1b", *, sections: tuple = EDIT_SECTIO
         raise FileExistsError(f"{display_path(wrong_path)} exists already; remove it first")
     wb = None
     try:
-        t0 = time.perf_counter()
-        wb = Workbench(model, history_dir=hist, activate=False, watch=False, **workbench_kw)
-        out["setup_s"] = time.perf_counter() - t0
-        out["initial"] = _brief(wb.last)
+        wb = _opened(model, hist, workbench_kw, out)
         out["parallel_compile"] = wb.parallel_compile
         runs = []
         for i in range(edits):
@@ -168,6 +165,16 @@ def loop_benchmark(model: str = "llama-3.2-1b", *, sections: tuple = EDIT_SECTIO
     return out
 
 
+def _opened(model: str, hist: Path, workbench_kw: dict, out: dict) -> Workbench:
+    """A Workbench on `model` with its history in `hist`, not watching; its set-up time and first verdict go to
+    `out`."""
+    t0 = time.perf_counter()
+    wb = Workbench(model, history_dir=hist, activate=False, watch=False, **workbench_kw)
+    out["setup_s"] = time.perf_counter() - t0
+    out["initial"] = _brief(wb.last)
+    return wb
+
+
 def _brief(rec: ReloadRecord | None) -> dict | None:
     if rec is None:
         return None
@@ -202,10 +209,7 @@ def numba_loop_benchmark(model: str = "llama-3.2-1b", *, section: str = "gate_up
     ret_line = py_text.splitlines()[ret[0] - 1]
     wb = None
     try:
-        t0 = time.perf_counter()
-        wb = Workbench(model, history_dir=hist, activate=False, watch=False, **workbench_kw)
-        out["setup_s"] = time.perf_counter() - t0
-        out["initial"] = _brief(wb.last)
+        wb = _opened(model, hist, workbench_kw, out)
         out["select_variant"] = _brief(wb.use_variant(section, variant))
         py_runs, cpp_runs = [], []
         for i in range(edits):
