@@ -387,7 +387,7 @@ STAGES: tuple[Stage, ...] = (
                   Use("qk_raw", when=lambda c: c.qk_norm), Use("qk_count", when=lambda c: c.qk_norm)),
           units=lambda c, l: c.qkv_rows // 2, unit="a row pair (a rope pair of q or k, two dims of v)", deal="across",
           taps=("q", "k_cache", "v_cache"),
-          smem=lambda c, l: {"act": _act(c), "red": RED, "rope": pad4(c.head_dim)}, extra_args=("layer", "s.pos", "smem"),
+          smem=lambda c, l: {"act": _act(c), "red": RED}, extra_args=("layer", "s.pos", "smem"),
           doc="n = RMSNorm without its gain (folded into Wqkv); + bqkv before RoPE for a model with biases (Qwen2); "
               "each q and k head RMS-normalised with its gain before RoPE (Qwen3: qk_gain)",
           reference=ref.qkv_rope_append_io,

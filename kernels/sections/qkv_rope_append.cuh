@@ -47,40 +47,14 @@ WB_SECTION void stage_qkv_rope_append(const fx64* x, const bf16* __restrict__ wq
     constexpr int HALF = WB_HEAD_DIM / 2;
     constexpr int Q_DIM = WB_HEADS * WB_HEAD_DIM, KV_DIM = WB_KV_HEADS * WB_HEAD_DIM;
     constexpr int PAIRS = (Q_DIM + 2 * KV_DIM) / 2;
-    static_assert(WB_SMEM_QKV_ROPE_APPEND_ACT_FLOATS >= WB_D && WB_SMEM_QKV_ROPE_APPEND_RED_FLOATS >= WB_MAX_WARPS &&
-                  WB_SMEM_QKV_ROPE_APPEND_ROPE_FLOATS >= WB_HEAD_DIM,
-                  "the plan's regions hold x, one float per warp, and the position's cos and sin");
+    static_assert(WB_SMEM_QKV_ROPE_APPEND_ACT_FLOATS >= WB_D && WB_SMEM_QKV_ROPE_APPEND_RED_FLOATS >= WB_MAX_WARPS,
+                  "the plan's regions hold x and one float per warp");
     float* act = smem + WB_SMEM_QKV_ROPE_APPEND_ACT;
     float* red = smem + WB_SMEM_QKV_ROPE_APPEND_RED;
-    float* rope = smem + WB_SMEM_QKV_ROPE_APPEND_ROPE;
-    // The position's row of the tables is read after the products, and a new position's row is seldom in L2: a
-    // round trip to HBM after the last product of a q or k pair. Warp 0 loads it here, before the stage waits for
-    // its input (the early path's wait is inside for_warp_units), and puts it in shared memory in the prologue, whose
-    // block barrier publishes it with x.
-    constexpr int ROPE_PER_LANE = (HALF + WB_WARP - 1) / WB_WARP;
-    const float* __restrict__ cs_row = rope_cos + (long long)pos * HALF;
-    const float* __restrict__ sn_row = rope_sin + (long long)pos * HALF;
-    float c_lane[ROPE_PER_LANE], s_lane[ROPE_PER_LANE];
-#pragma unroll
-    for (int j = 0; j < ROPE_PER_LANE; ++j) {
-        const int p = wb_lane() + j * WB_WARP;
-        c_lane[j] = wb_warp() == 0 && p < HALF ? cs_row[p] : 0.f;
-        s_lane[j] = wb_warp() == 0 && p < HALF ? sn_row[p] : 0.f;
-    }
-    const float* cs = rope;
-    const float* sn = rope + HALF;
+    const float* __restrict__ cs = rope_cos + (long long)pos * HALF;
+    const float* __restrict__ sn = rope_sin + (long long)pos * HALF;
     const long long kv_base = (long long)pos * WB_HEAD_DIM;                 // cache [Hkv, max_seq, hd], row pos
-    auto prologue = [&] {
-#pragma unroll
-        for (int j = 0; j < ROPE_PER_LANE; ++j) {
-            const int p = wb_lane() + j * WB_WARP;
-            if (wb_warp() == 0 && p < HALF) {
-                rope[p] = c_lane[j];
-                rope[HALF + p] = s_lane[j];
-            }
-        }
-        load_rms_normalized(act, x, WB_D, red);
-    };
+    auto prologue = [&] { load_rms_normalized(act, x, WB_D, red); };
     // fewer row pairs than warps (1,536 for 2,112 on 1B shapes): dealt across blocks, so that every SM loads a share
     for_warp_units<WB_D, 2, WB_DEAL_QKV_ROPE_APPEND>(wqkv, PAIRS, act, prologue, [&](int u, const float* y) {
         const int row = 2 * u;
