@@ -492,26 +492,48 @@ def test_colours_and_short_names_come_from_the_plan():
     assert D.SHORT["lm_head"] == "lm-head"
 
 
+def _png_indices(png: bytes) -> np.ndarray:
+    """The colour indices [height, width] of a palette PNG as workbench.ui.png writes it (8-bit, rows unfiltered)."""
+    import struct
+    import zlib
+    pos, idat, w = 8, b"", 0
+    while pos < len(png):
+        n, kind = struct.unpack(">I4s", png[pos:pos + 8])
+        data = png[pos + 8:pos + 8 + n]
+        if kind == b"IHDR":
+            w, h, depth, colour_type = struct.unpack(">IIBB", data[:10])
+            assert depth == 8 and colour_type == 3
+        elif kind == b"IDAT":
+            idat += data
+        pos += 12 + n
+    rows = np.frombuffer(zlib.decompress(idat), np.uint8).reshape(h, w + 1)
+    assert (rows[:, 0] == 0).all()                                    # filter type 0 on every row
+    return rows[:, 1:]
+
+
 def _cells(d):
-    """The Gantt heatmap as the browser gets it: stage codes, starts and lengths [blocks, bins], the bin width, and
-    each code's colour from the colorscale."""
-    h = d.gantt_heatmap
-    z, index = D.from_typed_array(h.z), D.from_typed_array(h.meta["cell_index"])
-    start, length = (D.from_typed_array(h.meta["cell_interval"][k])[index] for k in ("start", "length"))
-    assert z.shape == start.shape == length.shape
-    lo, hi = h.zmin, h.zmax
-    scale = [(float(f), c) for f, c in h.colorscale]
+    """The Gantt chart's blocks' rows as the page gets them: the stage code of every cell [blocks, bins] (the picture
+    drawn is checked to be made of them), the start and length its hover text gives (from the table the page reads),
+    the bin width, and each code's colour in the picture's palette."""
+    c, hover = d.gantt_cells, d.figures["gantt"]._hover_cells
+    rows = list(d.gantt_heatmap.y)[1:]
+    assert list(d.gantt_heatmap.y)[0] == D.GRID_Y and hover["rows"] == ["grid"] + [f"block {b}" for b in rows]
+    assert (_png_indices(d.gantt_png) == D.gantt_picture(c["z"], rows, d.stamps.shape[2])).all()
+    index = D.from_typed_array(hover["index"])
+    start, length = (D.from_typed_array(hover[k])[index] for k in ("start", "length"))
+    z = c["z"][1:]
+    assert z.shape == start[1:].shape == length[1:].shape
 
     def colour(code):
-        f = (code - lo) / (hi - lo)
-        return next(c for (f0, c), (f1, _) in zip(scale, scale[1:]) if f0 <= f <= f1 and f0 != f1)
-    return z, start, length, h.dx, colour
+        return d._gantt_palette[int(code) + 1]
+    return z, start[1:], length[1:], c["dx"], colour
 
 
 def _cell_of(d, block, t0, t1):
-    """(code, start, length, the name kept in Python) of the heatmap cell at the middle of [t0, t1] on `block`."""
+    """(code, start, length, the name kept in Python) of the Gantt chart's cell at the middle of [t0, t1] on
+    `block`."""
     z, start, length, dx, _ = _cells(d)
-    i, j = list(d.gantt_heatmap.y).index(block), int((t0 + t1) / 2 / dx)
+    i, j = list(d.gantt_heatmap.y)[1:].index(block), int((t0 + t1) / 2 / dx)
     return z[i, j], start[i, j], length[i, j], d.gantt_names()[i, j]
 
 
@@ -523,7 +545,7 @@ def test_gantt_synthetic():
     d.step_slider.value = 2
     g = d.figures["gantt"]
     z, _, _, dx, colour = _cells(d)
-    assert z.shape == (4, D.GANTT_BINS) and list(d.gantt_heatmap.y) == [0, 1, 2, 3]
+    assert z.shape == (4, D.GANTT_BINS) and list(d.gantt_heatmap.y) == [D.GRID_Y, 0, 1, 2, 3]
     iv = T.intervals(t)
     t0 = int(t[1, -1, :, 1].max())
     # every block's work and wait in every slot, in its stage's colour (the wait grey), with its hover text
@@ -544,25 +566,28 @@ def test_gantt_synthetic():
     assert "qkv_rope_append" in seen and colour(1 + d._gantt_labels.index("qkv_rope_append")) == qkv
     # every colour drawn has a legend entry, and only the stages drawn have one
     drawn = {colour(c) for c in np.unique(z[~np.isnan(z)])}
-    legend = {tr.marker.color: tr.name for tr in g.data[2:] if tr.showlegend}
+    legend = {tr.marker.color: tr.name for tr in g.data[1:] if tr.showlegend}
     assert drawn <= set(legend) and legend[D.WAIT_COLOR] == D.WAIT_TRACE
     assert d.gantt_trace("qkv_rope_append").marker.color == qkv and d.gantt_trace("qkv_rope_append").showlegend
     assert d.gantt_trace(MLP, wait=True).name == D.WAIT_TRACE
-    for tr in g.data[2:]:                 # a legend entry's one point lies outside the chart, so it is never drawn
+    for tr in g.data[1:]:                 # a legend entry's one point lies outside the chart, so it is never drawn
         assert list(tr.y) == [-1e6] and not (g.layout.yaxis.range[1] <= -1e6 <= g.layout.yaxis.range[0])
     assert not d.gantt_trace("embedding").showlegend              # the embedding alone: step 0 only
     assert d.gantt_trace(SLOT0).showlegend and d.gantt_trace(SLOT0).marker.color == D.COLORS["sampling"]
-    grid = g.data[0]
-    assert list(grid.y) == [D.GRID_Y] * N_SLOTS
-    assert sum(grid.x) == pytest.approx(STEP_NS / 1e3, abs=1e-2)
-    assert list(grid.text)[:2 + SLOTS_PER_LAYER] == [D.short_of(SLOT0), "qkv", "attention", "o-proj", "gate-up+down",
-                                                     "qkv"]                   # the next layer's first slot
+    # the grid's row: every slot of the step, in order, end to end over the step's span
+    c = d.gantt_cells
+    grid = c["shown"]["name"][c["index"][0]]
+    names = [c["names"][i] for i in dict.fromkeys(grid.tolist()) if c["names"][i]]
+    assert names[:2 + SLOTS_PER_LAYER] == [SLOT0, "qkv_rope_append layer 0", "attention_decode layer 0",
+                                            "o_proj_residual layer 0", MLP + " layer 0", "qkv_rope_append layer 1"]
+    assert len(names) == N_SLOTS
     assert "Token 2" in g.layout.title.text
     d.step_slider.value = 0
     assert d.gantt_trace("embedding").showlegend and not d.gantt_trace(SLOT0).showlegend
     z, colour = _cells(d)[0], _cells(d)[4]
     assert d.gantt_names()[3, 0] == "embedding" and colour(z[3, 0]) == D.COLORS["embedding"]   # block 3: 300 ns
-    assert len(g.data[0].y) == N_SLOTS and g.data[0].text[0] == "embedding"
+    c = d.gantt_cells
+    assert c["names"][c["shown"]["name"][c["index"][0, 0]]] == "embedding"       # the grid's first slot
 
 
 def test_gantt_cells_keep_what_is_shorter_than_a_bin():
@@ -586,28 +611,35 @@ def test_gantt_cells_keep_what_is_shorter_than_a_bin():
 
 
 def test_gantt_hover_shows_the_length():
-    """A bar with a base: plotly's %{x} is where it ends (a 3.7 µs wait read "305.06 µs from 301.38 µs"). The
-    hover texts take the length, start and end from customdata (the bars) and from the table of the intervals the
-    cells show (the heatmap: the page makes them per cell)."""
+    """A bar with a base: plotly's %{x} is where it ends (a 3.7 µs wait read "305.06 µs from 301.38 µs"). The hover
+    text of a cell gives the length and start of the interval it shows (the grid's row its end too), made in the page
+    from the table of the intervals shown (figure_widget), which goes with the token: nothing is sent a cell but the
+    index into it, and the transparent heatmap that carries the hover never changes from step to step."""
     d = D.Dashboard(CFG, source="synthetic")
     d.update_timing(synthetic())
     g = d.figures["gantt"]
-    for tr in g.data[:2]:
-        assert "%{x" not in tr.hovertemplate and "%{base" not in tr.hovertemplate
     h = d.gantt_heatmap
-    assert "%{_celllength:.2f} µs, from %{_cellstart:.2f} µs" in h.hovertemplate
-    # the stage: the cell's name, which the page makes from the meta's tables and indices (not sent one a cell)
-    assert h.hovertemplate.startswith("block %{y}: %{_cellname}<br>") and h.hovertext is None
-    assert h.customdata is None and h.text is None                      # nothing a cell but z and the index
-    index = D.from_typed_array(h.meta["cell_index"])
-    assert index.dtype == np.uint16 and index.shape == D.from_typed_array(h.z).shape
-    shown = {k: D.from_typed_array(v) for k, v in h.meta["cell_interval"].items()}
-    n = shown["name"].size                                                      # the intervals shown, and nothing
+    assert h.hovertemplate.startswith("%{_cellhover}") and h.meta == {"hover": "cells"}
+    assert h.hovertext is None and h.customdata is None and h.text is None
+    for tr in g.data[1:]:                                                    # legend entries: no hover of their own
+        assert tr.hoverinfo == "skip"
+    hover = g._hover_cells
+    index = D.from_typed_array(hover["index"])
+    assert index.dtype == np.uint16 and index.shape == d.gantt_cells["z"].shape == (1 + 4, D.GANTT_BINS)
+    shown = {k: D.from_typed_array(hover[k]) for k in ("name", "start", "length")}
+    n = shown["name"].size                                                   # the intervals shown, and nothing
     assert set(range(n - 1)) <= set(np.unique(index)) <= set(range(n))
-    assert shown["name"][-1] == len(h.meta["cell_names"]) - 1 and np.isnan(shown["start"][-1])
-    assert len(h.meta["cell_names"]) < 100 and h.meta["cell_names"][-1] == ""
-    assert set(range(len(h.meta["cell_names"]) - 1)) <= set(shown["name"][index].ravel())   # no name unused but ""
-    assert "%{customdata[2]:.2f} µs, from %{customdata[3]:.2f} µs to %{customdata[4]:.2f} µs" in g.data[0].hovertemplate
+    assert shown["name"][-1] == len(hover["names"]) - 1 and np.isnan(shown["start"][-1])
+    assert len(hover["names"]) < 100 and hover["names"][-1] == ""
+    assert set(range(len(hover["names"]) - 1)) <= set(shown["name"][index].ravel())     # no name unused but ""
+    assert hover["ends"] == [True] + [False] * 4                             # the grid's row gives the end
+    # a wait's cell: its length, not where it ends
+    d.step_slider.value = 2
+    iv, t = T.intervals(synthetic()), synthetic()
+    t0 = int(t[1, -1, :, 1].max())
+    a, l0 = (iv.arrive[2, 1, 0] - t0) / 1e3, (iv.leave[2, 1, 0] - t0) / 1e3
+    _, start, length, _ = _cell_of(d, 0, a, l0)
+    assert [start, length] == pytest.approx([a, l0 - a], abs=1e-3) and length < l0
 
 
 def test_figures_share_one_plotly_module():
@@ -767,7 +799,7 @@ def test_dashboard_from_the_recorded_trace():
     z = _cells(d)[0]
     assert z.shape == (132, D.GANTT_BINS) and ((z == 0).sum(axis=1) > 0).all()   # every block waits
     assert not np.isnan(z[:, :-20]).any()
-    assert len(g.data[0].y) == n_slots
+    assert list(d.gantt_heatmap.y)[:2] == [D.GRID_Y, 0] and len(d.gantt_heatmap.y) == 133 and n_slots == 66
     toks = d.figures["tok_s"].data[0].y
     assert len(toks) == 17 and 1200 < np.median(toks) < 1300
     kids = d.widget.children
@@ -820,7 +852,7 @@ def test_a_reloaded_page_starts_from_the_figure_as_it_is_now(monkeypatch):
     d.step_slider.value = 3
     state = g.get_state()
     assert state["_widget_layout"]["title"]["text"].startswith("Token 3 ")
-    assert state["_widget_data"][1]["z"] == g.data[1].z
+    assert state["_widget_layout"]["images"][0]["source"] == g.layout.images[0].source
     keys = {k for m in sent for k in m.get("state", {})}
     assert "_py2js_update" in keys and not keys & {"_widget_data", "_widget_layout"}   # open views: the update only
     ab = d.ab.set(T.recorded_path(0), T.recorded_path(3700))

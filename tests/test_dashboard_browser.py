@@ -56,23 +56,30 @@ OVERLAPS = """(() => {
     }
     return out;
 })()"""
-# the colours of the Gantt chart's cells (the heatmap's stage codes through its colorscale) and of its legend entries
-COLOURS = """(() => {
+# the colours of the Gantt chart's picture (its pixels, decoded by the browser) and of its legend entries
+COLOURS = """(async () => {
     const g = %s;
     const hex = c => c.startsWith('#') ? c.toLowerCase() : '#' + c.match(/\\d+/g).slice(0, 3)
         .map(v => (+v).toString(16).padStart(2, '0')).join('');
-    const h = g._fullData.find(t => t.type === 'heatmap');
+    const el = Array.from(g.querySelectorAll("image")).find(e => (e.getAttribute("href") || "").length > 0 && e.closest(".layer-above"));
+    const img = new Image();
+    img.src = el.getAttribute('href') || el.getAttribute('xlink:href');
+    await img.decode();
+    const c = document.createElement('canvas');
+    c.width = img.naturalWidth; c.height = img.naturalHeight;
+    const ctx = c.getContext('2d');
+    ctx.drawImage(img, 0, 0);
+    const px = ctx.getImageData(0, 0, c.width, c.height).data;
     const codes = new Set();
-    for (const row of h.z) for (const v of row) if (!Number.isNaN(v) && v !== null && v !== undefined) codes.add(v);
-    const scale = h.colorscale, lo = h.zmin, hi = h.zmax;
-    const colourOf = v => { const f = (v - lo) / (hi - lo);
-        for (let i = 0; i + 1 < scale.length; i++) if (scale[i][0] <= f && f <= scale[i + 1][0] && scale[i][0] !== scale[i + 1][0]) return hex(scale[i][1]); };
+    for (let i = 0; i < px.length; i += 4) if (px[i + 3] === 255) codes.add((px[i] << 16) | (px[i + 1] << 8) | px[i + 2]);
     const legend = {};
     for (const e of g.querySelectorAll('.legend .traces')) {
         const p = e.querySelector('.legendpoints path');
         legend[e.querySelector('.legendtext').textContent] = p ? hex(p.style.fill) : null;
     }
-    return {drawn: Array.from(codes).map(colourOf), legend};
+    const box = el.getBoundingClientRect(), plot = g.querySelector('.nsewdrag').getBoundingClientRect();
+    return {drawn: Array.from(codes).map(v => '#' + v.toString(16).padStart(6, '0')), legend,
+            size: [img.naturalWidth, img.naturalHeight], box: [box.width, box.height], plot: [plot.width, plot.height]};
 })()""" % GANTT
 # arm a timer: the key press starts it, the first frame after the title names `token` stops it
 ARM = """token => new Promise(resolve => {
@@ -184,6 +191,8 @@ def test_dashboard_slider_reload_and_legend_in_jupyterlab(lab):
             seen = page.evaluate(COLOURS)
             assert seen["drawn"] and set(seen["drawn"]) <= set(seen["legend"].values()), seen
             assert seen["legend"].get("wait at the barrier") == "#c8c8c8", seen
+            # the picture is drawn 1:1 on the plot area: a pixel a time bin, no resampling
+            assert seen["size"] == seen["box"] == seen["plot"], seen
             if shot:
                 page.evaluate_handle(GANTT).as_element().screenshot(path=str(shot.with_name(f"{shot.stem}-gantt.png")))
                 ab = page.evaluate_handle("Array.from(document.querySelectorAll('.js-plotly-plot')).find(p => "

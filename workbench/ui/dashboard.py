@@ -48,6 +48,7 @@ from ..measure.trace import (Trace, complete_steps, intervals, load_trace, names
                              save_trace, slots_from_meta, source_title, stage_rows, step_ns)
 from ..run.worker import BlockState
 from .figure_widget import figure_widget
+from .png import palette_png
 
 # colours by the stage's position in the plan (category10 without its grey, which is the wait's)
 PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf",
@@ -56,20 +57,20 @@ UNKNOWN_COLOR = "#555555"         # a stage the plan does not know (an older tra
 WAIT_COLOR = "#c8c8c8"
 WAIT_TRACE = "wait at the barrier"
 GRID_Y = -3                       # the Gantt chart's row of barrier-to-barrier spans, above block 0
-GANTT_BINS = 900                  # the Gantt heatmap's time bins: about the plot's width in pixels
+GRID_HALF = 1.2                   # the grid row's half height, in block rows
+GANTT_SIZE = (980, 800)           # the Gantt chart's width and height in pixels, and its margins: fixed (no
+GANTT_MARGIN = dict(l=70, r=20, t=105, b=112, autoexpand=False)  # automargin, no legend pushing a margin), so
+#                                 that the picture is drawn 1:1 on the plot area
+GANTT_BINS = GANTT_SIZE[0] - GANTT_MARGIN["l"] - GANTT_MARGIN["r"]  # time bins a block: one a pixel of the plot area
+GANTT_PLOT_PX = GANTT_SIZE[1] - GANTT_MARGIN["t"] - GANTT_MARGIN["b"]   # the plot area's height in pixels
 # under the bandwidth chart's title when a stage is above 100% of the roofline (its bar's text marked †)
 ROOF_NOTE_CHART = ("† above the roofline: that is a separate launch's streaming read, timed whole;<br>a stage is "
                    "timed between barriers, and may find some of its bytes in L2")
-# The grid bars' hover text. customdata per bar: [label, layer text, length, start, end], in µs from the token's
-# start. Not %{x}: for a bar with a base, plotly's %{x} is where the bar ends (base + length).
-GRID_HOVER = ("grid: %{customdata[0]} %{customdata[1]}<br>%{customdata[2]:.2f} µs, from %{customdata[3]:.2f} µs "
-              "to %{customdata[4]:.2f} µs<extra></extra>")
-# The block rows' hover text (one heatmap cell): the cell's stage and layer (_cellname), and the length and start
-# of the interval it shows (_celllength, _cellstart), in µs from the token's start, all made in the browser from the
-# trace's meta (figure_widget.py). One string a cell (~120k) sent from here made a slider step ~150 ms slower, and
-# in the browser's figure data far more (figure_widget.fillHover); a start and a length a cell, 1.3 MB of base64
-# a step, cost the page's update ~40 ms more than the table of the intervals shown.
-BLOCK_HOVER = "block %{y}: %{_cellname}<br>%{_celllength:.2f} µs, from %{_cellstart:.2f} µs<extra></extra>"
+# The Gantt chart's hover (one cell of a transparent heatmap over the picture, the grid's row included): the row,
+# the stage and layer, the length and start (and for the grid, the end) of the interval the cell shows, in µs from the
+# token's start; made in the page from the figure's hover table (Dashboard._hover_cells, figure_widget.py) on the
+# first hover of a token, not sent one string a cell (~120k a token).
+GANTT_HOVER = "%{_cellhover}<extra></extra>"
 
 
 def short_name(stage: str) -> str:
@@ -153,9 +154,9 @@ def _keep_state(*figs):
 def _tree_copy(v):
     if isinstance(v, dict):
         return {k: _tree_copy(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
+    if isinstance(v, (list, tuple)) and any(isinstance(x, dict) for x in v):
         return [_tree_copy(x) for x in v]
-    return v
+    return v                      # a leaf, or a list of values (a heatmap's z): plotly replaces those, never edits
 
 
 # -- reload records ------------------------------------------------------------------------------------------------
@@ -453,6 +454,29 @@ def gantt_cells(d: dict, labels: list[str], rows, x_max: float, n_bins: int = GA
     return out
 
 
+def gantt_picture(z: np.ndarray, rows, n_blocks: int, height: int = GANTT_PLOT_PX) -> np.ndarray:
+    """The Gantt chart's plot area as colour indices [height, bins]: z is gantt_cells' [1 + rows, bins] with the
+    grid's row first (code c: index c + 1; NaN, nothing: 0, transparent). Pixel rows lie on the y axis as the chart
+    draws it, [GRID_Y - 2, n_blocks] top to bottom; a block row covers its heatmap brick (±0.5 about the block, or
+    to the midpoints between the rows shown), the grid row GRID_Y ± GRID_HALF."""
+    z = np.asarray(z)
+    rows = np.asarray(rows, dtype=float)
+    top, bottom = GRID_Y - 2, n_blocks
+    y = top + (np.arange(height) + 0.5) * (bottom - top) / height
+    if rows.size > 1:
+        mid = (rows[1:] + rows[:-1]) / 2
+        edges = np.concatenate([[rows[0] - (mid[0] - rows[0])], mid, [rows[-1] + (rows[-1] - mid[-1])]])
+    else:
+        edges = np.concatenate([rows - 0.5, rows + 0.5])
+    which = np.searchsorted(edges, y, side="right") - 1                       # the block row of each pixel row
+    which = np.where((which >= 0) & (which < rows.size), which + 1, -1)
+    which[np.abs(y - GRID_Y) <= GRID_HALF] = 0
+    codes = np.where(np.isnan(z), 0, np.nan_to_num(z) + 1).astype(np.uint8)
+    out = np.zeros((height, z.shape[1]), np.uint8)
+    out[which >= 0] = codes[which[which >= 0]]
+    return out
+
+
 def typed_array(a: np.ndarray, dtype: str | None = None) -> dict:
     """A numpy array as plotly.js's typed-array spec (base64 little-endian: `dtype`, or u2/u4 for a uint16/uint32
     array and f4 for any other, with its shape): a
@@ -655,22 +679,23 @@ class Dashboard(_Shown):
                          title=title_below_modebar(440),
                          yaxis_title="TB/s")
 
-        # Bars with a base: plotly's %{x} is where the bar ends (base + length), not its length, so the hover texts
-        # read the length, start and end from customdata
+        # The token's picture is a layout image, drawn 1:1 on the plot area: a slider step changes its source and
+        # the title, which plotly.js redraws alone. A heatmap's z (or a bar's data) is a full replot: a step took
+        # 200-300 ms in JupyterLab on a 2-core machine, and 70% of it was plotly.js. The hover is a transparent
+        # heatmap over the picture that changes only with the rows or the time axis (_gantt_frame).
         gantt = figure_widget()
-        gantt.add_bar(name="grid: barrier to barrier", orientation="h", y=[], x=[], base=[], marker_color=[],
-                      text=[], textposition="inside", insidetextanchor="middle", textfont=dict(size=9),
-                      customdata=[], width=2.4, showlegend=False, hovertemplate=GRID_HOVER)
         self._gantt_stage_traces: dict[str, int] = {}
         self.gantt_cells: dict | None = None
-        gantt.update_layout(barmode="overlay", width=980, height=800, bargap=0,
-                            margin=dict(l=70, r=20, t=105, b=90), title=title_below_modebar(800),
+        self._gantt_frame = None
+        gantt.update_layout(width=GANTT_SIZE[0], height=GANTT_SIZE[1], margin=GANTT_MARGIN, autosize=False,
+                            title=title_below_modebar(GANTT_SIZE[1]),
                             xaxis=dict(title="µs from the start of the token", automargin=False,
-                                       ticklabeloverflow="allow"),
-                            yaxis=dict(title="block (one per SM)", autorange=False, zeroline=False,
+                                       ticklabeloverflow="allow", showgrid=False, zeroline=False),
+                            yaxis=dict(title="block (one per SM)", autorange=False, zeroline=False, showgrid=False,
                                        automargin=False, ticklabeloverflow="allow"),
                             legend=dict(orientation="h", y=-0.07, x=0.5, xanchor="center", yanchor="top"),
-                            uniformtext=dict(minsize=8, mode="hide"))
+                            images=[dict(source=None, xref="x", yref="y", x=0, y=GRID_Y - 2, sizex=1, sizey=1,
+                                         xanchor="left", yanchor="top", sizing="stretch", layer="above")])
 
         toks = figure_widget()
         toks.add_scatter(name="tok/s of each step", x=[], y=[], mode="lines+markers", line=dict(color="#4c78a8"),
@@ -702,23 +727,24 @@ class Dashboard(_Shown):
         return slot_names(cfg), first_step_label(cfg)
 
     def _setup_gantt(self, cfg: ModelConfig):
-        """The block rows as one heatmap (trace 1; the grid's bars are trace 0) whose discrete colorscale gives
-        each slot label its colour and the wait its grey, and one legend entry per colour (a heatmap has none of
-        its own), made again when the layout changes."""
+        """The hover heatmap (trace 0, transparent: the picture is a layout image), and one legend entry per colour
+        (the picture has none of its own), made again when the layout changes; the palette that the picture's
+        codes index: nothing (transparent), the wait's grey, then each slot label's colour."""
         labels = gantt_labels(*self.slot_layout(cfg))
         if labels == self._gantt_labels:
             return
         fig = self.figures["gantt"]
-        colours = [WAIT_COLOR] + [color_of(label) for label in labels]
-        n = len(colours)
-        scale = [x for i, c in enumerate(colours) for x in ([i / n, c], [(i + 1) / n, c])]
+        self._gantt_palette = ["transparent", WAIT_COLOR] + [color_of(label) for label in labels]
+        if len(self._gantt_palette) > 256:
+            raise ValueError(f"the Gantt chart draws at most 254 slot labels, not {len(labels)}")
+        clear = [[0, "rgba(0,0,0,0)"], [1, "rgba(0,0,0,0)"]]
         with fig.batch_update():
-            fig.data = fig.data[:1]
-            fig.add_heatmap(name="blocks", z=[], x0=0, dx=1, y=[], colorscale=scale, zmin=-0.5, zmax=n - 0.5,
-                            showscale=False, hoverongaps=False, zsmooth=False, showlegend=False,
-                            hovertemplate=BLOCK_HOVER)
-            # legend entries: a heatmap has no per-colour entries, and plotly leaves out the entry of a trace with
-            # no points, so each has one point far above the chart (the y axis range is fixed: it is never shown)
+            fig.data = []
+            fig.add_heatmap(name="blocks", z=[], x0=0, dx=1, y=[], colorscale=clear, showscale=False,
+                            zsmooth=False, showlegend=False, meta={"hover": "cells"}, hovertemplate=GANTT_HOVER,
+                            hoverlabel=dict(bgcolor="#333333", font=dict(color="white")))
+            # legend entries: plotly leaves out the entry of a trace with no points, so each has one point far
+            # above the chart (the y axis range is fixed: it is never shown)
             self._gantt_stage_traces = {}
             for label in labels + [WAIT_TRACE]:
                 fig.add_scatter(name=label, x=[0], y=[-1e6], mode="markers", hoverinfo="skip", legendgroup=label,
@@ -727,18 +753,24 @@ class Dashboard(_Shown):
                 self._gantt_stage_traces[label] = len(fig.data) - 1
         self._gantt_labels = labels
         self._gantt_key = None
+        self._gantt_frame = None
 
     @property
     def gantt_heatmap(self):
-        """The Gantt chart's block rows (a heatmap; see gantt_cells for its cells)."""
-        return self.figures["gantt"].data[1]
+        """The Gantt chart's hover heatmap (transparent; its rows: the grid, then the blocks shown)."""
+        return self.figures["gantt"].data[0]
+
+    @property
+    def gantt_png(self) -> bytes:
+        """The picture of the token on show (a palette PNG of the plot area; see gantt_picture)."""
+        src = self.figures["gantt"].layout.images[0].source
+        return base64.b64decode(src.split(",", 1)[1]) if src else b""
 
     def gantt_names(self) -> np.ndarray:
-        """What each of the Gantt heatmap's cells shows, by name: [blocks, bins] "<label> layer <l>" or "wait at
-        <label> layer <l>" ("" where nothing): the hover's text, as the browser makes it from the heatmap's meta."""
-        meta = self.gantt_heatmap.meta
-        name = from_typed_array(meta["cell_interval"]["name"])[from_typed_array(meta["cell_index"])]
-        return np.array(meta["cell_names"], dtype=object)[name]
+        """What each cell of the blocks' rows shows, by name: [blocks, bins] "<label> layer <l>" or "wait at
+        <label> layer <l>" ("" where nothing); the grid's row is gantt_cells' row 0."""
+        c = self.gantt_cells
+        return np.array(c["names"], dtype=object)[c["shown"]["name"][c["index"][1:]]]
 
     def gantt_trace(self, label: str, wait: bool = False):
         """The Gantt chart's legend entry of a slot label (of the wait, with wait=True): shown while the token on
@@ -1000,6 +1032,26 @@ class Dashboard(_Shown):
         self._follow = change["new"] == self.step_slider.max
         self._draw_gantt()
 
+    def _set_gantt_frame(self, rows: np.ndarray, n_blocks: int, span: float):
+        """The rows shown and the time axis (0 to `span` µs): the axes, the picture's place and the hover heatmap's
+        cells (one a bin, as the picture's), set when they change, not on every step."""
+        fig = self.figures["gantt"]
+        dx = span / GANTT_BINS
+        with fig.batch_update():
+            h = fig.data[0]
+            # a plain list, not a typed array: after every update plotly's widget sends back each trace's full data
+            # where it differs from the data it was given (z decoded from a typed array always does), and its model
+            # deep-compares that with the last (lodash isEqual): 2 s a step for this z unchanged
+            h.z = np.zeros((1 + rows.size, GANTT_BINS), np.int8).tolist()
+            h.x0, h.dx = dx / 2, dx
+            h.y = np.concatenate([[GRID_Y], rows]).astype(np.int32)
+            # the picture's place and size with the axes (a new array: a frame changes seldom, a step only its source)
+            fig.layout.images = [dict(fig.layout.images[0].to_plotly_json(), sizex=span, sizey=n_blocks - (GRID_Y - 2))]
+            fig.layout.yaxis.tickvals = [GRID_Y] + list(range(0, n_blocks, 8))
+            fig.layout.yaxis.ticktext = ["grid"] + [str(i) for i in range(0, n_blocks, 8)]
+            fig.layout.yaxis.range = [n_blocks, GRID_Y - 2]          # reversed: block 0 on top, the grid above
+            fig.layout.xaxis.range = [0, span]
+
     def _draw_gantt(self, force: bool = False):
         if self.stamps is None:
             return
@@ -1011,43 +1063,44 @@ class Dashboard(_Shown):
         self._gantt_key = key
         d = gantt_data(self.stamps, self.cfg, step, self.gantt_blocks, self.slot_layout())
         fig = self.figures["gantt"]
-        r3 = lambda a: np.round(np.asarray(a, dtype=float), 3)
         n_blocks = self.stamps.shape[2]
         rows = np.arange(n_blocks) if self.gantt_blocks is None else np.asarray(list(self.gantt_blocks))
         g_stage, g_start, g_dur, g_layer = d["grid"]
         ends = [g_start + g_dur, d["wait"][1] + d["wait"][2]]
         x_max = max((float(np.max(e)) for e in ends if len(e)), default=0.0)
-        cells = gantt_cells(d, self._gantt_labels, rows, x_max, names=False)
+        # one time axis for the run: the longest complete token (a longer one widens it), so a step redraws no axis
+        if self._gantt_frame is None or self._gantt_frame[0] != (id(self.stamps), tuple(rows)) \
+                or x_max > self._gantt_frame[1]:
+            done = step_ns(self.stamps) / 1e3 if self.n_complete else np.zeros(0)
+            span = max(float(done.max()) if done.size else 0.0, x_max) * 1.02 or 1.0
+            self._set_gantt_frame(rows, n_blocks, span)
+            self._gantt_frame = ((id(self.stamps), tuple(rows)), span)
+        span = self._gantt_frame[1]
+        # the grid's row joins the blocks' as one more block (id n_blocks), put first
+        work = dict(d["work"])
+        for label in dict.fromkeys(g_stage.tolist()):
+            m = g_stage == label
+            b, st, du, ly = work.get(label, (np.zeros(0, int), np.zeros(0), np.zeros(0), np.zeros(0, int)))
+            work[label] = (np.concatenate([b, np.full(m.sum(), n_blocks)]), np.concatenate([st, g_start[m]]),
+                           np.concatenate([du, g_dur[m]]), np.concatenate([ly, g_layer[m]]))
+        cells = gantt_cells({"work": work, "wait": d["wait"]}, self._gantt_labels,
+                            np.concatenate([[n_blocks], rows]), span, names=False)
         self.gantt_cells = cells
-        self._gantt_drawn = (d, rows, x_max)
         present = set(d["work"]) | ({WAIT_TRACE} if len(d["wait"][0]) else set())
-
+        png = palette_png(gantt_picture(cells["z"], rows, n_blocks), self._gantt_palette)
+        shown = cells["shown"]
+        fig._hover_cells = {"rows": ["grid"] + [f"block {int(b)}" for b in rows], "ends": [True] + [False] * rows.size,
+                            "names": cells["names"], "index": typed_array(cells["index"]),
+                            "name": typed_array(shown["name"]), "start": typed_array(shown["start"]),
+                            "length": typed_array(shown["length"])}
         with fig.batch_update():
-            g = fig.data[0]
-            g.y = [GRID_Y] * len(g_stage)
-            g.base = r3(g_start)
-            g.x = r3(g_dur)
-            g.marker.color = [color_of(s) for s in g_stage]
-            g.text = [short_of(s) for s in g_stage]
-            g.customdata = [[s, _layer_text(l), float(x), float(s0), float(s0 + x)]
-                            for s, l, x, s0 in zip(g_stage, g_layer, r3(g_dur), r3(g_start))]
-            h = fig.data[1]
-            h.z = typed_array(cells["z"])
-            shown = cells["shown"]
-            h.meta = {"cell_names": cells["names"], "cell_index": typed_array(cells["index"]),
-                      "cell_interval": {"name": typed_array(shown["name"]), "start": typed_array(shown["start"]),
-                                        "length": typed_array(shown["length"])}}
-            h.x0, h.dx = cells["dx"] / 2, cells["dx"]
-            h.y = rows.astype(np.int32)
+            # an element's edit: plotly.js draws it alone (arraydraw), where a new array is a replot of the figure
+            fig.layout.images[0].source = "data:image/png;base64," + base64.b64encode(png).decode("ascii")
             for label, i in self._gantt_stage_traces.items():
                 show = label in present
                 if fig.data[i].showlegend != show:
                     fig.data[i].showlegend = show
-            fig.layout.yaxis.tickvals = [GRID_Y] + list(range(0, n_blocks, 8))
-            fig.layout.yaxis.ticktext = ["grid"] + [str(i) for i in range(0, n_blocks, 8)]
-            fig.layout.yaxis.range = [n_blocks, GRID_Y - 2]          # reversed: block 0 on top, the grid above
             total = float((g_start + g_dur).max()) if len(g_stage) else 0.0
-            fig.layout.xaxis.range = [0, x_max * 1.01] if x_max > 0 else None
             what = "being written" if partial else f"{total:,.1f} µs"
             fig.layout.title.text = (f"Token {step} (position {self.pos0 + step:,}) on every block: work by stage, "
                                      f"grey = wait at the barrier ({what})" + self._sub())

@@ -9,13 +9,15 @@ chart never changes again. Measured in headless Chromium on a loaded 2-core mach
 five at once 2.1–18 s each. Here the module each model imports is a small loader, and plotly's module travels as a
 plain trait that the first model to load imports for the page; the others wait on the same import.
 
-Hover values per heatmap cell: a heatmap whose `meta` has {"cell_names": [...], "cell_interval": {"name", "start",
-"length": typed arrays, one entry per interval shown}, "cell_index": typed array [rows, cols] into cell_interval}
-has, for the cell's interval i = cell_index[row, col], cell_names[name[i]], start[i] and length[i] as its hover's
-%{_cellname}, %{_cellstart} and %{_celllength}, made here in the browser on the first hover. Sending the names
-themselves would cost ~60 ms of Python per slider step (one string a cell, ~120k, walked by plotly's validators,
-ipywidgets and json) and far more in the browser (see fillHover); a start and a length a cell are 1.3 MB of base64
-a step, where the table of the intervals shown is a few tens of kB.
+Hover text per heatmap cell: a heatmap whose meta is {"hover": "cells"} has, as its hover's %{_cellhover}, the
+text of its cell made here from the widget's `_hover_cells` trait (or, on a page without the widget, the table
+given to attach): {"rows": a label per row, "ends": whether a row's text gives the interval's end, "names": [...],
+"index": typed array [rows, cols] into the intervals shown, "name", "start", "length": typed arrays, one entry per
+interval (its name's index, its start and length in µs)}. The texts of a token are made on its first hover. The
+dashboard's Gantt chart draws its token as a picture and keeps this heatmap transparent and unchanged from step to
+step: a trace's data changed on a step is a full replot in plotly.js. Sending the texts themselves would cost ~60 ms
+of Python per slider step (one string a cell, ~120k, walked by plotly's validators, ipywidgets and json) and far
+more in the browser (see fillHover).
 """
 from __future__ import annotations
 
@@ -44,62 +46,114 @@ function decode(spec) {
   return new TYPES[spec.dtype](bytes.buffer);
 }
 
-// [rows][cols] of a per-interval array at each cell's interval (rows as arrays of the values, or typed subarrays)
-function perCell(meta) {
-  const idx = decode(meta.cell_index), iv = meta.cell_interval;
-  const [rows, cols] = String(meta.cell_index.shape).split(",").map(Number);
-  const name = decode(iv.name), start = decode(iv.start), length = decode(iv.length);
-  const grid = (f, typed) => {
-    const out = new Array(rows);
-    for (let r = 0; r < rows; r++) {
-      const row = typed ? new Float32Array(cols) : new Array(cols);
-      for (let c = 0; c < cols; c++) row[c] = f(idx[r * cols + c]);
-      out[r] = row;
+// [rows][cols] of hover texts, a row made when first read (a token's first hover reads one or two rows)
+function hoverTexts(cells) {
+  const idx = decode(cells.index), name = decode(cells.name), start = decode(cells.start);
+  const length = decode(cells.length);
+  const [rows, cols] = String(cells.index.shape).split(",").map(Number);
+  const made = new Array(rows);
+  const row = r => {
+    const out = new Array(cols), label = cells.rows[r], end = cells.ends[r];
+    for (let c = 0; c < cols; c++) {
+      const i = idx[r * cols + c], n = cells.names[name[i]];
+      out[c] = !n ? `${label}: nothing recorded`
+        : `${label}: ${n}<br>${length[i].toFixed(2)} µs, from ${start[i].toFixed(2)} µs`
+          + (end ? ` to ${(start[i] + length[i]).toFixed(2)} µs` : "");
     }
     return out;
   };
-  return {
-    _cellname: grid(i => meta.cell_names[name[i]], false),
-    _cellstart: grid(i => start[i], true),
-    _celllength: grid(i => length[i], true),
-  };
+  return new Proxy(made, {get(t, k) {
+    if (typeof k === "string" && /^[0-9]+$/.test(k)) { const r = +k; return r < rows ? (t[r] || (t[r] = row(r))) : undefined; }
+    return k === "length" ? rows : Reflect.get(t, k);
+  }});
 }
 
-const HOVER_ATTRS = ["_cellname", "_cellstart", "_celllength"];
-
-// The values go into the full trace as attributes of their own (listed in _arrayAttrs, which plotly.js reads per
-// point into the hover's variables: %%{_cellname}), and nowhere else: after every update the widget deep-copies the
-// figure's data and full data (lodash merge) but skips keys that start with "_"; ~120k strings in `text` or
-// `hovertext` made a slider step 1.9 s, where a typed array is passed by reference.
-function fillHover(gd) {
-  const cache = gd.__wbCells || (gd.__wbCells = new Map());
+// The texts go into the full trace as `_cellhover`, an array attribute of its own (listed in _arrayAttrs, which
+// plotly.js reads per point into the hover's variables), and nowhere else: after every update the widget
+// deep-copies the figure's data and full data (lodash merge) but skips keys that start with "_"; ~120k strings in
+// `text` or `hovertext` made a slider step 1.9 s.
+function fillHover(gd, table) {
+  const cache = gd.__wbCells || (gd.__wbCells = {cells: null, texts: null});
   for (const fd of gd._fullData || []) {
-    const meta = fd && fd.meta;
-    if (!meta || !meta.cell_index || !meta.cell_index.bdata || !meta.cell_interval) continue;
-    // made on the first hover, not on every slider step
-    const values = () => {
-      let got = cache.get(fd.index);
-      // a new step may keep the cells' indices and change the intervals: every table is the key
-      const iv = meta.cell_interval, key = [meta.cell_index, iv.name, iv.start, iv.length].map(t => t.bdata);
-      if (!got || got.key.some((k, i) => k !== key[i])) {
-        got = {key, values: perCell(meta)};
-        cache.set(fd.index, got);
-      }
-      return got.values;
-    };
-    for (const attr of HOVER_ATTRS) {
-      Object.defineProperty(fd, attr, {configurable: true, enumerable: false, get() { return values()[attr]; }});
-      if (fd._arrayAttrs && !fd._arrayAttrs.includes(attr)) fd._arrayAttrs.push(attr);
+    if (!fd || !fd.meta || fd.meta.hover !== "cells") continue;
+    Object.defineProperty(fd, "_cellhover", {configurable: true, enumerable: false, get() {
+      const cells = table();
+      if (!cells || !cells.index) return undefined;
+      if (cache.cells !== cells) { cache.cells = cells; cache.texts = hoverTexts(cells); }
+      return cache.texts;
+    }});
+    if (fd._arrayAttrs && !fd._arrayAttrs.includes("_cellhover")) fd._arrayAttrs.push("_cellhover");
+  }
+}
+
+// plotly's widget marks each update it applies from Python by setting `_doNotReportToPy` on the data it passes to
+// Plotly.update/relayout/restyle, so that its own event handler does not echo the change back. plotly.js takes that
+// key for one more attribute, unknown, and replots the whole figure on every update: a Gantt slider step redrew its
+// 120k-cell hover heatmap (~130 ms in headless Chromium) to change one image and the title. It also passes an edit
+// of an array container's element as plotly.py writes it, "images.0.source", which plotly.js reads as a new
+// array (a replot) where "images[0].source" is an edit of one image. Here each message is made right before the
+// widget applies it: the element edits written as plotly.js reads them, and the mark put on first as a property
+// plotly.js does not enumerate (the widget's own assignment keeps it so). The model hands out a fresh copy of a
+// message on every read, so the widget is given this copy. The event of an update from Python no longer carries the
+// mark, so its echo is dropped by count instead.
+const CALLS = {do_update: ["_py2js_update", "style_data", "handle_plotly_update"],
+               do_relayout: ["_py2js_relayout", "relayout_data", "handle_plotly_relayout"],
+               do_restyle: ["_py2js_restyle", "restyle_data", "handle_plotly_restyle"]};
+const ELEMENT_EDIT = /^(images|shapes|annotations)\\.(\\d+)\\.(.+)$/;
+
+function prepared(msg, name, key, viewID) {
+  const layout = msg.layout_data || msg.relayout_data;
+  if (layout && typeof layout === "object") {
+    for (const k of Object.keys(layout)) {
+      const m = ELEMENT_EDIT.exec(k);
+      if (m) { layout[`${m[1]}[${m[2]}].${m[3]}`] = layout[k]; delete layout[k]; }
     }
+  }
+  if (name === "do_relayout" && msg.source_view_id === viewID) return false;    // the widget skips its own
+  if (name === "do_update" && (msg[key] === null || msg[key] === undefined)) msg[key] = {};
+  const data = msg[key];
+  if (!data || typeof data !== "object") return false;
+  Object.defineProperty(data, "_doNotReportToPy", {value: true, writable: true, enumerable: false, configurable: true});
+  return true;
+}
+
+function quietUpdates(View) {
+  const proto = View && View.prototype;
+  if (!proto || proto.__wbQuiet) return;
+  proto.__wbQuiet = true;
+  for (const [name, [trait, key, handler]] of Object.entries(CALLS)) {
+    const apply = proto[name], handle = proto[handler];
+    if (typeof apply !== "function" || typeof handle !== "function") continue;
+    proto[name] = function (...args) {
+      const model = this.model, msg = model.get(trait);
+      if (!msg || typeof msg !== "object") return apply.apply(this, args);
+      if (prepared(msg, name, key, this.viewID)) {
+        const echo = this.__wbEcho || (this.__wbEcho = {});
+        echo[handler] = (echo[handler] || 0) + 1;
+      }
+      const own = Object.prototype.hasOwnProperty.call(model, "get"), get = model.get;
+      model.get = function (k) { return k === trait ? msg : get.apply(this, arguments); };
+      try {
+        return apply.apply(this, args);
+      } finally {
+        if (own) model.get = get; else delete model.get;
+      }
+    };
+    proto[handler] = function (...args) {
+      const echo = this.__wbEcho;
+      if (echo && echo[handler] > 0) { echo[handler]--; return; }
+      return handle.apply(this, args);
+    };
   }
 }
 
 // every update makes the full traces anew
-function attach(gd) {
+// table: () => the hover table now (the widget's trait; a page without the widget passes its own)
+function attach(gd, table) {
   if (gd.__wbHover) return;
   gd.__wbHover = true;
-  gd.on("plotly_afterplot", () => fillHover(gd));
-  fillHover(gd);
+  gd.on("plotly_afterplot", () => fillHover(gd, table));
+  fillHover(gd, table);
 }
 
 export { attach };    // for a page without the widget (tests, exports) that wants the names too
@@ -108,11 +162,17 @@ export default () => {
   let widget;
   return {
     async initialize(ctx) {
-      widget = (await plotlyModule(ctx.model)).default();
+      const mod = await plotlyModule(ctx.model);
+      quietUpdates(mod.FigureView);
+      widget = mod.default();
       return widget.initialize(ctx);
     },
     render(ctx) {
-      const onRender = e => { const gd = e.detail && e.detail.element; if (gd && ctx.el.contains(gd)) attach(gd); };
+      const table = () => ctx.model.get("_hover_cells");
+      const onRender = e => {
+        const gd = e.detail && e.detail.element;
+        if (gd && ctx.el.contains(gd)) attach(gd, table);
+      };
       document.addEventListener("plotlywidget-after-render", onRender);
       const done = widget.render(ctx);
       return () => { document.removeEventListener("plotlywidget-after-render", onRender); if (done) done(); };
@@ -140,6 +200,7 @@ def figure_widget_class():
     class FigureWidget(go.FigureWidget):
         _esm = LOADER % {"hash": digest}
         _plotly_module = traitlets.Unicode(text).tag(sync=True)
+        _hover_cells = traitlets.Dict().tag(sync=True)        # the hover table (the module docstring)
 
     FigureWidget.__module__ = __name__
     FigureWidget.__qualname__ = "FigureWidget"
