@@ -9,6 +9,7 @@ if root not in sys.path:                            # the workbench importable f
     sys.path.insert(0, root)
 
 c.ContentsManager.pre_save_hook = "workbench.nbclean.pre_save_hook"  # noqa: F821 (traitlets' config object)
-# no "notified about official Jupyter news?" toast: it sits over the bottom right of the dashboards' charts (their
-# legends) until dismissed
+# no news fetched. JupyterLab 4.6 still asks once whether to be "notified about official Jupyter news?", in a toast
+# over the bottom right of the page (the dashboards' legends) until answered; the answer is a user setting (Settings
+# → Notifications, "fetchNews"), which the browser tests set to "false" in their own settings folder
 c.LabApp.news_url = None  # noqa: F821

@@ -56,6 +56,11 @@ def lab(tmp_path):
                                       "lab")}
     for d in dirs.values():
         d.mkdir()
+    # JupyterLab's "notified about official Jupyter news?" toast (which --LabApp.news_url=None does not stop) sits
+    # over the bottom right of the page, the dashboards' legends, until answered: answered "never", as a user would
+    notification = dirs["settings"] / "@jupyterlab" / "apputils-extension"
+    notification.mkdir(parents=True)
+    (notification / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
     # the server serves a copy: JupyterLab saves the notebook it runs (outputs and all), and the one in git stays clean
     (dirs["lab"] / "notebooks").mkdir()
     shutil.copy(ROOT / "notebooks" / "quickstart.ipynb", dirs["lab"] / "notebooks" / "quickstart.ipynb")
