@@ -654,9 +654,9 @@ def test_figures_share_one_plotly_module():
         assert state["_plotly_module"] == plotly_module and len(plotly_module) > 1_000_000
 
 
-def _hover_texts(fig_json: str, points: list[str]) -> list[str]:
+def _hover_texts(fig_json: str, points: list[str], cells: dict | None = None) -> list[str]:
     """The hover label plotly.js draws for each hover (the JS argument of Plotly.Fx.hover) of a figure, in
-    headless Chromium."""
+    headless Chromium; `cells`: the Gantt chart's hover table (its widget's _hover_cells), as the page gets it."""
     sync_api = pytest.importorskip("playwright.sync_api")
     import plotly
     if not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)):
@@ -665,9 +665,10 @@ def _hover_texts(fig_json: str, points: list[str]) -> list[str]:
     js = (Path(plotly.__file__).parent / "package_data" / "plotly.min.js").read_text()
     # the cells' names filled in as the widget's loader does it in JupyterLab, by its own code
     page = ("<html><body><div id='g'></div><script>" + js + "</script><script>var f = " + fig_json
-            + "; var loader = " + json.dumps(LOADER % {"hash": "test"}) + ";</script><script type='module'>"
+            + "; var cells = " + json.dumps(cells) + "; var loader = " + json.dumps(LOADER % {"hash": "test"})
+            + ";</script><script type='module'>"
             "const m = await import(URL.createObjectURL(new Blob([loader], {type: 'text/javascript'})));"
-            "await Plotly.newPlot('g', f.data, f.layout); m.attach(document.getElementById('g'));"
+            "await Plotly.newPlot('g', f.data, f.layout); m.attach(document.getElementById('g'), () => cells);"
             "window.__wb_ready = true;</script></body></html>")
     out = []
     with sync_api.sync_playwright() as p:
@@ -688,9 +689,9 @@ def _hover_texts(fig_json: str, points: list[str]) -> list[str]:
 
 
 def test_gantt_hover_in_a_browser():
-    """What plotly.js itself shows when hovering a wait cell, a work cell and a grid bar: the block, stage and layer
-    (the cell's name, made in the page from the heatmap's meta), the length, then where it starts (and for the grid,
-    its slot, layer and end)."""
+    """What plotly.js itself shows when hovering a wait cell, a work cell and the grid's row: the block, stage and
+    layer (the cell's name, made in the page from the hover table), the length, then where it starts (and for the
+    grid, its slot, layer and end)."""
     import plotly.io as pio
     t = synthetic()
     d = D.Dashboard(CFG, source="synthetic")
@@ -701,12 +702,17 @@ def test_gantt_hover_in_a_browser():
     t0 = int(t[1, -1, :, 1].max())
     k, b = layer_slot(MLP, 1), 2
     s0, a, l0 = ((x[2, k, b] - t0) / 1e3 for x in (iv.start, iv.arrive, iv.leave))
+    c = d.gantt_cells                                       # the grid's qkv slot of layer 0: where its cells are
+    grid = c["shown"]["name"][c["index"][0]]
+    j = int(np.flatnonzero(np.array(c["names"], dtype=object)[grid] == "qkv_rope_append layer 0").mean())
+    i = c["index"][0, j]
+    start, length = float(c["shown"]["start"][i]), float(c["shown"]["length"][i])
     texts = _hover_texts(pio.to_json(g), [f"{{xval: {(a + l0) / 2}, yval: {b}}}", f"{{xval: {(s0 + a) / 2}, yval: {b}}}",
-                                          "[{curveNumber: 0, pointNumber: 1}]"])
+                                          f"{{xval: {start + length / 2}, yval: {D.GRID_Y}}}"], g._hover_cells)
     assert f"block {b}: wait at {MLP} layer 1" in texts[0] and f"{l0 - a:.2f} µs, from {a:.2f} µs" in texts[0]
     assert f"block {b}: {MLP} layer 1" in texts[1] and f"{a - s0:.2f} µs, from {s0:.2f} µs" in texts[1]
-    x, base = float(g.data[0].x[1]), float(g.data[0].base[1])
-    assert f"grid: qkv_rope_append layer 0" in texts[2] and f"{x:.2f} µs, from {base:.2f} µs" in texts[2]
+    assert "grid: qkv_rope_append layer 0" in texts[2], texts[2]
+    assert f"{length:.2f} µs, from {start:.2f} µs to {start + length:.2f} µs" in texts[2], texts[2]
 
 
 def test_partial_snapshots_as_while_the_kernel_runs():
