@@ -107,10 +107,6 @@ def gantt_labels(names: list[tuple[str, int]], step0_label: str) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def _layer_text(layer) -> str:
-    return f"layer {int(layer)}" if int(layer) >= 0 else ""
-
-
 def _widgets():
     import ipywidgets
     return ipywidgets

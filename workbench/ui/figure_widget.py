@@ -73,13 +73,15 @@ function hoverTexts(cells) {
 // deep-copies the figure's data and full data (lodash merge) but skips keys that start with "_"; ~120k strings in
 // `text` or `hovertext` made a slider step 1.9 s.
 function fillHover(gd, table) {
-  const cache = gd.__wbCells || (gd.__wbCells = {cells: null, texts: null});
+  const cache = gd.__wbCells || (gd.__wbCells = {key: null, texts: null});
   for (const fd of gd._fullData || []) {
     if (!fd || !fd.meta || fd.meta.hover !== "cells") continue;
     Object.defineProperty(fd, "_cellhover", {configurable: true, enumerable: false, get() {
       const cells = table();
       if (!cells || !cells.index) return undefined;
-      if (cache.cells !== cells) { cache.cells = cells; cache.texts = hoverTexts(cells); }
+      // the model hands out a fresh copy on every read: the tables' contents are the key, not the object
+      const key = [cells.index, cells.name, cells.start, cells.length].map(t => t.bdata).concat(cells.rows).join("|");
+      if (cache.key !== key) { cache.key = key; cache.texts = hoverTexts(cells); }
       return cache.texts;
     }});
     if (fd._arrayAttrs && !fd._arrayAttrs.includes("_cellhover")) fd._arrayAttrs.push("_cellhover");
