@@ -10,6 +10,7 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) wb_generate(const Pa
     if (wb_is_streamer()) { wb_stream_run(P); return; }    // the last warp: weights into the ring, until we leave
 #endif
     wb_grid_sync_init(P);
+    wb_ahead_init();
     // the step's values and the first position in shared memory: held in registers across the whole step they
     // took some of every thread's 128, and the larger builds spilled them to the stack
     __shared__ int values[WB_STEP_VALUES], pos0;
@@ -23,6 +24,7 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) wb_generate(const Pa
         s.pos = pos0 + s.step;
         if (wb_decode_step(P, s, smem)) break;
     }
+    wb_ahead_drain();
 #if WB_STREAMING
     wb_stream_finish();
 #endif

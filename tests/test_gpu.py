@@ -294,6 +294,32 @@ def test_the_stream_build_verifies_stage_by_stage(name, opt):
     assert max(table.positions) >= 4096
 
 
+AHEAD = BuildOptions(launch=Launch(ahead=("gate_up_silu",)))                     # 15 warps' units on the 1B
+AHEAD_64K = BuildOptions(launch=Launch(ahead=("gate_up_silu",), ahead_bytes=65536))    # 8 warps' on the 1B
+
+
+@pytest.mark.parametrize("name,opt", [("tiny", AHEAD), ("llama-3.2-1b", AHEAD), ("llama-3.2-1b", AHEAD_64K)])
+def test_units_copied_ahead_verify_and_give_the_same_bits(name, opt):
+    """Launch.ahead: the MLP's first units come from shared memory (a bulk copy sent during o_proj's slot), the
+    warps that read them early-load their next unit instead. Stage by stage and end to end; and since every unit is
+    summed in the same order from either place, the tokens and every logit equal the register path's bit for bit,
+    at short positions and past the attention's splits (where every block reads the cache first)."""
+    import cupy as cp
+
+    from workbench.model.weights import prepare, random_weights
+    from workbench.run.runtime import Monokernel
+    p = prepare(random_weights(get_config(name), fresh_seed(), xp=cp, progress=False), xp=cp, progress=False)
+    _verified(p, opt, thorough=name == "tiny", prompt_len=6, max_new=12)
+    kernels = [Monokernel(p, o, max_steps=64) for o in (BuildOptions(), opt)]
+    for pos0 in (0, 3000):
+        runs = []
+        for mk in kernels:
+            mk.fill_cache(pos0 + 8, seed=7)          # the same context in both
+            runs.append(mk.generate([1, 2, 3], 6, pos0=pos0, eos=[], record=list(range(8))))
+        assert runs[0].tokens == runs[1].tokens
+        assert np.array_equal(np.asarray(runs[0].logits), np.asarray(runs[1].logits), equal_nan=False)
+
+
 EARLY = ("qkv_rope_append", "o_proj_residual", "gate_up_silu", "lm_head")
 
 

@@ -728,7 +728,12 @@ def cmd_build(args) -> int:
     arch = args.arch or {"cuda": "sm_90", "hip": "gfx942"}[target]
     names = list(PRESETS) if args.all_presets else [args.model]
     opt = BuildOptions(launch=Launch(threads=args.threads), timing=args.timing,
-                       variants=tuple(args.variant)).for_target(target)
+                       variants=tuple(args.variant))
+    try:
+        opt = with_fields(opt, **dict(args.set)).for_target(target)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     failed = False
     for name in names:
         cfg = get_config(name, max_seq=_max_seq_of(args, name))
@@ -893,6 +898,8 @@ def _parser(prog: str = "python -m workbench") -> argparse.ArgumentParser:
     b.add_argument("--arch", type=arch_arg, help="sm_90 for cuda, gfx942 for hip (the defaults); an AMD arch "
                                               "alone means --target hip")
     b.add_argument("--timing", action="store_true", help="with per-stage timing instrumentation")
+    b.add_argument("--set", type=build_option, action="append", default=[], metavar="FIELD=VALUE",
+                   help="a BuildOptions or launch field of the build, e.g. --set ahead=gate_up_silu (repeatable)")
     b.add_argument("--no-spills", action="store_true",
                    help="exit 1 when registers spill (NVIDIA local memory, AMD scratch)")
     b.add_argument("--dump", choices=["ptx", "sass", "amdgcn"],

@@ -51,12 +51,17 @@ class Launch:
     # columns then a grid barrier and a read of all of x: 4 parts cost 1.65 us a round at D = 2048 where one part
     # cost 3.65 and float adds 2.09; 2.53 against 3.57 and 1.89 at D = 4096 (scripts/residual_adds_probe.py)
     x_parts: int = 4
+    # stages whose block's first units (one for each warp, as many warps as ahead_bytes holds) the bulk-copy engine
+    # brings into shared memory while the block runs the slot before them (schedule.ahead, kernels/lib/matvec.cuh):
+    # bytes in flight that the register path has no registers for, during a slot whose own reads are few
+    ahead: tuple = ()
+    ahead_bytes: int = 131072
 
     def __post_init__(self):
         # at most a CUDA block's 1024 threads, which the reduction scratch is sized for (WB_MAX_WARPS)
         if not (isinstance(self.threads, int) and 64 <= self.threads <= 1024 and self.threads % 64 == 0):
             raise ValueError(f"threads must be a multiple of 64 from 64 to 1024, got {self.threads!r}")
-        for name in ("early", "register_stages"):
+        for name in ("early", "register_stages", "ahead"):
             if not (isinstance(v := getattr(self, name), tuple) and all(isinstance(n, str) for n in v)):
                 raise ValueError(f"{name} must be a tuple of stage names, got {v!r}")
         if self.register_stages and not self.stream:
@@ -78,6 +83,9 @@ class Launch:
                              f"{self.attn_bufs!r}")
         if not (isinstance(self.grid, int) and self.grid >= 1):
             raise ValueError(f"grid must be a positive number of blocks, got {self.grid!r}")
+        if not (isinstance(self.ahead_bytes, int) and self.ahead_bytes >= 0 and self.ahead_bytes % 16 == 0):
+            raise ValueError(f"ahead_bytes must be a number of bytes, 0 or more, a multiple of 16, got "
+                             f"{self.ahead_bytes!r}")
         if not (isinstance(self.x_parts, int) and 1 <= self.x_parts <= self.grid):
             raise ValueError(f"x_parts must be a number of parts from 1 to the grid's {self.grid} blocks, got "
                              f"{self.x_parts!r}")

@@ -240,10 +240,72 @@ def early_region(cfg: ModelConfig, launch: plan.Launch = plan.Launch()) -> tuple
     return off, launch.stage_threads * EARLY_LOADS * 4
 
 
+@dataclasses.dataclass(frozen=True)
+class Ahead:
+    """A stage's first units copied ahead (Launch.ahead): for each of a block's first `warps` warps, its first unit's
+    rows (a block's units are contiguous rows: the stage deals by blocks), brought into shared memory by the
+    bulk-copy engine while the block runs the slot before the stage. The decode step posts the copy after the
+    barrier after `posted_after` (every warp of the block is past that stage, so the region is free); the first
+    weight stage of the next slot, `issuer`, sends it after its own first loads, which are needed sooner; the stage
+    reads those units from shared memory, and its own first loads go to each warp's next unit."""
+    stage: str
+    issuer: str
+    posted_after: str
+    buffer: str
+    k: int                          # elements a row
+    rows: int                       # rows a unit
+    units: int                      # the stage's units (the whole grid's)
+    warps: int                      # a block's warps whose first unit is copied
+    offset: int                     # floats, into the block's dynamic shared memory
+    floats: int
+
+    @property
+    def unit_bytes(self) -> int:
+        return self.rows * self.k * 2
+
+
+def ahead(cfg: ModelConfig, launch: plan.Launch = plan.Launch()) -> Ahead | None:
+    """Where Launch.ahead's copy comes from, goes and is issued (None: no stage is copied ahead). The region lies
+    above every region in use from the post to the stage's own (the issuer's slot, the stage and the stages before it
+    in its slot, the early loads' region), and under the attention's and other stages' that are over by the post."""
+    if not launch.ahead:
+        return None
+    if len(launch.ahead) > 1:
+        raise ValueError(f"ahead copies one stage's units (one shared-memory region), got {'+'.join(launch.ahead)}")
+    name = launch.ahead[0]
+    if name not in plan.STAGE_NAMES:
+        raise ValueError(f"ahead: unknown stage {name!r}; stages: {', '.join(plan.STAGE_NAMES)}")
+    if launch.stream:
+        raise ValueError("ahead is for the register path: a stream build's ring already brings every stage's weights "
+                         "ahead")
+    st = plan.stage(name)
+    w = weight_units(cfg, st, launch)
+    if st.scope != "layer" or w is None or st.deal != "blocks":
+        raise ValueError(f"ahead: {name} is not a layer stage that reads a weight by units dealt by blocks (a block's "
+                         f"units must be contiguous rows, one bulk copy's source)")
+    sl = slots(cfg)
+    i = next(k for k, x in enumerate(sl) if (name, 1) in x.stages)
+    if i < 2 or sl[i - 1].stages[0][1] != 1 or sl[i - 2].stages[-1][1] != 1:
+        raise ValueError(f"ahead: the two slots before {name}'s must be its own layer's, to post and issue the copy")
+    live = [n for n, _ in sl[i - 1].stages] + [n for n, _ in sl[i].stages[:sl[i].stages.index((name, 1)) + 1]]
+    regions = smem_regions(cfg, launch)
+    off = max([sum(n for _, n in regions[s].values()) for s in live] + [sum(early_region(cfg, launch))])
+    unit = w.rows * w.k * 2
+    room = min(launch.ahead_bytes, SMEM_LIMIT - STATIC_SMEM - 4 * off)
+    warps = min(launch.consumer_warps, room // unit)
+    if warps < 1:
+        raise ValueError(f"ahead: {launch.ahead_bytes} B (ahead_bytes, and what shared memory has left above "
+                         f"{4 * off} B) hold no unit of {name} ({unit} B): raise ahead_bytes")
+    return Ahead(name, sl[i - 1].stages[0][0], sl[i - 2].stage, w.buffer, w.k, w.rows, w.units, warps, off,
+                 warps * unit // 4)
+
+
 def smem_floats(cfg: ModelConfig, launch: plan.Launch = plan.Launch()) -> int:
-    """The largest stage's layout, or the early region's end (the stream's partials and ring follow)."""
+    """The largest stage's layout, or the early region's end, or the region copied ahead's (the stream's partials
+    and ring follow)."""
     stages = max((sum(n for _, n in r.values()) for r in smem_regions(cfg, launch).values()), default=0)
-    return max(stages, sum(early_region(cfg, launch)))
+    a = ahead(cfg, launch)
+    return max(stages, sum(early_region(cfg, launch)), a.offset + a.floats if a else 0)
 
 
 def smem_bytes(cfg: ModelConfig, launch: plan.Launch = plan.Launch()) -> int:

@@ -99,6 +99,129 @@ __device__ __forceinline__ void warp_units(int n_units, int& u, int& end, int& s
     }
 }
 
+// ---- a stage's first units copied ahead (Launch.ahead, schedule.ahead) ----------------------------------------
+// The block's first units of one stage (WB_AHEAD_STAGE: the first unit of each of its first WB_AHEAD_WARPS warps,
+// contiguous rows since the stage deals by blocks) come into shared memory by the bulk-copy engine while the block
+// runs the slot before that stage. Those are bytes the register path has no registers for, moving while that slot's
+// own reads are few (o_proj's rows are all loaded early; attention reads little at short positions). The decode step
+// posts the copy after the barrier before that slot, when every warp is past the stage that used the region last;
+// thread 0 sends it after the slot's own first loads (wb_ahead_issue), which are needed sooner; a warp then reads its
+// unit from shared memory, and its early loads go to its next unit. Off the register path (stream builds) and on
+// AMD (no copy engine reachable) nothing is copied.
+#if WB_AMD
+#define WB_AHEAD_ON 0
+#else
+#define WB_AHEAD_ON (WB_AHEAD_WARPS > 0 && !WB_STREAMING)
+#endif
+__shared__ __attribute__((aligned(8))) u64 wb_ahead_bar;    // a phase per copy: complete when its bytes have landed
+__shared__ const bf16* wb_ahead_src;                       // the copy posted and not yet sent (thread 0's alone)
+__shared__ u32 wb_ahead_bytes;
+__shared__ u32 wb_ahead_sent, wb_ahead_taken;              // copies sent, and read, over the launch
+
+__device__ __forceinline__ void wb_ahead_init() {          // thread 0, before the kernel's first block barrier
+#if !WB_AMD
+    if (WB_AHEAD_ON && wb_tid() == 0) {
+        wb_mbar_init(&wb_ahead_bar, 1);
+        wb_mbar_init_fence();
+        wb_ahead_bytes = 0; wb_ahead_sent = 0; wb_ahead_taken = 0;
+    }
+#endif
+}
+
+// The decode step, after a grid barrier (every warp past it): the block's first units of a stage of n_units units,
+// NR rows of K from W, to be copied.
+template <int K, int NR>
+__device__ __forceinline__ void wb_ahead_post(const bf16* __restrict__ W, int n_units) {
+    if (!WB_AHEAD_ON || wb_tid() != 0) return;
+    int u0, u1;
+    wb_block_units(n_units, u0, u1);
+    const int n = u1 - u0 < WB_AHEAD_WARPS ? u1 - u0 : WB_AHEAD_WARPS;
+    wb_ahead_src = W + (long long)u0 * NR * K;
+    wb_ahead_bytes = n > 0 ? (u32)n * NR * K * 2 : 0u;
+}
+
+// Thread 0 sends the copy posted, if any: a bulk copy a unit, all on one mbarrier phase.
+__device__ __forceinline__ void wb_ahead_issue() {
+    if (!WB_AHEAD_ON || wb_tid() != 0 || wb_ahead_bytes == 0) return;
+#if !WB_AMD
+    extern __shared__ __attribute__((aligned(16))) float wb_smem_floats[];
+    u8* dst = (u8*)(wb_smem_floats + WB_SMEM_AHEAD);
+    const u8* src = (const u8*)wb_ahead_src;
+    constexpr u32 UNIT = WB_AHEAD_ROWS * WB_AHEAD_K * 2;
+    const u32 bytes = wb_ahead_bytes;
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // the region's last readers used the generic proxy
+    wb_mbar_expect_tx(&wb_ahead_bar, bytes);
+    for (u32 off = 0; off < bytes; off += UNIT) wb_bulk_g2s(dst + off, src + off, UNIT, &wb_ahead_bar);
+#endif
+    wb_ahead_bytes = 0;
+    ++wb_ahead_sent;
+}
+
+// Whether this stage reads units copied ahead: the build's stage (its units' shape and deal; a copy sent and not
+// yet read). Every thread asks at the stage's entry, before thread 0 marks the copy read (wb_ahead_take).
+template <int K, int NR, int DEAL>
+__device__ __forceinline__ bool wb_ahead_here() {
+    return WB_AHEAD_ON && DEAL == WB_DEAL_BLOCKS && K == WB_AHEAD_K && NR == WB_AHEAD_ROWS &&
+           wb_ahead_sent != wb_ahead_taken;
+}
+
+// A copy that never lands stops the kernel, named where the block is (its stage and layer), instead of hanging it.
+__device__ __noinline__ void wb_ahead_report(const Params* __restrict__ P) {
+    wb_raise_stop(P, WB_ERR_HANG);
+    if (wb_atomic_cas(P->dev_flags + WB_FLAG_REPORTED, 0, 1) != 0) return;
+    const u32 w = wb_where_entered;
+    volatile int* st = P->status;
+    st[WB_STATUS_STAGE] = wb_where_stage(w); st[WB_STATUS_LAYER] = wb_where_layer(w);
+    st[WB_STATUS_STEP] = wb_where_step(w); st[WB_STATUS_BLOCK] = wb_bid();
+    wb_fence_system();
+    st[WB_STATUS_CODE] = WB_ERR_HANG;
+    wb_fence_system();
+}
+
+// Until the last copy sent has landed; false (reported) after the kernel's timeout or once it must stop.
+__device__ __forceinline__ bool wb_ahead_wait() {
+#if WB_AMD
+    return true;
+#else
+    const u32 parity = (wb_ahead_sent - 1) & 1;
+    if (wb_mbar_test(&wb_ahead_bar, parity)) return true;
+    const u64 t0 = wb_globaltimer_ns();
+    while (!wb_mbar_test(&wb_ahead_bar, parity)) {
+        if (wb_should_stop(wb_P)) return false;
+        if (wb_globaltimer_ns() - t0 > wb_P->timeout_ns) {
+            if (wb_lane() == 0) wb_ahead_report(wb_P);
+            return false;
+        }
+    }
+    return true;
+#endif
+}
+
+// The kernel's end: a block must not exit with the copy engine still writing its shared memory.
+__device__ __forceinline__ void wb_ahead_drain() {
+    if (WB_AHEAD_ON && wb_tid() == 0 && wb_ahead_sent > 0) wb_ahead_wait();
+}
+
+// out[r] = row r · act for the NR rows of K at `rows` in shared memory: warp_rows_dot's loads and sums in its order
+// (each lane's pieces in step order, then the warp's sum), so a unit gives the same bits from either place.
+template <int K, int NR>
+__device__ __forceinline__ void warp_rows_dot_shared(const bf16* rows, const float* __restrict__ act, float (&out)[NR]) {
+    using L = RowLoads<K, NR>;
+    float acc[NR];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) acc[r] = 0.f;
+#pragma unroll 4
+    for (int i = 0; i < L::ITERS; ++i) {
+        const int k = i * L::STEP + wb_lane() * 8;
+        if (K % L::STEP == 0 || k < K) {
+#pragma unroll
+            for (int r = 0; r < NR; ++r) acc[r] = wb_dot8(*(const wb_u4*)(rows + r * K + k), act + k, acc[r]);
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < NR; ++r) out[r] = wb_warp_sum(acc[r]);
+}
+
 // This warp's units (NR adjacent rows of K, dealt as DEAL says), each read straight to registers and its result
 // handed to `done(unit, y[NR])`, after the block-wide `prologue` has filled `act`: the register path, and a stream
 // build's register stages (whose prologue has run already: an empty one). The units are found before the prologue
@@ -121,6 +244,20 @@ __device__ __forceinline__ void warp_units_from_registers(const bf16* __restrict
     float y[NR];
     int u, end, stride;
     warp_units<DEAL>(n_units, u, end, stride);
+    // this warp's unit copied ahead (Launch.ahead), if any: the early loads below go to its next unit
+    const bool ahead = wb_ahead_here<K, NR, DEAL>();
+    int ua = end;
+    if (ahead && wb_warp() < WB_AHEAD_WARPS && u < end) { ua = u; u += stride; }
+    auto from_ahead = [&] {                           // after the prologue
+        if (ahead && wb_tid() == 0) wb_ahead_taken = wb_ahead_sent;   // every thread has asked (the prologue's barrier)
+        if (ua < end) {
+            if (!wb_ahead_wait()) return false;
+            extern __shared__ __attribute__((aligned(16))) float wb_smem_floats[];
+            warp_rows_dot_shared<K, NR>((const bf16*)(wb_smem_floats + WB_SMEM_AHEAD) + wb_warp() * NR * K, act, y);
+            done(ua, y);
+        }
+        return true;
+    };
     if (WB_EARLY_LOADS && WB_LOADS_EARLY()) {         // only the stage after a split barrier (plan.early_region)
         static_assert(!WB_EARLY_LOADS || WB_SMEM_EARLY_FLOATS >= WB_THREADS * NR * L::UNROLL * 4,
                       "the plan's early region holds a chunk of loads a thread");
@@ -138,11 +275,16 @@ __device__ __forceinline__ void warp_units_from_registers(const bf16* __restrict
             }
         }
         wb_cp_async_commit();
+        wb_ahead_issue();                              // a copy posted for the next slot goes out behind these loads
         if (wb_grid_wait_owed(wb_P)) {                 // the kernel stops (the decode step returns after the stage):
             wb_cp_async_wait<0>();                     // its inputs may never come, and no copy may land after it
             return;
         }
         prologue();                                    // block-wide: every thread takes part
+        if (!from_ahead()) {
+            wb_cp_async_wait<0>();
+            return;
+        }
         if (u < end) {
             wb_cp_async_wait<0>();                     // this lane's pieces, which only it reads
             wb_u4 w[NR][L::UNROLL];
@@ -155,8 +297,10 @@ __device__ __forceinline__ void warp_units_from_registers(const bf16* __restrict
             u += stride;
         }
     } else {
+        wb_ahead_issue();
         wb_grid_wait_owed(wb_P);
         prologue();
+        if (!from_ahead()) return;
     }
     for (; u < end; u += stride) {
         warp_rows_dot<K, NR>(W + (long long)u * NR * K, K, act, y);

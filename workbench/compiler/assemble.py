@@ -80,10 +80,11 @@ class BuildOptions:
     def for_target(self, target: str) -> "BuildOptions":
         """These options as the AMD build takes them: a gfx942 workgroup has 64 KiB of LDS and no matrix product
         of the kind attention's rings feed (mma.sync), so attention reads its cache straight to registers there
-        and gets no ring; nor does it load early (no asynchronous copy to shared memory there, and no room)."""
+        and gets no ring; nor does it load early or copy ahead (no asynchronous copy to shared memory there, and no
+        room)."""
         if target != "hip":
             return self
-        return dataclasses.replace(self, launch=dataclasses.replace(self.launch, attn_kv_bytes=0, early=()))
+        return dataclasses.replace(self, launch=dataclasses.replace(self.launch, attn_kv_bytes=0, early=(), ahead=()))
 
     def _ptx_body(self, name: str) -> bool:
         return is_ptx_variant(dict(self.variants).get(name))
@@ -105,7 +106,7 @@ def stage_names(text: str) -> tuple:
 # and `stream_register` for register_stages; the stage sets as names joined by '+' (see stage_names).
 LAUNCH_NAMES = {**{f.name: f.name for f in dataclasses.fields(plan.Launch) if f.name != "register_stages"},
                 "stream_register": "register_stages"}
-STAGE_SETS = ("early", "stream_register")
+STAGE_SETS = ("early", "stream_register", "ahead")
 
 
 def _stage_set(v):

@@ -83,6 +83,12 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
     off, n = schedule.early_region(cfg, launch)
     out.append(f"constexpr int WB_SMEM_EARLY = {off}, WB_SMEM_EARLY_FLOATS = {n};   // early stages' first loads "
                f"(Launch.early)")
+    a = schedule.ahead(cfg, launch)
+    out.append("// Launch.ahead (schedule.ahead): a stage's first units copied into shared memory during the slot before it")
+    out.append(f"constexpr int WB_AHEAD_STAGE = {f'ST_{_upper(a.stage)}' if a else -1}, WB_AHEAD_K = {a.k if a else 0}, "
+               f"WB_AHEAD_ROWS = {a.rows if a else 0}, WB_AHEAD_UNITS = {a.units if a else 0}, "
+               f"WB_AHEAD_WARPS = {a.warps if a else 0};   // the stage; its units' rows, their elements; warps served")
+    out.append(f"constexpr int WB_SMEM_AHEAD = {a.offset if a else 0}, WB_SMEM_AHEAD_FLOATS = {a.floats if a else 0};")
     out.append(f"constexpr int WB_SMEM_FLOATS = {schedule.smem_floats(cfg, launch)};   // the largest stage's layout")
     out.append(f"constexpr int WB_ATTN_WARPS = {launch.attn_warps(cfg)}, WB_ATTN_BUFS = {launch.attn_bufs}, "
                f"WB_ATTN_STEP = {plan.ATTN_STEP}, WB_ATTN_KS = {plan.attn_row(cfg)};   "
@@ -283,6 +289,9 @@ def decode_step(cfg: ModelConfig, launch: plan.Launch) -> str:
             lines.append(f"{indent}wb_syncthreads();   // a block barrier: one slot, no grid barrier before this "
                          f"stage (it may read what this block's warps just wrote: a local read)")
         lines.append(f"{indent}{macro}(ST_{_upper(st.name)}, {layer}, {stage_call(st)});")
+        if ahead and st.name == ahead.issuer:
+            lines.append(f"{indent}wb_ahead_issue();   // {ahead.stage}'s copy, if the section's first loads did not "
+                         f"send it")
         if st.name in launch.early:
             lines.append(f"{indent}WB_WAIT_OWED(ST_{_upper(st.name)}, {layer});   // its prologue waited at the "
                          f"barrier before it, after its first loads (Launch.early)")
@@ -290,6 +299,10 @@ def decode_step(cfg: ModelConfig, launch: plan.Launch) -> str:
         if b is not None:
             slot = f"{b} + {per_layer} * layer" if st.scope == "layer" else str(b)
             lines.append(indent + _barrier(cfg, launch, st, layer, slot))
+            if ahead and st.name == ahead.posted_after:
+                lines.append(f"{indent}wb_ahead_post<WB_AHEAD_K, WB_AHEAD_ROWS>({_arg(plan.Use(ahead.buffer), layer)}, "
+                             f"WB_AHEAD_UNITS);   // {ahead.stage}'s first units into shared memory (Launch.ahead), "
+                             f"sent after {ahead.issuer}'s first loads")
         local = b is None and st.runs_on == "grid"
         taps = _tap_lines(cfg, launch, st, "layer", local=local)
         if taps:
@@ -305,6 +318,7 @@ def decode_step(cfg: ModelConfig, launch: plan.Launch) -> str:
             lines.append(f"{indent}if (wb_done(P)) return true;   // the previous step's publish said stop")
         return lines
 
+    ahead = schedule.ahead(cfg, launch)
     if (why := schedule.local_problem(cfg, launch)) is not None:
         raise ValueError(f"the plan's local reads do not hold for {cfg.name}: {why}")
     if schedule.barrier_slot(cfg, plan.STAGES[0].name, -1) != 0:
