@@ -112,6 +112,27 @@ def test_designs_are_parsed_and_priced(recorded, costs):
     assert "flag" in table and "+0.0%" in table
 
 
+def test_the_copy_ahead_is_priced_by_its_bytes(recorded, costs):
+    """Launch.ahead in the slot model: the MLP's first units asked for after attention's barrier (on top of the early
+    loads, in a region of their own), the rest of them while the block waits after o_proj. More bytes copied, less
+    left for the MLP's slot; nothing else changes."""
+    cfg = recorded.cfg
+    today = S.simulate(cfg, costs, 128)
+    price = lambda b: S.simulate(cfg, costs, 128, plan.Launch(ahead=("gate_up_silu",), ahead_bytes=b))
+    small, big = price(65536), price(131072)
+    assert big.us_per_token < small.us_per_token < today.us_per_token
+    mlp = today.labels.index("gate_up_silu+down_residual")
+    assert big.spans()[mlp] < small.spans()[mlp] < today.spans()[mlp]
+    # the slots before the copy's are not priced faster than today's
+    assert np.all(big.spans()[:2] >= today.spans()[:2] - 1e-9)
+    # a copy as large as the whole MLP share of a block cannot take the slot below what its other stage needs
+    assert price(131072).us_per_token > S.simulate(cfg, costs, 128, design=S.Design(early_bytes=10**9)).us_per_token
+    with pytest.raises(ValueError, match="does not model Launch.ahead"):
+        S.parse_design("x:ahead=gate_up_silu,queue=1")
+    assert S.parse_design("x:ahead=gate_up_silu,ahead_bytes=65536")[2] == {"ahead": ("gate_up_silu",),
+                                                                          "ahead_bytes": 65536}
+
+
 def test_the_cli_prices_designs_and_refuses_bad_input_in_one_line(capsys, tmp_path):
     trace = str(T.recorded_path(0))
     assert main(["simulate", trace, "--design", "flag:handoff=flag", "--positions", "128"]) == 0

@@ -216,6 +216,9 @@ def run(cfg: ModelConfig, costs: Costs, pos: int = 0, launch: plan.Launch = plan
         raise ValueError(f"engine {engine!r}: numba or python")
     if engine == "numba" and numba is None:
         raise ImportError("engine 'numba' needs numba (pip install numba; the dev extra has it)")
+    if launch.ahead:
+        raise ValueError("the block-by-block engine (handoff=counter, deal=heads, queue=1) does not model Launch.ahead's "
+                         "copy yet: price it with the slot model (handoff=barrier or flag, queue=0)")
     g = _Graph(cfg, costs, pos, launch, design, tokens)
     spans = (_run_python if engine == "python" else _run_flat)(g, costs, design)
     n = g.n_exec

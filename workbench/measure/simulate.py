@@ -168,20 +168,30 @@ def simulate(cfg: ModelConfig, costs: Costs, pos: int = 0, launch: plan.Launch =
                       else 0), 1
     else:
         cap, ahead = design.early_bytes, n
+    copies = _copies_ahead(cfg, launch, n)
     boundary = np.zeros(n)
     starts = np.zeros((n, grid))
     arrive = np.full((n, grid), np.nan)
     start = np.zeros(grid)                        # when each block leaves the previous barrier
     held = np.zeros((n, grid))                    # bytes of each slot a block has loaded ahead
+    copied = np.zeros((n, grid))                  # of those, what Launch.ahead's copy brought
     for s, (lat, nbytes, early, busy, label, heads) in enumerate(progs):
         main = np.maximum(nbytes - held[s], 0.0)
-        held[s] = 0.0
+        held[s] = copied[s] = 0.0
         # what each block asks for while it waits after this slot: its next slots' loadable bytes, in order
         want = np.zeros((n, grid))
-        room = np.maximum(cap - held.sum(axis=0), 0.0)
+        room = np.maximum(cap - (held - copied).sum(axis=0), 0.0)      # the copy has a region of its own
         for s2 in range(s + 1, min(n, s + 1 + ahead)):
             want[s2] = np.minimum(np.maximum(progs[s2][2] - held[s2], 0.0), room)
             room -= want[s2]
+        # Launch.ahead: the copy posted after this slot's barrier asks for its bytes on top (its own region), and
+        # what has not landed by the next barrier goes on loading while the block waits at that one
+        want_copy = np.zeros((n, grid))
+        for s2 in (s + 1, s + 2):
+            if s2 in copies and copies[s2][0] in (s, s - 1):
+                want_copy[s2] = np.maximum(copies[s2][1] - copied[s2], 0.0)
+        early_want = want.copy()
+        want += want_copy
         t_arrive, landed = _share(start + lat * busy, main, want.sum(axis=0), costs)
         for g in np.unique(heads[heads >= 0]):      # the last block of a split head folds the partials in
             mine = np.flatnonzero(heads == g)
@@ -201,8 +211,21 @@ def simulate(cfg: ModelConfig, costs: Costs, pos: int = 0, launch: plan.Launch =
         for s2 in range(s + 1, n):
             part = np.minimum(want[s2], got)
             held[s2] += part
+            copied[s2] += np.maximum(part - early_want[s2], 0.0)    # the copy's share comes after the early loads
             got -= part
     return Timeline([p[4] for p in progs], boundary, starts, arrive)
+
+
+def _copies_ahead(cfg: ModelConfig, launch: plan.Launch, n: int) -> dict:
+    """Launch.ahead as the model takes it: {slot of the stage copied ahead: (the slot after whose barrier the copy is
+    posted, [blocks] bytes copied)}: each block's first units of the stage, one for each of its first warps."""
+    a = schedule.ahead(cfg, launch)
+    if a is None:
+        return {}
+    per = np.array([min(len(plan.block_units(a.units, launch.grid, b)), a.warps) * a.unit_bytes
+                    for b in range(launch.grid)], dtype=float)
+    return {sl.index: (sl.index - 2, per) for sl in schedule.slots(cfg)
+            if any(name == a.stage for name, _ in sl.stages) and sl.index >= 2}
 
 
 def _share(t_main: np.ndarray, main: np.ndarray, early: np.ndarray, costs: Costs):
@@ -498,7 +521,11 @@ def parse_design(text: str) -> tuple[str, Design, dict]:
         v: object = value
         if value.lstrip("-").isdigit():
             v = int(value)
-        elif key == "early":
+        elif key in ("early", "ahead"):
             v = tuple(filter(None, value.split("+")))
         (design if key in d_fields else launch)[key] = v
-    return name or "today", Design(**design), launch
+    d = Design(**design)
+    if launch.get("ahead") and (d.queue or d.handoff == "counter" or d.deal != "today"):
+        raise ValueError(f"design {name!r}: the block-by-block engine (handoff=counter, deal=heads, queue=1) does not "
+                         f"model Launch.ahead's copy yet: price it with the slot model")
+    return name or "today", d, launch
