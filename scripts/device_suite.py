@@ -4,7 +4,7 @@ the editing loop's timings, the bench (this tree against a base tree in the same
 re-recorded timing traces.
 
     python scripts/device_suite.py [--out DIR] [--only smoke pytest mutants failures sanitize verify loop assembly numba
-                                   prefill bench record schedule hazy]
+                                   ahead prefill bench record schedule hazy]
                                    [--base DIR] [--verify-models M ...] [--set FIELD=VALUE ...]
 
 `schedule` records the register path's traces at 0, 128 and 4,096 and the stream build's at 128 in one run, measures
@@ -215,6 +215,16 @@ def main():
         R["numba-ab"] = run("numba-ab", [PY, "scripts/ab.py", "--model", "llama-3.2-1b", "--variant", "cpp:",
                                          "--variant", "numba:@gate_up_silu=numba", "--stages"], out, 300)
         R["numba-loop"] = run("numba-loop", [PY, "-c", NUMBA, str(out)], out, 300)
+    if "ahead" in a.only:
+        # Launch.ahead (issue 37): the MLP's first units copied during attention and o_proj, verified stage by stage
+        # and bit for bit against the register path, then A/B'd at two sizes, per stage (NOTES.md round 29 holds the
+        # predictions)
+        R["ahead-verify"] = run("ahead-verify", [PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-s",
+                                                 "tests/test_gpu.py", "-k", "units_copied_ahead"], out, 300)
+        R["ahead-ab"] = run("ahead-ab", [PY, "scripts/ab.py", "--model", "llama-3.2-1b", "--positions", "128", "4096",
+                                         "--repeats", "3", "--stages", "--stage-positions", "128", "--variant", "base:",
+                                         "--variant", "ahead-120k:opt.ahead=gate_up_silu", "--variant",
+                                         "ahead-64k:opt.ahead=gate_up_silu,opt.ahead_bytes=65536"], out, 300)
     if "prefill" in a.only:
         # the prefill's own kernels against the reference first, then time to first token against HF's prefill
         # (with the prefill's time per stage), then a long prefill verified and decoded after
