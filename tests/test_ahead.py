@@ -114,3 +114,18 @@ def test_build_on_the_command_line():
     bad = run("--set", "ahead=o_proj_residual")
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0 and "o_proj_residual is not a layer stage" in bad.stderr
+
+
+def test_the_verification_build_in_units_links_with_the_copy():
+    """The loop's verification build is linked from one unit per stage: the copy's block-shared words are the
+    decode step's unit's, declared in the others (o_proj's unit sends the copy, gate_up's reads it)."""
+    from workbench.compiler import units as U
+    if not U.units_linkable():
+        pytest.skip(U.nvjitlink_problem())
+    opt = BuildOptions(taps=True, fast_compile="min", units=True, launch=GATE_UP)
+    parts = U.split(assemble(get_config("tiny"), opt))
+    assert [u.name for u in parts if "wb_ahead_post<" in u.asm.source] == [U.DECODE_UNIT]
+    assert "extern __shared__ __attribute__((aligned(8))) u64 wb_ahead_bar;" in parts[1].asm.source
+    linked = U.link(parts)
+    (r,) = [r for r in resource_usage(linked.cubin) if r.kernel == "wb_generate"]
+    assert r.registers <= 65536 // opt.launch.threads
