@@ -162,7 +162,8 @@ __device__ __forceinline__ void wb_ahead_issue() {
 }
 
 // Whether this stage reads units copied ahead: the build's stage (its units' shape and deal; a copy sent and not
-// yet read). Every thread asks at the stage's entry, before thread 0 marks the copy read (wb_ahead_take).
+// yet read). Every thread asks at the stage's entry, before thread 0 marks the copy read after the prologue's block
+// barrier (warp_units_from_registers).
 template <int K, int NR, int DEAL>
 __device__ __forceinline__ bool wb_ahead_here() {
     return WB_AHEAD_ON && DEAL == WB_DEAL_BLOCKS && K == WB_AHEAD_K && NR == WB_AHEAD_ROWS &&
