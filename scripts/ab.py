@@ -21,7 +21,7 @@ import cupy as cp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import workbench.compiler.assemble as A  # noqa: E402
-from workbench import paths  # noqa: E402
+from workbench import paths, schedule  # noqa: E402
 from workbench.cli import env_output_folder  # noqa: E402
 from workbench.model.config import get_config  # noqa: E402
 from workbench.model.weights import prepare, random_weights  # noqa: E402
@@ -94,6 +94,11 @@ def main():
                     format_boundaries(boundary_table(cfg, r.timing)) + "\n" + \
                     format_critical(critical_table(cfg, r.timing)) + "\n" + \
                     format_barrier(barrier_cost(r.timing)) + "\n"
+            if (ahead := schedule.ahead(cfg, opt.launch)) is not None:
+                copied = sum(ahead.block_bytes(opt.launch.grid)) * cfg.n_layers
+                row["stages"] += (f"(Launch.ahead: {copied / 1e6:.1f} MB a token of {ahead.stage}'s bytes, counted in "
+                                  f"its row, were copied during the slots of {ahead.posted_after} and "
+                                  f"{ahead.issuer})\n")
             del mkt
         results[name] = row
         print(f"{name:16s} {'PASS' if row['passed'] else 'FAIL'} " +

@@ -49,6 +49,18 @@ def test_the_1b_gets_fifteen_warps_units_and_the_8b_six():
     assert schedule.ahead(get_config("llama-3.2-1b"), plan.Launch(ahead=("gate_up_silu",), ahead_bytes=65536)).warps == 8
 
 
+def test_each_block_copies_its_first_units_once():
+    cfg = get_config("llama-3.2-1b")
+    a = schedule.ahead(cfg, GATE_UP)
+    per = a.block_bytes(GATE_UP.grid)
+    # 8,192 units over 132 blocks: 62 or 63 a block, of which 15 are copied; 16.2 MB a layer of the MLP's 100.7 MB
+    assert set(per) == {15 * a.unit_bytes} and sum(per) == 132 * 15 * 8192
+    few = schedule.ahead(get_config("tiny"), GATE_UP)           # tiny: 712 units, 5 or 6 a block, fewer than warps
+    units = [len(plan.block_units(few.units, GATE_UP.grid, b)) for b in range(GATE_UP.grid)]
+    assert few.block_bytes(GATE_UP.grid) == [min(n, few.warps) * few.unit_bytes for n in units]
+    assert sum(few.block_bytes(GATE_UP.grid)) == few.units * few.unit_bytes
+
+
 def test_without_ahead_nothing_changes():
     cfg = get_config("llama-3.2-1b")
     assert schedule.ahead(cfg, plan.Launch()) is None

@@ -263,6 +263,10 @@ class Ahead:
     def unit_bytes(self) -> int:
         return self.rows * self.k * 2
 
+    def block_bytes(self, grid: int) -> list[int]:
+        """Bytes each block copies a layer: its first units, one for each of its first `warps` warps."""
+        return [min(len(plan.block_units(self.units, grid, b)), self.warps) * self.unit_bytes for b in range(grid)]
+
 
 def ahead(cfg: ModelConfig, launch: plan.Launch = plan.Launch()) -> Ahead | None:
     """Where Launch.ahead's copy comes from, goes and is issued (None: no stage is copied ahead). The region lies

@@ -222,8 +222,7 @@ def _copies_ahead(cfg: ModelConfig, launch: plan.Launch, n: int) -> dict:
     a = schedule.ahead(cfg, launch)
     if a is None:
         return {}
-    per = np.array([min(len(plan.block_units(a.units, launch.grid, b)), a.warps) * a.unit_bytes
-                    for b in range(launch.grid)], dtype=float)
+    per = np.array(a.block_bytes(launch.grid), dtype=float)
     return {sl.index: (sl.index - 2, per) for sl in schedule.slots(cfg)
             if any(name == a.stage for name, _ in sl.stages) and sl.index >= 2}
 
