@@ -244,8 +244,8 @@ def early_region(cfg: ModelConfig, launch: plan.Launch = plan.Launch()) -> tuple
 class Ahead:
     """A stage's first units copied ahead (Launch.ahead): for each of a block's first `warps` warps, its first unit's
     rows (a block's units are contiguous rows: the stage deals by blocks), brought into shared memory by the
-    bulk-copy engine while the block runs the slot before the stage. The decode step posts the copy after the
-    barrier after `posted_after` (every warp of the block is past that stage, so the region is free); the first
+    bulk-copy engine while the block runs the slot before the stage. The decode step posts the copy at the barrier
+    after `posted_after` (every thread fences its last use of the region before the arrival); the first
     weight stage of the next slot, `issuer`, sends it after its own first loads, which are needed sooner; the stage
     reads those units from shared memory, and its own first loads go to each warp's next unit."""
     stage: str
@@ -284,9 +284,10 @@ def ahead(cfg: ModelConfig, launch: plan.Launch = plan.Launch()) -> Ahead | None
                          "ahead")
     st = plan.stage(name)
     w = weight_units(cfg, st, launch)
-    if st.scope != "layer" or w is None or st.deal != "blocks":
-        raise ValueError(f"ahead: {name} is not a layer stage that reads a weight by units dealt by blocks (a block's "
-                         f"units must be contiguous rows, one bulk copy's source)")
+    if st.scope != "layer" or w is None or st.deal != "blocks" or not st.streamed:
+        raise ValueError(f"ahead: {name} is not a layer stage that reads a weight as dot products of whole rows "
+                         f"(for_warp_units, which reads the copy) by units dealt by blocks (a block's units must be "
+                         f"contiguous rows, one bulk copy's source)")
     sl = slots(cfg)
     i = next(k for k, x in enumerate(sl) if (name, 1) in x.stages)
     if i < 2 or sl[i - 1].stages[0][1] != 1 or sl[i - 2].stages[-1][1] != 1:

@@ -104,8 +104,9 @@ __device__ __forceinline__ void warp_units(int n_units, int& u, int& end, int& s
 // contiguous rows since the stage deals by blocks) come into shared memory by the bulk-copy engine while the block
 // runs the slot before that stage. Those are bytes the register path has no registers for, moving while that slot's
 // own reads are few (o_proj's rows are all loaded early; attention reads little at short positions). The decode step
-// posts the copy after the barrier before that slot, when every warp is past the stage that used the region last;
-// thread 0 sends it after the slot's own first loads (wb_ahead_issue), which are needed sooner; a warp then reads its
+// posts the copy at the barrier before that slot (every thread fences its last use of the region first), and thread 0
+// sends it once past that barrier's block barrier, after the slot's own first loads (wb_ahead_issue), which are
+// needed sooner; a warp then reads its
 // unit from shared memory, and its early loads go to its next unit. Off the register path (stream builds) and on
 // AMD (no copy engine reachable) nothing is copied.
 #if WB_AMD
@@ -128,11 +129,16 @@ __device__ __forceinline__ void wb_ahead_init() {          // thread 0, before t
 #endif
 }
 
-// The decode step, after a grid barrier (every warp past it): the block's first units of a stage of n_units units,
-// NR rows of K from W, to be copied.
+// The decode step, every thread, just before a grid barrier's arrival: the block's first units of a stage of n_units
+// units, NR rows of K from W, to be copied once every thread is past the barrier's block barrier. Each thread fences
+// its own last use of the region (the stage before, through the generic proxy) against the copy engine's writes.
 template <int K, int NR>
 __device__ __forceinline__ void wb_ahead_post(const bf16* __restrict__ W, int n_units) {
-    if (!WB_AHEAD_ON || wb_tid() != 0) return;
+    if (!WB_AHEAD_ON) return;
+#if !WB_AMD
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+    if (wb_tid() != 0) return;
     int u0, u1;
     wb_block_units(n_units, u0, u1);
     const int n = u1 - u0 < WB_AHEAD_WARPS ? u1 - u0 : WB_AHEAD_WARPS;
@@ -151,7 +157,6 @@ __device__ __forceinline__ void wb_ahead_issue() {
     const u8* src = (const u8*)wb_ahead_src;
     constexpr u32 UNIT = WB_AHEAD_ON ? WB_AHEAD_ROWS * WB_AHEAD_K * 2 : 16;   // (16: a build without it)
     const u32 bytes = wb_ahead_bytes;
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // the region's last readers used the generic proxy
     wb_mbar_expect_tx(&wb_ahead_bar, bytes);
     constexpr u32 STEP = WB_AHEAD_COPY / UNIT > 0 ? WB_AHEAD_COPY / UNIT * UNIT : UNIT;
     for (u32 off = 0; off < bytes; off += STEP)
@@ -171,8 +176,8 @@ __device__ __forceinline__ bool wb_ahead_here() {
 }
 
 // A copy that never lands stops the kernel, named where the block is (its stage and layer), instead of hanging it.
+// One reporter (wb_report's rule): the first claims the report, fills it, then raises the stop; the others leave.
 __device__ __noinline__ void wb_ahead_report(const Params* __restrict__ P) {
-    wb_raise_stop(P, WB_ERR_HANG);
     if (wb_atomic_cas(P->dev_flags + WB_FLAG_REPORTED, 0, 1) != 0) return;
     const u32 w = wb_where_entered;
     volatile int* st = P->status;
@@ -181,21 +186,23 @@ __device__ __noinline__ void wb_ahead_report(const Params* __restrict__ P) {
     wb_fence_system();
     st[WB_STATUS_CODE] = WB_ERR_HANG;
     wb_fence_system();
+    wb_raise_stop(P, WB_ERR_HANG);
 }
 
-// Until the last copy sent has landed; false (reported) after the kernel's timeout, or once it must stop when
-// `watch_stop` (the kernel's exit waits for the bytes in any case).
-__device__ __forceinline__ bool wb_ahead_wait(bool watch_stop = true) {
+// One thread: until the last copy sent has landed (true); false after the kernel's timeout (reported) or, when
+// `watch_stop`, once the kernel must stop. The stop word and the clock are read every 64 tries, as the grid barrier
+// does: the stop word may be in host memory.
+__device__ __forceinline__ bool wb_ahead_spin(bool watch_stop) {
 #if WB_AMD
     return true;
 #else
     const u32 parity = (wb_ahead_sent - 1) & 1;
-    if (wb_mbar_test(&wb_ahead_bar, parity)) return true;
     const u64 t0 = wb_globaltimer_ns();
-    while (!wb_mbar_test(&wb_ahead_bar, parity)) {
+    for (u32 tries = 1; !wb_mbar_test(&wb_ahead_bar, parity); ++tries) {
+        if (tries % 64) continue;
         if (watch_stop && wb_should_stop(wb_P)) return false;
         if (wb_globaltimer_ns() - t0 > wb_P->timeout_ns) {
-            if (wb_lane() == 0) wb_ahead_report(wb_P);
+            wb_ahead_report(wb_P);
             return false;
         }
     }
@@ -203,9 +210,22 @@ __device__ __forceinline__ bool wb_ahead_wait(bool watch_stop = true) {
 #endif
 }
 
+// A warp, before it reads its unit: lane 0 waits and the warp follows its answer, so that no lane goes on alone
+// into the warp's shuffles; then each lane sees the phase complete itself (its own acquire of the copy's bytes).
+__device__ __forceinline__ bool wb_ahead_wait() {
+#if WB_AMD
+    return true;
+#else
+    const int ok = wb_shfl(wb_lane() == 0 ? (int)wb_ahead_spin(true) : 0, 0);
+    if (!ok) return false;
+    while (!wb_mbar_test(&wb_ahead_bar, (wb_ahead_sent - 1) & 1)) {}    // complete already: one try
+    return true;
+#endif
+}
+
 // The kernel's end: a block must not exit with the copy engine still writing its shared memory.
 __device__ __forceinline__ void wb_ahead_drain() {
-    if (WB_AHEAD_ON && wb_tid() == 0 && wb_ahead_sent > 0) wb_ahead_wait(false);
+    if (WB_AHEAD_ON && wb_tid() == 0 && wb_ahead_sent > 0) wb_ahead_spin(false);
 }
 
 // out[r] = row r · act for the NR rows of K at `rows` in shared memory: warp_rows_dot's loads and sums in its order

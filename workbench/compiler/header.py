@@ -298,11 +298,11 @@ def decode_step(cfg: ModelConfig, launch: plan.Launch) -> str:
         b = schedule.barrier_slot(cfg, st.name, 0 if st.scope == "layer" else -1)
         if b is not None:
             slot = f"{b} + {per_layer} * layer" if st.scope == "layer" else str(b)
-            lines.append(indent + _barrier(cfg, launch, st, layer, slot))
             if ahead and st.name == ahead.posted_after:
                 lines.append(f"{indent}wb_ahead_post<WB_AHEAD_K, WB_AHEAD_ROWS>({_arg(plan.Use(ahead.buffer), layer)}, "
                              f"WB_AHEAD_UNITS);   // {ahead.stage}'s first units into shared memory (Launch.ahead), "
-                             f"sent after {ahead.issuer}'s first loads")
+                             f"sent after the barrier, behind {ahead.issuer}'s first loads")
+            lines.append(indent + _barrier(cfg, launch, st, layer, slot))
         local = b is None and st.runs_on == "grid"
         taps = _tap_lines(cfg, launch, st, "layer", local=local)
         if taps:
