@@ -199,7 +199,7 @@ __device__ __forceinline__ bool wb_ahead_spin(bool watch_stop) {
     const u32 parity = (wb_ahead_sent - 1) & 1;
     const u64 t0 = wb_globaltimer_ns();
     for (u32 tries = 1; !wb_mbar_test(&wb_ahead_bar, parity); ++tries) {
-        if (tries % 64) continue;
+        if (tries & 63) continue;                      // the slow checks, at the grid barrier's rate
         if (watch_stop && wb_should_stop(wb_P)) return false;
         if (wb_globaltimer_ns() - t0 > wb_P->timeout_ns) {
             wb_ahead_report(wb_P);
