@@ -100,8 +100,8 @@ __device__ __forceinline__ void warp_units(int n_units, int& u, int& end, int& s
 }
 
 // ---- a stage's first units copied ahead (Launch.ahead, schedule.ahead) ----------------------------------------
-// The block's first units of one stage (WB_AHEAD_STAGE: the first unit of each of its first WB_AHEAD_WARPS warps,
-// contiguous rows since the stage deals by blocks) come into shared memory by the bulk-copy engine while the block
+// The block's first units of Launch.ahead's stage (WB_AHEAD_ROWS rows of WB_AHEAD_K each: the first unit of each of
+// its first WB_AHEAD_WARPS warps, contiguous rows since the stage deals by blocks) come into shared memory by the bulk-copy engine while the block
 // runs the slot before that stage. Those are bytes the register path has no registers for, moving while that slot's
 // own reads are few (o_proj's rows are all loaded early; attention reads little at short positions). The decode step
 // posts the copy at the barrier before that slot (every thread fences its last use of the region first), and thread 0

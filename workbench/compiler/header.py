@@ -85,9 +85,9 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
                f"(Launch.early)")
     a = schedule.ahead(cfg, launch)
     out.append("// Launch.ahead (schedule.ahead): a stage's first units copied into shared memory during the slot before it")
-    out.append(f"constexpr int WB_AHEAD_STAGE = {f'ST_{_upper(a.stage)}' if a else -1}, WB_AHEAD_K = {a.k if a else 0}, "
-               f"WB_AHEAD_ROWS = {a.rows if a else 0}, WB_AHEAD_UNITS = {a.units if a else 0}, "
-               f"WB_AHEAD_WARPS = {a.warps if a else 0};   // the stage; its units' rows, their elements; warps served")
+    out.append(f"constexpr int WB_AHEAD_K = {a.k if a else 0}, WB_AHEAD_ROWS = {a.rows if a else 0}, "
+               f"WB_AHEAD_UNITS = {a.units if a else 0}, WB_AHEAD_WARPS = {a.warps if a else 0};   "
+               f"// {a.stage if a else 'none'}: its units' elements a row, rows, units; warps served")
     out.append(f"constexpr int WB_SMEM_AHEAD = {a.offset if a else 0}, WB_SMEM_AHEAD_FLOATS = {a.floats if a else 0};")
     out.append(f"constexpr int WB_SMEM_FLOATS = {schedule.smem_floats(cfg, launch)};   // the largest stage's layout")
     out.append(f"constexpr int WB_ATTN_WARPS = {launch.attn_warps(cfg)}, WB_ATTN_BUFS = {launch.attn_bufs}, "

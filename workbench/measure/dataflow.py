@@ -37,7 +37,7 @@ except ImportError:          # optional (the dev extra): without it `run` takes 
 from .. import plan, schedule
 from ..model.config import ModelConfig
 from ..worklists import attention_split, fan_in, kv_head_of, reads_cache, split_by_heads, unit_blocks
-from .simulate import Costs, Design, _jitter, parse_design, simulate
+from .simulate import AHEAD_NOT_MODELLED, Costs, Design, _jitter, parse_design, simulate
 
 WAIT, LATENCY, STREAM, DONE = range(4)
 
@@ -217,8 +217,7 @@ def run(cfg: ModelConfig, costs: Costs, pos: int = 0, launch: plan.Launch = plan
     if engine == "numba" and numba is None:
         raise ImportError("engine 'numba' needs numba (pip install numba; the dev extra has it)")
     if launch.ahead:
-        raise ValueError("the block-by-block engine (handoff=counter, deal=heads, queue=1) does not model Launch.ahead's "
-                         "copy yet: price it with the slot model (handoff=barrier or flag, queue=0)")
+        raise ValueError(AHEAD_NOT_MODELLED)
     g = _Graph(cfg, costs, pos, launch, design, tokens)
     spans = (_run_python if engine == "python" else _run_flat)(g, costs, design)
     n = g.n_exec

@@ -168,7 +168,7 @@ def simulate(cfg: ModelConfig, costs: Costs, pos: int = 0, launch: plan.Launch =
                       else 0), 1
     else:
         cap, ahead = design.early_bytes, n
-    copies = _copies_ahead(cfg, launch, n)
+    copies = _copies_ahead(cfg, launch)
     boundary = np.zeros(n)
     starts = np.zeros((n, grid))
     arrive = np.full((n, grid), np.nan)
@@ -216,7 +216,7 @@ def simulate(cfg: ModelConfig, costs: Costs, pos: int = 0, launch: plan.Launch =
     return Timeline([p[4] for p in progs], boundary, starts, arrive)
 
 
-def _copies_ahead(cfg: ModelConfig, launch: plan.Launch, n: int) -> dict:
+def _copies_ahead(cfg: ModelConfig, launch: plan.Launch) -> dict:
     """Launch.ahead as the model takes it: {slot of the stage copied ahead: (the slot after whose barrier the copy is
     posted, [blocks] bytes copied)}: each block's first units of the stage, one for each of its first warps."""
     a = schedule.ahead(cfg, launch)
@@ -503,6 +503,10 @@ def compare(trace, costs: Costs, launch: plan.Launch = plan.Launch()) -> str:
 
 # ---- designs, priced --------------------------------------------------------------------------------------------
 
+AHEAD_NOT_MODELLED = ("the block-by-block engine (handoff=counter, deal=heads, queue=1) does not model Launch.ahead's "
+                      "copy yet: price it with the slot model (handoff=barrier or flag, queue=0)")
+
+
 def parse_design(text: str) -> tuple[str, Design, dict]:
     """"NAME:field=value,..." → (name, Design, Launch fields): a field of Design (early_bytes, handoff) or of the
     plan's Launch (attn_min_chunk, attn_single, grid, early, ...). "today" alone is the kernel as it is."""
@@ -525,6 +529,5 @@ def parse_design(text: str) -> tuple[str, Design, dict]:
         (design if key in d_fields else launch)[key] = v
     d = Design(**design)
     if launch.get("ahead") and (d.queue or d.handoff == "counter" or d.deal != "today"):
-        raise ValueError(f"design {name!r}: the block-by-block engine (handoff=counter, deal=heads, queue=1) does not "
-                         f"model Launch.ahead's copy yet: price it with the slot model")
+        raise ValueError(f"design {name!r}: {AHEAD_NOT_MODELLED}")
     return name or "today", d, launch
