@@ -144,3 +144,24 @@ def test_the_verification_build_in_units_links_with_the_copy():
     linked = U.link(parts)
     (r,) = [r for r in resource_usage(linked.cubin) if r.kernel == "wb_generate"]
     assert r.registers <= 65536 // opt.launch.threads
+
+
+def test_a_hang_report_says_what_the_block_waited_for():
+    """The kernel's status words as the host reads them: a grid barrier's timeout names its missing blocks; a copy
+    ahead that never landed names the unit that waited for it (or the kernel's end), not missing blocks."""
+    from workbench import abi
+    base = {"code": abi.ERRORS.index("hang"), "layer": 1, "step": 3, "block": 4, "epoch": 9, "missing_block": 9,
+            "missing_where": abi.where(plan.STAGE_NAMES.index("down_residual"), 1, 3),
+            "n_missing": 2, "stream_want": 0, "stream_got": 0, "waited_on": 0, "unit": 0,
+            "stage": plan.STAGE_NAMES.index("down_residual")}
+    assert abi.describe_hang(base) == (
+        "grid barrier timed out after the down_residual stage of layer 1 at step 3: block 4 waited, 2 block(s) never "
+        "arrived, the first being block 9, last seen in down_residual of layer 1 at step 3")
+    ahead = {**base, "stage": plan.STAGE_NAMES.index("gate_up_silu"), "block": 2, "unit": 14,
+             "waited_on": abi.WAITED_ON.index("copy_ahead")}
+    assert abi.describe_hang(ahead).startswith(
+        "gate_up_silu of layer 1 at step 3, block 2: its unit 14 of gate_up_silu copied ahead into shared memory "
+        "(Launch.ahead) never landed")
+    assert "missing" not in abi.describe_hang(ahead) and "block 9" not in abi.describe_hang(ahead)
+    assert "a copy of gate_up_silu's units, at the kernel's end, copied ahead" in abi.describe_hang({**ahead, "unit": -1})
+    assert set(base) == set(abi.STATUS_WORDS) and len(abi.STATUS_WORDS) <= abi.STATUS_LEN

@@ -320,6 +320,35 @@ def test_units_copied_ahead_verify_and_give_the_same_bits(name, opt):
         assert np.array_equal(np.asarray(runs[0].logits), np.asarray(runs[1].logits), equal_nan=False)
 
 
+def test_a_copy_ahead_that_never_lands_is_named(tmp_path):
+    """Block 2 counts its copy as sent and never sends it: the first of its gate_up warps to wait for its unit times
+    out and the report names the stage, the layer, the block, the unit and what it waited for (not a grid barrier's
+    missing blocks); the kernel stops within the timeout, and the next run of the unedited kernel is whole."""
+    import shutil
+
+    import cupy as cp
+
+    from workbench import paths
+    from workbench.check.mutants import replace_in_code
+    from workbench.model.weights import prepare, random_weights
+    from workbench.run.runtime import KernelHang, Monokernel
+    ws = tmp_path / "kernels"
+    shutil.copytree(paths.kernels_dir(), ws, ignore=shutil.ignore_patterns(".history", "__pycache__", "*.pyc"))
+    lib = ws / "lib" / "matvec.cuh"
+    lib.write_text(replace_in_code(lib.read_text(), "    wb_mbar_expect_tx(&wb_ahead_bar, bytes);\n",
+                                   "    if (wb_bid() == 2) { wb_ahead_bytes = 0; ++wb_ahead_sent; return; }\n"
+                                   "    wb_mbar_expect_tx(&wb_ahead_bar, bytes);\n", 1, "the copy never sent"))
+    p = prepare(random_weights(get_config("tiny"), 5, xp=cp, progress=False), xp=cp, progress=False)
+    with paths.use_kernels_dir(ws):
+        hung = Monokernel(p, AHEAD, max_steps=64)
+    t0 = time.perf_counter()
+    with pytest.raises(KernelHang, match=r"^gate_up_silu of layer 0 at step 0, block 2: its unit \d+ of gate_up_silu "
+                                         r"copied ahead into shared memory \(Launch.ahead\) never landed"):
+        hung.generate([1, 2], 4, timeout_s=0.5)
+    assert time.perf_counter() - t0 < 10
+    assert len(Monokernel(p, AHEAD, max_steps=64).generate([1, 2], 4, eos=[]).tokens) == 4
+
+
 EARLY = ("qkv_rope_append", "o_proj_residual", "gate_up_silu", "lm_head")
 
 

@@ -80,7 +80,7 @@ def test_a_reported_hang_whose_straggler_spins_is_killed_after_the_grace(worker)
         worker.call("spin")
     dt = time.perf_counter() - t0
     assert e.value.kind == "hang" and "a barrier timed out" in e.value.message
-    assert "the kernel's barrier report: block" in e.value.message
+    assert "the kernel's report: grid barrier timed out" in e.value.message
     # the barrier timeout (0.2 s) plus the grace: the no-progress watchdog alone would wait 1.2 s, then the grace
     assert dt < 0.2 + worker.grace_s + 0.4
 

@@ -11,8 +11,13 @@ from . import plan
 # The kernel publishes a stop's reason and place in `status` (mapped host memory: readable while it runs and after
 # it is gone); the host reads the same names.
 STATUS_WORDS = ("code", "stage", "layer", "step", "block", "epoch", "missing_block", "missing_where", "n_missing",
-                "stream_want", "stream_got")   # a stream error: the item the section asked for and the ring's (where-words)
+                "stream_want", "stream_got",   # a stream error: the item the section asked for and the ring's (where-words)
+                "waited_on", "unit")           # a hang: what the block waited for (WAITED_ON), the unit that waited
 STATUS_LEN = 16
+# what a hang's reporter waited for: the grid barrier (its missing blocks in missing_*), or the units of a stage
+# copied ahead into its shared memory (Launch.ahead) that never landed (`unit`: the unit that waited, -1 the kernel's
+# end)
+WAITED_ON = ("grid_barrier", "copy_ahead")
 ERRORS = ("ok", "hang", "aborted", "bad_token", "stream", "unwaited")
 # dev_flags[] (device memory, cheap to poll): the stop's reason (an ERRORS code: every block stops at its next
 # barrier), the previous step's decision that generation is done, and whether a barrier's hang report is taken.
@@ -84,6 +89,22 @@ def describe_where(w: int) -> str:
         return "unknown"
     st, layer, step, waiting = d
     return ("waiting after " if waiting else "") + place(st, layer, step)
+
+
+def describe_hang(status: dict) -> str:
+    """The kernel's hang report (its status words, by name) as one line: the wait that timed out, where, and what it
+    waited for."""
+    stage, layer, step, block = (status[k] for k in ("stage", "layer", "step", "block"))
+    name = stage_name(stage)
+    if status.get("waited_on") == WAITED_ON.index("copy_ahead"):
+        unit = status["unit"]
+        what = f"its unit {unit} of {name}" if unit >= 0 else f"a copy of {name}'s units, at the kernel's end,"
+        return (f"{place(name, layer, step)}, block {block}: {what} copied ahead into shared memory (Launch.ahead) "
+                f"never landed: the bulk copy (wb_ahead_issue, kernels/lib/matvec.cuh) was not sent, or its bytes "
+                f"did not all come")
+    return (f"grid barrier timed out after the {name} stage" + (f" of layer {layer}" if layer >= 0 else "") +
+            f" at step {step}: block {block} waited, {status['n_missing']} block(s) never arrived, the first being "
+            f"block {status['missing_block']}, last seen in {describe_where(status['missing_where'])}")
 
 
 # Kernel parameters that are not buffers of the step: the synchronisation words, the host's mapped memory, the

@@ -175,24 +175,26 @@ __device__ __forceinline__ bool wb_ahead_here() {
            wb_ahead_sent != wb_ahead_taken;
 }
 
-// A copy that never lands stops the kernel, named where the block is (its stage and layer), instead of hanging it.
-// One reporter (wb_report's rule): the first claims the report, fills it, then raises the stop; the others leave.
-__device__ __noinline__ void wb_ahead_report(const Params* __restrict__ P) {
+// A copy that never lands stops the kernel, named where the block is (its stage and layer), the unit that waited
+// for it (-1: the kernel's end) and what it waited for, instead of hanging it. One reporter (wb_report's rule): the
+// first claims the report, fills it, then raises the stop; the others leave.
+__device__ __noinline__ void wb_ahead_report(const Params* __restrict__ P, int unit) {
     if (wb_atomic_cas(P->dev_flags + WB_FLAG_REPORTED, 0, 1) != 0) return;
     const u32 w = wb_where_entered;
     volatile int* st = P->status;
     st[WB_STATUS_STAGE] = wb_where_stage(w); st[WB_STATUS_LAYER] = wb_where_layer(w);
     st[WB_STATUS_STEP] = wb_where_step(w); st[WB_STATUS_BLOCK] = wb_bid();
+    st[WB_STATUS_WAITED_ON] = WB_WAITED_ON_COPY_AHEAD; st[WB_STATUS_UNIT] = unit;
     wb_fence_system();
     st[WB_STATUS_CODE] = WB_ERR_HANG;
     wb_fence_system();
     wb_raise_stop(P, WB_ERR_HANG);
 }
 
-// One thread: until the last copy sent has landed (true); false after the kernel's timeout (reported) or, when
-// `watch_stop`, once the kernel must stop. The stop word and the clock are read every 64 tries, as the grid barrier
-// does: the stop word may be in host memory.
-__device__ __forceinline__ bool wb_ahead_spin(bool watch_stop) {
+// One thread: until the last copy sent has landed (true); false after the kernel's timeout (reported, naming `unit`)
+// or, when `watch_stop`, once the kernel must stop. The stop word and the clock are read every 64 tries, as the grid
+// barrier does: the stop word may be in host memory.
+__device__ __forceinline__ bool wb_ahead_spin(bool watch_stop, int unit) {
 #if WB_AMD
     return true;
 #else
@@ -202,7 +204,7 @@ __device__ __forceinline__ bool wb_ahead_spin(bool watch_stop) {
         if (tries & 63) continue;                      // the slow checks, at the grid barrier's rate
         if (watch_stop && wb_should_stop(wb_P)) return false;
         if (wb_globaltimer_ns() - t0 > wb_P->timeout_ns) {
-            wb_ahead_report(wb_P);
+            wb_ahead_report(wb_P, unit);
             return false;
         }
     }
@@ -212,11 +214,11 @@ __device__ __forceinline__ bool wb_ahead_spin(bool watch_stop) {
 
 // A warp, before it reads its unit: lane 0 waits and the warp follows its answer, so that no lane goes on alone
 // into the warp's shuffles; then each lane sees the phase complete itself (its own acquire of the copy's bytes).
-__device__ __forceinline__ bool wb_ahead_wait() {
+__device__ __forceinline__ bool wb_ahead_wait(int unit) {
 #if WB_AMD
     return true;
 #else
-    const int ok = wb_shfl(wb_lane() == 0 ? (int)wb_ahead_spin(true) : 0, 0);
+    const int ok = wb_shfl(wb_lane() == 0 ? (int)wb_ahead_spin(true, unit) : 0, 0);
     if (!ok) return false;
     while (!wb_mbar_test(&wb_ahead_bar, (wb_ahead_sent - 1) & 1)) {}    // complete already: one try
     return true;
@@ -225,7 +227,7 @@ __device__ __forceinline__ bool wb_ahead_wait() {
 
 // The kernel's end: a block must not exit with the copy engine still writing its shared memory.
 __device__ __forceinline__ void wb_ahead_drain() {
-    if (WB_AHEAD_ON && wb_tid() == 0 && wb_ahead_sent > 0) wb_ahead_spin(false);
+    if (WB_AHEAD_ON && wb_tid() == 0 && wb_ahead_sent > 0) wb_ahead_spin(false, -1);
 }
 
 // out[r] = row r · act for the NR rows of K at `rows` in shared memory: warp_rows_dot's loads and sums in its order
@@ -277,7 +279,7 @@ __device__ __forceinline__ void warp_units_from_registers(const bf16* __restrict
     auto from_ahead = [&] {                           // after the prologue
         if (ahead && wb_tid() == 0) wb_ahead_taken = wb_ahead_sent;   // every thread has asked (the prologue's barrier)
         if (ua < end) {
-            if (!wb_ahead_wait()) return false;
+            if (!wb_ahead_wait(ua)) return false;
             extern __shared__ __attribute__((aligned(16))) float wb_smem_floats[];
             warp_rows_dot_shared<K, NR>((const bf16*)(wb_smem_floats + WB_SMEM_AHEAD) + wb_warp() * NR * K, act, y);
             done(ua, y);

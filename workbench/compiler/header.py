@@ -53,6 +53,8 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
     out.append("// status[] (mapped host memory): a stop's reason and place, read by the host after `code`")
     out.append("enum WbStatus { " + ", ".join(f"WB_STATUS_{_upper(w)} = {i}" for i, w in enumerate(abi.STATUS_WORDS))
                + f", WB_STATUS_WORDS = {abi.STATUS_LEN} }};")
+    out.append("enum WbWaitedOn { " + ", ".join(f"WB_WAITED_ON_{_upper(w)} = {i}" for i, w in enumerate(abi.WAITED_ON))
+               + " };")
     shift = abi.where_layout()
     enc = " | ".join(f"((u32)({'layer + 1' if n == 'layer' else n}) & {(1 << b) - 1}u) << {sh}" for n, sh, b in shift)
     out.append("// where a block is (its stage, layer + 1, step, waiting at the barrier after it): written at every stage")

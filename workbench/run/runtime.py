@@ -749,12 +749,7 @@ class Monokernel:
         if code == ERROR["ok"]:
             return
         if code == ERROR["hang"]:
-            stage = abi.stage_name(int(st[STATUS["stage"]]))
-            layer = f" of layer {st[STATUS['layer']]}" if st[STATUS["layer"]] >= 0 else ""
-            raise KernelHang(
-                f"grid barrier timed out after the {stage} stage{layer} at step {st[STATUS['step']]}: block "
-                f"{st[STATUS['block']]} waited, {st[STATUS['n_missing']]} block(s) never arrived, the first being "
-                f"block {st[STATUS['missing_block']]}, last seen in {abi.describe_where(int(st[STATUS['missing_where']]))}")
+            raise KernelHang(abi.describe_hang({name: int(st[i]) for name, i in STATUS.items()}))
         if code == ERROR["aborted"]:
             why = f"no progress for {host_timeout_s:.0f} s (host watchdog)" if aborted_by_host else "abort requested"
             raise KernelAborted(f"kernel aborted: {why}; it stopped at step {int(w[M_PROGRESS])}")

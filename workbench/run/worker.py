@@ -491,9 +491,7 @@ class Worker:
         blocks = self.blocks()
         status = status or self.status()
         if status.get("code") == abi.ERRORS.index("hang"):   # the kernel's own barrier report came first
-            message += (f"; the kernel's barrier report: block {status['block']} waited after "
-                        f"{abi.stage_name(status['stage'])} (step {status['step']}), first missing block "
-                        f"{status['missing_block']}, last seen in {abi.describe_where(status['missing_where'])}")
+            message += f"; the kernel's report: {abi.describe_hang(status)}"
         f = WorkerFailure(kind, message, blocks, status, time.perf_counter() - t0)
         f.killed = kill
         if kill:
