@@ -220,7 +220,7 @@ def main():
         # and bit for bit against the register path, then A/B'd at two sizes, per stage (NOTES.md round 29 holds the
         # predictions)
         R["ahead-verify"] = run("ahead-verify", [PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-s",
-                                                 "tests/test_gpu.py", "-k", "units_copied_ahead"], out, 300)
+                                                 "tests/test_gpu.py", "-k", "loaded_ahead or copy_ahead"], out, 300)
         R["ahead-ab"] = run("ahead-ab", [PY, "scripts/ab.py", "--model", "llama-3.2-1b", "--positions", "128", "4096",
                                          "--repeats", "3", "--stages", "--stage-positions", "128", "--variant", "base:",
                                          "--variant", "ahead-120k:opt.ahead=gate_up_silu", "--variant",

@@ -3,6 +3,7 @@ through NVRTC (no GPU needed)."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import re
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 
 from workbench import abi, plan, schedule
 from workbench.compiler.assemble import BuildOptions, Params, assemble, defines, section_path, smem_bytes
-from workbench.compiler.compile import CompileError, compile_cubin, parse_log, resource_usage
+from workbench.compiler.compile import CompileError, compile_cubin, compile_ptx, parse_log, resource_usage
 from workbench.model.config import PRESETS, get_config
 
 
@@ -354,12 +355,16 @@ def test_early_splits_the_barriers_before_the_named_stages(model):
     assert down.startswith("if (layer + 1 < WB_LAYERS) WB_ARRIVE(ST_DOWN_RESIDUAL") and "else WB_SYNC(" in down
 
 
-@pytest.mark.parametrize("model", ["tiny", "llama-3.2-1b", "llama-3.1-8b", "qwen3-0.6b"])
-def test_the_early_region_is_clear_of_the_early_stages_and_builds_without_spills(model):
+@pytest.mark.parametrize("model,loads", [(m, n) for n in (8, 16) for m in ("tiny", "llama-3.2-1b", "qwen3-0.6b")] +
+                         [("llama-3.1-8b", 8), pytest.param("llama-3.1-8b", 16, marks=pytest.mark.xfail(
+                             strict=True, reason="two chunks of the 8B's row pairs (K = 4,096) spill 8 B at the "
+                                                 "128-register cap"))])
+def test_the_early_region_is_clear_of_the_early_stages_and_builds_without_spills(model, loads):
     cfg = get_config(model)
     opt = _early(*EARLY)
+    opt = dataclasses.replace(opt, launch=dataclasses.replace(opt.launch, early_loads=loads))
     off, n = schedule.early_region(cfg, opt.launch)
-    assert n == opt.launch.stage_threads * schedule.EARLY_LOADS * 4 and off % 4 == 0
+    assert n == opt.launch.stage_threads * opt.launch.early_loads * 4 and off % 4 == 0
     regions = schedule.smem_regions(cfg, opt.launch)
     for name in EARLY:
         assert all(o + k <= off for o, k in regions[name].values()), name
@@ -496,3 +501,21 @@ def test_the_carveout_knob_changes_no_code_and_takes_percents():
     for bad in (101, -2, 50.0, "max"):
         with pytest.raises(ValueError, match="smem_carveout must be a percent"):
             BuildOptions(smem_carveout=bad)
+
+
+@pytest.mark.parametrize("bad", [0, 4, 12, 72, "16", 16.0])
+def test_early_loads_takes_whole_chunks(bad):
+    with pytest.raises(ValueError, match="early_loads must be a number of 16-byte pieces a thread, a multiple of 8"):
+        plan.Launch(early_loads=bad)
+
+
+def test_two_chunks_early_take_a_row_pairs_whole_unit_and_the_same_code_otherwise():
+    """early_loads=16 doubles the early region; the kernel takes as many whole chunks of a unit as it holds (at most
+    the unit's): the 1B's row pairs (K = 2,048: two chunks of four loads a row) come whole, through
+    warp_rows_dot_early; at 8 the build is the one it was (the first chunk to registers, warp_rows_dot)."""
+    cfg = get_config("llama-3.2-1b")
+    eight, sixteen = (dataclasses.replace(_early(*EARLY), launch=plan.Launch(early_loads=n)) for n in (8, 16))
+    assert schedule.early_region(cfg, sixteen.launch)[1] == 2 * schedule.early_region(cfg, eight.launch)[1]
+    # the two-chunk path is compiled in (its shared-memory reads of the second chunk), not only the larger region
+    ptx8, ptx16 = (compile_ptx(assemble(cfg, o))[0] for o in (eight, sixteen))
+    assert ptx16.count("ld.shared.v4") > ptx8.count("ld.shared.v4")

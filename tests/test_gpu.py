@@ -298,12 +298,19 @@ AHEAD = BuildOptions(launch=Launch(ahead=("gate_up_silu",)))                    
 AHEAD_64K = BuildOptions(launch=Launch(ahead=("gate_up_silu",), ahead_bytes=65536))    # 8 warps' on the 1B
 
 
-@pytest.mark.parametrize("name,opt", [("tiny", AHEAD), ("llama-3.2-1b", AHEAD), ("llama-3.2-1b", AHEAD_64K)])
-def test_units_copied_ahead_verify_and_give_the_same_bits(name, opt):
+EARLY_16 = BuildOptions(launch=Launch(early_loads=16))           # two chunks: a row pair's whole unit on the 1B
+EARLY_16_AHEAD = BuildOptions(launch=Launch(early_loads=16, ahead=("gate_up_silu",)))
+
+
+@pytest.mark.parametrize("name,opt", [("tiny", AHEAD), ("llama-3.2-1b", AHEAD), ("llama-3.2-1b", AHEAD_64K),
+                                      ("tiny", EARLY_16), ("llama-3.2-1b", EARLY_16),
+                                      ("llama-3.2-1b", EARLY_16_AHEAD)])
+def test_weights_loaded_ahead_verify_and_give_the_same_bits(name, opt):
     """Launch.ahead: the MLP's first units come from shared memory (a bulk copy sent during o_proj's slot), the
-    warps that read them early-load their next unit instead. Stage by stage and end to end; and since every unit is
-    summed in the same order from either place, the tokens and every logit equal the register path's bit for bit,
-    at short positions and past the attention's splits (where every block reads the cache first)."""
+    warps that read them early-load their next unit instead. Launch.early_loads=16: an early stage's first unit
+    comes from the early region two chunks deep (warp_rows_dot_early). Stage by stage and end to end; and since every
+    unit is summed in the same order from either place, the tokens and every logit equal the register path's bit
+    for bit, at short positions and past the attention's splits (where every block reads the cache first)."""
     import cupy as cp
 
     from workbench.model.weights import prepare, random_weights

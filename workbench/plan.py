@@ -46,6 +46,11 @@ class Launch:
     # stages whose first weight loads go out before the grid barrier they follow (H200, 1b: +3.7% at position 128;
     # DESIGN.md, "Early loads and owed waits")
     early: tuple = ("qkv_rope_append", "o_proj_residual", "gate_up_silu", "lm_head")
+    # 16-byte pieces a thread of an early stage loads before that wait (schedule.early_region): 8 is the row loop's
+    # first chunk (WB_UNROLL_1 loads of a row, or WB_UNROLL_2 of each row of a pair); 16 is two chunks, a row pair's
+    # whole unit at K = 2,048 (the 1B's qkv and gate_up), in twice the shared memory. A stage takes whole chunks,
+    # at most its unit's.
+    early_loads: int = 8
     # the residual stream's fixed-point parts (X_FRAC_BITS): block b of the MLP's down projection adds into part
     # b % x_parts, so no address takes more than grid / x_parts atomic adds. On the H200, 132 blocks adding D
     # columns then a grid barrier and a read of all of x: 4 parts cost 1.65 us a round at D = 2048 where one part
@@ -86,6 +91,9 @@ class Launch:
         if not (isinstance(self.ahead_bytes, int) and self.ahead_bytes >= 0 and self.ahead_bytes % 16 == 0):
             raise ValueError(f"ahead_bytes must be a number of bytes, 0 or more, a multiple of 16, got "
                              f"{self.ahead_bytes!r}")
+        if not (isinstance(self.early_loads, int) and 8 <= self.early_loads <= 64 and self.early_loads % 8 == 0):
+            raise ValueError(f"early_loads must be a number of 16-byte pieces a thread, a multiple of 8 from 8 to 64, "
+                             f"got {self.early_loads!r}")
         if not (isinstance(self.x_parts, int) and 1 <= self.x_parts <= self.grid):
             raise ValueError(f"x_parts must be a number of parts from 1 to the grid's {self.grid} blocks, got "
                              f"{self.x_parts!r}")

@@ -224,20 +224,16 @@ def smem_regions(cfg: ModelConfig, launch: plan.Launch = plan.Launch()) -> dict[
     return out
 
 
-EARLY_LOADS = 8                     # 16-byte loads a thread issues before the barrier it owes (matvec.cuh's first
-#                                     chunk: WB_UNROLL_1 loads of a row, or WB_UNROLL_2 of each of a row pair)
-
-
 def early_region(cfg: ModelConfig, launch: plan.Launch = plan.Launch()) -> tuple[int, int]:
-    """(offset, floats) of the shared memory where an early stage's first loads land (Launch.early): one chunk of
-    EARLY_LOADS 16-byte pieces a thread, after the regions of every early stage (which run while it fills), over
+    """(offset, floats) of the shared memory where an early stage's first loads land (Launch.early): the
+    Launch.early_loads 16-byte pieces of a thread, after the regions of every early stage (which run while it fills), over
     what the other stages use (a block's own previous stage is over when it arrives at the barrier). Only a stage
     that owes a wait loads early (matvec.cuh): the others' regions may lie under it."""
     if not launch.early or launch.stream:
         return 0, 0
     regions = smem_regions(cfg, launch)
     off = max(sum(n for _, n in regions[name].values()) for name in launch.early)
-    return off, launch.stage_threads * EARLY_LOADS * 4
+    return off, launch.stage_threads * launch.early_loads * 4
 
 
 @dataclasses.dataclass(frozen=True)

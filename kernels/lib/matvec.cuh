@@ -88,6 +88,38 @@ __device__ __forceinline__ void warp_rows_dot(const bf16* __restrict__ row0, lon
     for (int r = 0; r < NR; ++r) out[r] = wb_warp_sum(acc[r]);
 }
 
+// warp_rows_dot for a unit whose first EC chunks are in shared memory (the early region's layout: piece i of row r of
+// this lane at first[(r·EC·UNROLL + i)·WB_WARP]), the rest read from global memory: its chunks and sums in
+// warp_rows_dot's order, so the unit gives the same bits. A chunk at a time comes to registers, as in the row loop.
+template <int K, int NR, int EC>
+__device__ __forceinline__ void warp_rows_dot_early(const bf16* __restrict__ row0, const wb_u4* first,
+                                                    const float* __restrict__ act, float (&out)[NR]) {
+    using L = RowLoads<K, NR>;
+    float acc[NR];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) acc[r] = 0.f;
+#pragma unroll
+    for (int c = 0; c < EC; ++c) {
+        wb_u4 w[NR][L::UNROLL];
+#pragma unroll
+        for (int i = 0; i < L::UNROLL; ++i) {
+            const int ii = c * L::UNROLL + i;
+            if (ii < L::ITERS) {
+#pragma unroll
+                for (int r = 0; r < NR; ++r) w[r][i] = first[(r * EC * L::UNROLL + ii) * WB_WARP];
+            }
+        }
+        warp_rows_fma<K, NR>(w, c * L::UNROLL, act, acc);
+    }
+    for (int i0 = EC * L::UNROLL; i0 < L::ITERS; i0 += L::UNROLL) {
+        wb_u4 w[NR][L::UNROLL];
+        warp_rows_load<K, NR>(row0, K, i0, w);
+        warp_rows_fma<K, NR>(w, i0, act, acc);
+    }
+#pragma unroll
+    for (int r = 0; r < NR; ++r) out[r] = wb_warp_sum(acc[r]);
+}
+
 // This warp's first unit and the stride to its next, as the deal gives them (grid_warp, wb_block_units).
 template <int DEAL>
 __device__ __forceinline__ void warp_units(int n_units, int& u, int& end, int& stride) {
@@ -287,18 +319,23 @@ __device__ __forceinline__ void warp_units_from_registers(const bf16* __restrict
         return true;
     };
     if (WB_EARLY_LOADS && WB_LOADS_EARLY()) {         // only the stage after a split barrier (plan.early_region)
-        static_assert(!WB_EARLY_LOADS || WB_SMEM_EARLY_FLOATS >= WB_THREADS * NR * L::UNROLL * 4,
-                      "the plan's early region holds a chunk of loads a thread");
+        // the first unit's first EC chunks of the row loop: as many as the region holds a thread (Launch.early_loads
+        // pieces), at most the whole unit
+        constexpr int CHUNKS = (L::ITERS + L::UNROLL - 1) / L::UNROLL;
+        constexpr int HELD = WB_SMEM_EARLY_FLOATS / (WB_THREADS * 4) / (NR * L::UNROLL);
+        constexpr int EC = HELD < CHUNKS ? HELD : CHUNKS;
+        static_assert(!WB_EARLY_LOADS || EC >= 1, "the plan's early region holds a chunk of loads a thread");
         extern __shared__ __attribute__((aligned(16))) float wb_smem_floats[];
-        wb_u4* first = (wb_u4*)(wb_smem_floats + WB_SMEM_EARLY) + wb_warp() * NR * L::UNROLL * WB_WARP + wb_lane();
+        wb_u4* first = (wb_u4*)(wb_smem_floats + WB_SMEM_EARLY) + wb_warp() * NR * EC * L::UNROLL * WB_WARP + wb_lane();
         const bf16* row0 = W + (long long)u * NR * K;
         if (u < end) {
 #pragma unroll
-            for (int i = 0; i < L::UNROLL; ++i) {
+            for (int i = 0; i < EC * L::UNROLL; ++i) {
                 const int k = i * L::STEP + wb_lane() * 8;
                 if (i < L::ITERS && (K % L::STEP == 0 || k < K)) {
 #pragma unroll
-                    for (int r = 0; r < NR; ++r) wb_cp_async16(first + (r * L::UNROLL + i) * WB_WARP, row0 + r * K + k, true);
+                    for (int r = 0; r < NR; ++r)
+                        wb_cp_async16(first + (r * EC * L::UNROLL + i) * WB_WARP, row0 + r * K + k, true);
                 }
             }
         }
@@ -315,12 +352,16 @@ __device__ __forceinline__ void warp_units_from_registers(const bf16* __restrict
         }
         if (u < end) {
             wb_cp_async_wait<0>();                     // this lane's pieces, which only it reads
-            wb_u4 w[NR][L::UNROLL];
+            if (EC == 1) {
+                wb_u4 w[NR][L::UNROLL];
 #pragma unroll
-            for (int i = 0; i < L::UNROLL; ++i)
+                for (int i = 0; i < L::UNROLL; ++i)
 #pragma unroll
-                for (int r = 0; r < NR; ++r) w[r][i] = first[(r * L::UNROLL + i) * WB_WARP];
-            warp_rows_dot<K, NR, true>(row0, K, act, y, w);
+                    for (int r = 0; r < NR; ++r) w[r][i] = first[(r * L::UNROLL + i) * WB_WARP];
+                warp_rows_dot<K, NR, true>(row0, K, act, y, w);
+            } else {
+                warp_rows_dot_early<K, NR, EC>(row0, first, act, y);
+            }
             done(u, y);
             u += stride;
         }

@@ -103,7 +103,7 @@ class _Graph:
         self._set_ids: dict = {}
         fan: dict = {}
         s_att, chunk = attention_split(cfg, launch, pos)
-        early_cap = launch.stage_threads * schedule.EARLY_LOADS * 16 if launch.early and not launch.stream else 0
+        early_cap = launch.stage_threads * launch.early_loads * 16 if launch.early and not launch.stream else 0
         self.cap = float(design.early_bytes if design.early_bytes is not None else early_cap)
         self.nodes: list[list[Node]] = [[] for _ in range(self.grid)]
         first_of_slot: dict = {}                 # (token, slot, block) → already charged the slot's latency

@@ -61,7 +61,7 @@ class Costs:
 class Design:
     """What a schedule changes that the simulator can price (the plan's Launch carries the rest: attention's
     splits, the grid, the early stages).
-    early_bytes: what a block may hold of weights loaded ahead (None: the early loads of today, schedule.EARLY_LOADS
+    early_bytes: what a block may hold of weights loaded ahead (None: the early loads of today, Launch.early_loads
     per thread of the next stage, where that stage is one of Launch.early; a number: a shared-memory ring of that
     many bytes, filled while the block waits with the weights of its next items in decode order, across stages).
     handoff: "barrier" (blocks leave over the trace's spread of departures, label by label) or "flag" (every
@@ -125,7 +125,7 @@ def _item_latency(it: Item, costs: Costs) -> float:
 
 def _programs(cfg: ModelConfig, costs: Costs, pos: int, launch: plan.Launch, design: Design = Design()):
     """Per slot: each block's latency, bytes, how many of them it may load early (before the barrier it owes:
-    Launch.early, schedule.EARLY_LOADS per thread), whether it has work, the label, and the kv head of a block of a
+    Launch.early, Launch.early_loads per thread), whether it has work, the label, and the kv head of a block of a
     split head (−1: none), as [slots] of ([blocks] arrays..., label, heads)."""
     lists = work_lists(cfg, launch, pos)
     grid = launch.grid
@@ -163,8 +163,8 @@ def simulate(cfg: ModelConfig, costs: Costs, pos: int = 0, launch: plan.Launch =
     owes to an early stage loads that stage's first bytes while it waits. All streams share HBM (see _share)."""
     progs = _programs(cfg, costs, pos, launch, design)
     grid, n = launch.grid, len(progs)
-    if design.early_bytes is None:                # today: the next stage's first loads, EARLY_LOADS a thread
-        cap, ahead = (launch.stage_threads * schedule.EARLY_LOADS * 16 if launch.early and not launch.stream
+    if design.early_bytes is None:                # today: the next stage's first loads, Launch.early_loads a thread
+        cap, ahead = (launch.stage_threads * launch.early_loads * 16 if launch.early and not launch.stream
                       else 0), 1
     else:
         cap, ahead = design.early_bytes, n
