@@ -519,3 +519,8 @@ def test_two_chunks_early_take_a_row_pairs_whole_unit_and_the_same_code_otherwis
     # the two-chunk path is compiled in (its shared-memory reads of the second chunk), not only the larger region
     ptx8, ptx16 = (compile_ptx(assemble(cfg, o))[0] for o in (eight, sixteen))
     assert ptx16.count("ld.shared.v4") > ptx8.count("ld.shared.v4")
+
+
+def test_an_early_region_that_cannot_fit_is_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"^early_loads=32: the early region \(262,144 B.*lower early_loads"):
+        schedule.early_region(get_config("llama-3.2-1b"), plan.Launch(early_loads=32))

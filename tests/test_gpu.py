@@ -303,7 +303,10 @@ EARLY_16_AHEAD = BuildOptions(launch=Launch(early_loads=16, ahead=("gate_up_silu
 
 
 @pytest.mark.parametrize("name,opt", [("tiny", AHEAD), ("llama-3.2-1b", AHEAD), ("llama-3.2-1b", AHEAD_64K),
-                                      ("tiny", EARLY_16), ("llama-3.2-1b", EARLY_16),
+                                      # 3b (K = 3,072): qkv's row pairs two chunks of three from shared memory,
+                                      # the third from HBM; o_proj's single rows two chunks, whole (tiny's units
+                                      # are one chunk: it never takes the two-chunk path)
+                                      ("llama-3.2-3b", EARLY_16), ("llama-3.2-1b", EARLY_16),
                                       ("llama-3.2-1b", EARLY_16_AHEAD)])
 def test_weights_loaded_ahead_verify_and_give_the_same_bits(name, opt):
     """Launch.ahead: the MLP's first units come from shared memory (a bulk copy sent during o_proj's slot), the

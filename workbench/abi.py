@@ -98,10 +98,13 @@ def describe_hang(status: dict) -> str:
     name = stage_name(stage)
     if status.get("waited_on") == WAITED_ON.index("copy_ahead"):
         unit = status["unit"]
-        what = f"its unit {unit} of {name}" if unit >= 0 else f"a copy of {name}'s units, at the kernel's end,"
-        return (f"{place(name, layer, step)}, block {block}: {what} copied ahead into shared memory (Launch.ahead) "
-                f"never landed: the bulk copy (wb_ahead_issue, kernels/lib/matvec.cuh) was not sent, or its bytes "
-                f"did not all come")
+        if unit < 0:            # the kernel's end: the where-word is the last stage entered, not the copied one
+            return (f"at the kernel's end ({place(name, layer, step)}), block {block}: the last units it copied ahead "
+                    f"into shared memory (Launch.ahead) never landed: the bulk copy (wb_ahead_issue, "
+                    f"kernels/lib/matvec.cuh) did not complete")
+        return (f"{place(name, layer, step)}, block {block}: its unit {unit} of {name} copied ahead into shared memory "
+                f"(Launch.ahead) never landed: the bulk copy (wb_ahead_issue, kernels/lib/matvec.cuh) was not sent, "
+                f"or its bytes did not all come")
     return (f"grid barrier timed out after the {name} stage" + (f" of layer {layer}" if layer >= 0 else "") +
             f" at step {step}: block {block} waited, {status['n_missing']} block(s) never arrived, the first being "
             f"block {status['missing_block']}, last seen in {describe_where(status['missing_where'])}")

@@ -233,7 +233,13 @@ def early_region(cfg: ModelConfig, launch: plan.Launch = plan.Launch()) -> tuple
         return 0, 0
     regions = smem_regions(cfg, launch)
     off = max(sum(n for _, n in regions[name].values()) for name in launch.early)
-    return off, launch.stage_threads * launch.early_loads * 4
+    n = launch.stage_threads * launch.early_loads * 4
+    if 4 * (off + n) > SMEM_LIMIT - STATIC_SMEM:
+        raise ValueError(f"early_loads={launch.early_loads}: the early region ({4 * n:,} B, {launch.early_loads} pieces "
+                         f"of 16 B for each of {launch.stage_threads} threads) does not fit above the early stages' "
+                         f"regions ({4 * off:,} B) in the {SMEM_LIMIT - STATIC_SMEM:,} B a block may have: lower "
+                         f"early_loads (or threads)")
+    return off, n
 
 
 @dataclasses.dataclass(frozen=True)

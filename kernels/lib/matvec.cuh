@@ -150,13 +150,14 @@ __shared__ __attribute__((aligned(8))) u64 wb_ahead_bar;    // a phase per copy:
 __shared__ const bf16* wb_ahead_src;                       // the copy posted and not yet sent (thread 0's alone)
 __shared__ u32 wb_ahead_bytes;
 __shared__ u32 wb_ahead_sent, wb_ahead_taken;              // copies sent, and read, over the launch
+__shared__ u32 wb_ahead_dead;                              // a wait for the last copy timed out (reported)
 
 __device__ __forceinline__ void wb_ahead_init() {          // thread 0, before the kernel's first block barrier
 #if !WB_AMD
     if (WB_AHEAD_ON && wb_tid() == 0) {
         wb_mbar_init(&wb_ahead_bar, 1);
         wb_mbar_init_fence();
-        wb_ahead_bytes = 0; wb_ahead_sent = 0; wb_ahead_taken = 0;
+        wb_ahead_bytes = 0; wb_ahead_sent = 0; wb_ahead_taken = 0; wb_ahead_dead = 0;
     }
 #endif
 }
@@ -223,9 +224,11 @@ __device__ __noinline__ void wb_ahead_report(const Params* __restrict__ P, int u
     wb_raise_stop(P, WB_ERR_HANG);
 }
 
-// One thread: until the last copy sent has landed (true); false after the kernel's timeout (reported, naming `unit`)
-// or, when `watch_stop`, once the kernel must stop. The stop word and the clock are read every 64 tries, as the grid
-// barrier does: the stop word may be in host memory.
+// One thread: until the last copy sent has landed (true); false after half the kernel's timeout (reported, naming
+// `unit`; the phase is then dead, and the kernel's end does not wait for it again) or, when `watch_stop`, once the
+// kernel must stop. Half: the other blocks, waiting at the next grid barrier for this one, start their clocks later
+// but must not time out first, or their report (this block missing) would take the place of this one. The stop word
+// and the clock are read every 64 tries, as the grid barrier does: the stop word may be in host memory.
 __device__ __forceinline__ bool wb_ahead_spin(bool watch_stop, int unit) {
 #if WB_AMD
     return true;
@@ -235,7 +238,9 @@ __device__ __forceinline__ bool wb_ahead_spin(bool watch_stop, int unit) {
     for (u32 tries = 1; !wb_mbar_test(&wb_ahead_bar, parity); ++tries) {
         if (tries & 63) continue;                      // the slow checks, at the grid barrier's rate
         if (watch_stop && wb_should_stop(wb_P)) return false;
-        if (wb_globaltimer_ns() - t0 > wb_P->timeout_ns) {
+        if (*(volatile u32*)&wb_ahead_dead) return false;   // another warp's wait for it timed out
+        if (wb_globaltimer_ns() - t0 > wb_P->timeout_ns / 2) {
+            wb_ahead_dead = 1;
             wb_ahead_report(wb_P, unit);
             return false;
         }
@@ -257,9 +262,10 @@ __device__ __forceinline__ bool wb_ahead_wait(int unit) {
 #endif
 }
 
-// The kernel's end: a block must not exit with the copy engine still writing its shared memory.
+// The kernel's end: a block must not exit with the copy engine still writing its shared memory (a copy whose wait
+// timed out is not waited for again: its report is out, and the kernel must stop within the host's grace).
 __device__ __forceinline__ void wb_ahead_drain() {
-    if (WB_AHEAD_ON && wb_tid() == 0 && wb_ahead_sent > 0) wb_ahead_spin(false, -1);
+    if (WB_AHEAD_ON && wb_tid() == 0 && wb_ahead_sent > 0 && !wb_ahead_dead) wb_ahead_spin(false, -1);
 }
 
 // out[r] = row r · act for the NR rows of K at `rows` in shared memory: warp_rows_dot's loads and sums in its order
