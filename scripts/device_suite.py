@@ -221,10 +221,15 @@ def main():
         # predictions)
         R["ahead-verify"] = run("ahead-verify", [PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-s",
                                                  "tests/test_gpu.py", "-k", "loaded_ahead or copy_ahead"], out, 300)
+        # with two chunks early (Launch.early_loads, round 30) beside it, and without early loads at all: the
+        # boundary tables say whether a split barrier's late release is its poll waiting behind the early loads
         R["ahead-ab"] = run("ahead-ab", [PY, "scripts/ab.py", "--model", "llama-3.2-1b", "--positions", "128", "4096",
                                          "--repeats", "3", "--stages", "--stage-positions", "128", "--variant", "base:",
                                          "--variant", "ahead-120k:opt.ahead=gate_up_silu", "--variant",
-                                         "ahead-64k:opt.ahead=gate_up_silu,opt.ahead_bytes=65536"], out, 300)
+                                         "ahead-64k:opt.ahead=gate_up_silu,opt.ahead_bytes=65536", "--variant",
+                                         "early16:opt.early_loads=16", "--variant",
+                                         "early16-ahead:opt.early_loads=16,opt.ahead=gate_up_silu", "--variant",
+                                         "no-early:opt.early=", "--variant", "base-again:"], out, 420)
     if "prefill" in a.only:
         # the prefill's own kernels against the reference first, then time to first token against HF's prefill
         # (with the prefill's time per stage), then a long prefill verified and decoded after
