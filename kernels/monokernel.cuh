@@ -11,7 +11,6 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS, 1) wb_generate(const Pa
 #endif
     wb_grid_sync_init(P);
     wb_ahead_init();
-    wb_early_bulk_init();
     // the step's values and the first position in shared memory: held in registers across the whole step they
     // took some of every thread's 128, and the larger builds spilled them to the stack
     __shared__ int values[WB_STEP_VALUES], pos0;

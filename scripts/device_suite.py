@@ -229,9 +229,6 @@ def main():
                                          "ahead-64k:opt.ahead=gate_up_silu,opt.ahead_bytes=65536", "--variant",
                                          "early16:opt.early_loads=16", "--variant",
                                          "early16-ahead:opt.early_loads=16,opt.ahead=gate_up_silu", "--variant",
-                                         "bulk16:opt.early_loads=16,opt.early_bulk=1", "--variant",
-                                         "bulk16-ahead:opt.early_loads=16,opt.early_bulk=1,opt.ahead=gate_up_silu",
-                                         "--variant",
                                          "no-early:opt.early=", "--variant", "base-again:"], out, 420)
     if "prefill" in a.only:
         # the prefill's own kernels against the reference first, then time to first token against HF's prefill

@@ -300,8 +300,6 @@ AHEAD_64K = BuildOptions(launch=Launch(ahead=("gate_up_silu",), ahead_bytes=6553
 
 EARLY_16 = BuildOptions(launch=Launch(early_loads=16))           # two chunks: a row pair's whole unit on the 1B
 EARLY_16_AHEAD = BuildOptions(launch=Launch(early_loads=16, ahead=("gate_up_silu",)))
-BULK = BuildOptions(launch=Launch(early_bulk=True))            # o_proj's and lm_head's single rows by bulk copies
-BULK_16 = BuildOptions(launch=Launch(early_bulk=True, early_loads=16))     # every early stage's first unit, on the 1B
 
 
 @pytest.mark.parametrize("name,opt", [("tiny", AHEAD), ("llama-3.2-1b", AHEAD), ("llama-3.2-1b", AHEAD_64K),
@@ -309,8 +307,7 @@ BULK_16 = BuildOptions(launch=Launch(early_bulk=True, early_loads=16))     # eve
                                       # the third from HBM; o_proj's single rows two chunks, whole (tiny's units
                                       # are one chunk: it never takes the two-chunk path)
                                       ("llama-3.2-3b", EARLY_16), ("llama-3.2-1b", EARLY_16),
-                                      ("llama-3.2-1b", EARLY_16_AHEAD), ("tiny", BULK), ("llama-3.2-1b", BULK),
-                                      ("llama-3.2-1b", BULK_16)])
+                                      ("llama-3.2-1b", EARLY_16_AHEAD)])
 def test_weights_loaded_ahead_verify_and_give_the_same_bits(name, opt):
     """Launch.ahead: the MLP's first units come from shared memory (a bulk copy sent during o_proj's slot), the
     warps that read them early-load their next unit instead. Launch.early_loads=16: an early stage's first unit

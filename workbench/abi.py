@@ -17,7 +17,7 @@ STATUS_LEN = 16
 # what a hang's reporter waited for: the grid barrier (its missing blocks in missing_*), or the units of a stage
 # copied ahead into its shared memory (Launch.ahead) that never landed (`unit`: the unit that waited, -1 the kernel's
 # end)
-WAITED_ON = ("grid_barrier", "copy_ahead", "early_copy")
+WAITED_ON = ("grid_barrier", "copy_ahead")
 ERRORS = ("ok", "hang", "aborted", "bad_token", "stream", "unwaited")
 # dev_flags[] (device memory, cheap to poll): the stop's reason (an ERRORS code: every block stops at its next
 # barrier), the previous step's decision that generation is done, and whether a barrier's hang report is taken.
@@ -105,10 +105,6 @@ def describe_hang(status: dict) -> str:
         return (f"{place(name, layer, step)}, block {block}: its unit {unit} of {name} copied ahead into shared memory "
                 f"(Launch.ahead) never landed: the bulk copy (wb_ahead_issue, kernels/lib/matvec.cuh) was not sent, "
                 f"or its bytes did not all come")
-    if status.get("waited_on") == WAITED_ON.index("early_copy"):
-        return (f"{place(name, layer, step)}, block {block}: its unit {status['unit']} of {name}, loaded early into "
-                f"shared memory by a bulk copy (Launch.early_bulk), never landed (warp_units_from_registers, "
-                f"kernels/lib/matvec.cuh)")
     return (f"grid barrier timed out after the {name} stage" + (f" of layer {layer}" if layer >= 0 else "") +
             f" at step {step}: block {block} waited, {status['n_missing']} block(s) never arrived, the first being "
             f"block {status['missing_block']}, last seen in {describe_where(status['missing_where'])}")

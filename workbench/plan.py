@@ -51,10 +51,6 @@ class Launch:
     # whole unit at K = 2,048 (the 1B's qkv and gate_up), in twice the shared memory. A stage takes whole chunks,
     # at most its unit's.
     early_loads: int = 8
-    # an early stage's first unit brought by the bulk-copy engine (one copy a warp, on the warp's mbarrier) instead
-    # of the lanes' asynchronous loads, where the whole unit fits the warp's share of the early region (else the
-    # loads): the lanes' loads hold the SM's outstanding misses, behind which thread 0's poll of the barrier waits
-    early_bulk: bool = False
     # the residual stream's fixed-point parts (X_FRAC_BITS): block b of the MLP's down projection adds into part
     # b % x_parts, so no address takes more than grid / x_parts atomic adds. On the H200, 132 blocks adding D
     # columns then a grid barrier and a read of all of x: 4 parts cost 1.65 us a round at D = 2048 where one part
@@ -98,8 +94,6 @@ class Launch:
         if not (isinstance(self.early_loads, int) and 8 <= self.early_loads <= 64 and self.early_loads % 8 == 0):
             raise ValueError(f"early_loads must be a number of 16-byte pieces a thread, a multiple of 8 from 8 to 64, "
                              f"got {self.early_loads!r}")
-        if not isinstance(self.early_bulk, bool):
-            raise ValueError(f"early_bulk must be True or False, got {self.early_bulk!r}")
         if not (isinstance(self.x_parts, int) and 1 <= self.x_parts <= self.grid):
             raise ValueError(f"x_parts must be a number of parts from 1 to the grid's {self.grid} blocks, got "
                              f"{self.x_parts!r}")

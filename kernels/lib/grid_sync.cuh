@@ -129,15 +129,6 @@ __device__ __forceinline__ void wb_arrive_t0(const Params* __restrict__ P, u32 w
     ((volatile u32*)P->where)[wb_bid()] = wb_where_entered | WB_WHERE_WAITING;   // for the host: arrived, waiting
 }
 
-// Launch.early_bulk: the next stage's first unit may be bulk-copied into the early region once past the barrier's
-// last block barrier; every thread fences its last use of that memory (through the generic proxy) against the copy
-// engine before it
-__device__ __forceinline__ void wb_early_bulk_fence() {
-#if WB_EARLY_BULK && !WB_AMD
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
-}
-
 // (thread 0) until every block has arrived: bounded, a timeout reported with the barrier's stage, layer and step.
 // A wait that reaches the slow checks shows the block waiting at this barrier, for the host's picture of a hang:
 // an owed wait runs inside the next stage, whose entry overwrote the word the arrival wrote. True when it did (the
@@ -192,7 +183,6 @@ __device__ __noinline__ void wb_report_unwaited(const Params* __restrict__ P, in
 // (an error or an abort): callers return at once.
 __device__ __forceinline__ bool grid_sync(const Params* __restrict__ P, u32 where, int slot, int early = 0) {
     wb_syncthreads();
-    wb_early_bulk_fence();                             // before the block barrier that lets a copy go out
     if (wb_tid() == 0) { wb_arrive_t0(P, where, slot, early); wb_wait_t0(P); }
     wb_syncthreads();
     return wb_bar_stop != 0;
@@ -210,7 +200,6 @@ __device__ __forceinline__ bool grid_sync(const Params* __restrict__ P, u32 wher
 // nothing another block writes before the barrier: the next stage's first weight loads, weights being immutable.
 __device__ __forceinline__ void wb_grid_arrive(const Params* __restrict__ P, u32 where, int slot) {
     wb_syncthreads();
-    wb_early_bulk_fence();                             // before the block barrier that lets a copy go out
     if (wb_tid() == 0) wb_arrive_t0(P, where, slot, 1);
     wb_syncthreads();                                  // every thread sees the wait owed
 }

@@ -268,68 +268,6 @@ __device__ __forceinline__ void wb_ahead_drain() {
     if (WB_AHEAD_ON && wb_tid() == 0 && wb_ahead_sent > 0 && !wb_ahead_dead) wb_ahead_spin(false, -1);
 }
 
-// ---- an early stage's first unit by the bulk-copy engine (Launch.early_bulk) ---------------------------------------
-// One copy a warp (its lane 0), of the warp's whole first unit, into the warp's share of the early region, on the
-// warp's own mbarrier: the SM's load slots stay free, so thread 0's poll of the barrier is not queued behind them.
-#ifndef WB_EARLY_BULK
-#define WB_EARLY_BULK 0
-#endif
-#if WB_AMD
-#define WB_EARLY_BULK_ON 0
-#else
-#define WB_EARLY_BULK_ON (WB_EARLY_BULK && !WB_STREAMING)
-#endif
-__shared__ __attribute__((aligned(8))) u64 wb_early_bar[WB_MAX_WARPS];
-__shared__ u32 wb_early_sent[WB_MAX_WARPS];                // copies a warp has sent (lane 0's), over the launch
-
-__device__ __forceinline__ void wb_early_bulk_init() {     // before the kernel's first block barrier
-#if !WB_AMD
-    if (WB_EARLY_BULK_ON && wb_lane() == 0) {
-        wb_mbar_init(&wb_early_bar[wb_warp()], 1);
-        wb_early_sent[wb_warp()] = 0;
-        wb_mbar_init_fence();
-    }
-#endif
-}
-
-// Lane 0 of a warp, then its lanes: until the warp's last copy has landed (true); false after half the kernel's
-// timeout (reported, naming the unit: half, as wb_ahead_spin argues) or, when `watch_stop`, once the kernel must stop
-__device__ __forceinline__ bool wb_early_bulk_wait(int unit, bool watch_stop) {
-#if WB_AMD
-    return true;
-#else
-    u64* bar = &wb_early_bar[wb_warp()];
-    const u32 parity = (wb_early_sent[wb_warp()] - 1) & 1;
-    int ok = 1;
-    if (wb_lane() == 0) {
-        const u64 t0 = wb_globaltimer_ns();
-        for (u32 tries = 1; !wb_mbar_done(bar, parity); ++tries) {
-            if (tries & 63) continue;
-            if (watch_stop && wb_should_stop(wb_P)) { ok = 0; break; }
-            if (wb_globaltimer_ns() - t0 > wb_P->timeout_ns / 2) {
-                if (wb_atomic_cas(wb_P->dev_flags + WB_FLAG_REPORTED, 0, 1) == 0) {
-                    const u32 w = wb_where_entered;
-                    volatile int* st = wb_P->status;
-                    st[WB_STATUS_STAGE] = wb_where_stage(w); st[WB_STATUS_LAYER] = wb_where_layer(w);
-                    st[WB_STATUS_STEP] = wb_where_step(w); st[WB_STATUS_BLOCK] = wb_bid();
-                    st[WB_STATUS_WAITED_ON] = WB_WAITED_ON_EARLY_COPY; st[WB_STATUS_UNIT] = unit;
-                    wb_fence_system();
-                    st[WB_STATUS_CODE] = WB_ERR_HANG;
-                    wb_fence_system();
-                    wb_raise_stop(wb_P, WB_ERR_HANG);
-                }
-                ok = 0;
-                break;
-            }
-        }
-    }
-    ok = wb_shfl(ok, 0);
-    if (!ok) return false;
-    while (!wb_mbar_done(bar, parity)) {}              // complete already: each lane's own acquire of the bytes
-    return true;
-#endif
-}
-
 // out[r] = row r · act for the NR rows of K at `rows` in shared memory: warp_rows_dot's loads and sums in its order
 // (each lane's pieces in step order, then the warp's sum), so a unit gives the same bits from either place.
 template <int K, int NR>
@@ -386,38 +324,6 @@ __device__ __forceinline__ void warp_units_from_registers(const bf16* __restrict
         }
         return true;
     };
-    constexpr int UNIT_BYTES = NR * K * 2;
-    constexpr int WARP_BYTES = WB_EARLY_LOADS ? WB_SMEM_EARLY_FLOATS * 4 / (WB_THREADS / WB_WARP) : 0;
-    constexpr bool BULK = WB_EARLY_BULK_ON && UNIT_BYTES <= WARP_BYTES && UNIT_BYTES % 16 == 0 && WARP_BYTES % 16 == 0;
-#if !WB_AMD
-    if (BULK && WB_EARLY_LOADS && WB_LOADS_EARLY()) {  // Launch.early_bulk: the whole first unit, one copy a warp
-        extern __shared__ __attribute__((aligned(16))) float wb_smem_floats[];
-        const bf16* mine = (const bf16*)((const u8*)(wb_smem_floats + WB_SMEM_EARLY) + wb_warp() * WARP_BYTES);
-        const bool first = u < end;
-        if (first && wb_lane() == 0) {
-            wb_mbar_expect_tx(&wb_early_bar[wb_warp()], UNIT_BYTES);
-            wb_bulk_g2s((void*)mine, W + (long long)u * NR * K, UNIT_BYTES, &wb_early_bar[wb_warp()]);
-            ++wb_early_sent[wb_warp()];
-        }
-        wb_syncwarp();                                 // lane 0's count, for every lane's parity
-        wb_ahead_issue();
-        if (wb_grid_wait_owed(wb_P)) {                 // stopping: no copy may land after the block has gone
-            if (first) wb_early_bulk_wait(u, false);
-            return;
-        }
-        prologue();
-        if (!from_ahead()) {
-            if (first) wb_early_bulk_wait(u, false);
-            return;
-        }
-        if (first) {
-            if (!wb_early_bulk_wait(u, true)) return;
-            warp_rows_dot_shared<K, NR>(mine, act, y);
-            done(u, y);
-            u += stride;
-        }
-    } else
-#endif
     if (WB_EARLY_LOADS && WB_LOADS_EARLY()) {         // only the stage after a split barrier (plan.early_region)
         // the first unit's first EC chunks of the row loop: as many as the region holds a thread (Launch.early_loads
         // pieces), at most the whole unit

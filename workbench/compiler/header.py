@@ -102,8 +102,6 @@ def plan_header(cfg: ModelConfig, launch: plan.Launch) -> str:
     if launch.early and not launch.stream:          # a stream build's ring fills during the owed wait instead
         out.append("// Launch.early: a weight stage's first loads go out before the barrier it owes (matvec.cuh)")
         out += ["#ifndef WB_EARLY_LOADS", "#define WB_EARLY_LOADS 1", "#endif"]
-    out.append(f"#define WB_EARLY_BULK {int(bool(launch.early and not launch.stream and launch.early_bulk))}"
-               f"   // Launch.early_bulk: an early stage's first unit by a bulk copy a warp")
     # per-layer slices
     for b in plan.BUFFERS.values():
         if b.per_layer:
