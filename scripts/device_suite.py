@@ -216,13 +216,13 @@ def main():
                                          "--variant", "numba:@gate_up_silu=numba", "--stages"], out, 300)
         R["numba-loop"] = run("numba-loop", [PY, "-c", NUMBA, str(out)], out, 300)
     if "ahead" in a.only:
-        # Launch.ahead (issue 37): the MLP's first units copied during attention and o_proj, verified stage by stage
-        # and bit for bit against the register path, then A/B'd at two sizes, per stage (NOTES.md round 29 holds the
-        # predictions)
+        # Launch.ahead and Launch.early_loads (issue 37): the MLP's first units copied during attention and o_proj,
+        # and two chunks loaded early, verified stage by stage and bit for bit against the register path, then A/B'd
+        # per stage (NOTES.md rounds 29 and 30: predictions, and the H100's measurements)
         R["ahead-verify"] = run("ahead-verify", [PY, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-s",
                                                  "tests/test_gpu.py", "-k", "loaded_ahead or copy_ahead"], out, 300)
-        # with two chunks early (Launch.early_loads, round 30) beside it, and without early loads at all: the
-        # boundary tables say whether a split barrier's late release is its poll waiting behind the early loads
+        # without early loads at all beside them: the boundary tables show each split barrier's release against
+        # the bytes in flight at it
         R["ahead-ab"] = run("ahead-ab", [PY, "scripts/ab.py", "--model", "llama-3.2-1b", "--positions", "128", "4096",
                                          "--repeats", "3", "--stages", "--stage-positions", "128", "--variant", "base:",
                                          "--variant", "ahead-120k:opt.ahead=gate_up_silu", "--variant",

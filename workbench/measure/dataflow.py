@@ -103,8 +103,8 @@ class _Graph:
         self._set_ids: dict = {}
         fan: dict = {}
         s_att, chunk = attention_split(cfg, launch, pos)
-        early_cap = launch.stage_threads * launch.early_loads * 16 if launch.early and not launch.stream else 0
-        self.cap = float(design.early_bytes if design.early_bytes is not None else early_cap)
+        self.cap = float(design.early_bytes if design.early_bytes is not None
+                         else 4 * schedule.early_region(cfg, launch)[1])     # today's early region, in bytes
         self.nodes: list[list[Node]] = [[] for _ in range(self.grid)]
         first_of_slot: dict = {}                 # (token, slot, block) → already charged the slot's latency
         jit = {}

@@ -163,9 +163,8 @@ def simulate(cfg: ModelConfig, costs: Costs, pos: int = 0, launch: plan.Launch =
     owes to an early stage loads that stage's first bytes while it waits. All streams share HBM (see _share)."""
     progs = _programs(cfg, costs, pos, launch, design)
     grid, n = launch.grid, len(progs)
-    if design.early_bytes is None:                # today: the next stage's first loads, Launch.early_loads a thread
-        cap, ahead = (launch.stage_threads * launch.early_loads * 16 if launch.early and not launch.stream
-                      else 0), 1
+    if design.early_bytes is None:                # today: the next stage's first loads, the plan's early region
+        cap, ahead = 4 * schedule.early_region(cfg, launch)[1], 1
     else:
         cap, ahead = design.early_bytes, n
     copies = _copies_ahead(cfg, launch)
