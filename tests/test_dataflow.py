@@ -192,3 +192,36 @@ def test_without_numba_the_python_engine_runs(monkeypatch, recorded, costs):
         D.run(recorded.cfg, costs, 0, engine="numba")
     with pytest.raises(ValueError, match="engine 'c'"):
         D.run(recorded.cfg, costs, 0, engine="c")
+
+
+def test_the_copy_ahead_is_posted_once_a_layer_and_priced_alike_by_both_engines(recorded, costs):
+    """Launch.ahead in the block-by-block engine: every block with units of the stage copied ahead posts one copy a
+    layer, at its arrival at attention's barrier (with counters, once past attention's slot), for its own node of
+    that stage, of the bytes the schedule deals it; the two engines price it to the same bits; and the bytes the copy brings are taken off the
+    stage's own stream (with the queue off, the MLP's nodes get shorter)."""
+    cfg = recorded.cfg
+    launch = plan.Launch(ahead=("gate_up_silu",))
+    a = schedule.ahead(cfg, launch)
+    g = D._Graph(cfg, costs, 128, launch, S.Design(queue=1), 2)
+    per = a.block_bytes(launch.grid)
+    for b, cps in enumerate(g.copies):
+        assert len(cps) == 2 * cfg.n_layers if per[b] else not cps
+        for post, dest, nbytes in cps:
+            nodes = g.nodes[b]
+            assert nodes[dest].stage == a.stage and nbytes == per[b]
+            assert nodes[post].stage is None and post < dest
+            assert all(nd.stage in (None, a.issuer) for nd in nodes[post + 1:dest])
+    counter = D._Graph(cfg, costs, 128, launch, S.Design(handoff="counter"), 2)
+    for b, cps in enumerate(counter.copies):
+        for post, dest, _ in cps:
+            assert counter.nodes[b][post].stage in (a.issuer, a.stage) and post <= dest
+    design = S.Design(queue=1)
+    if D.numba is not None:
+        assert D.run(cfg, costs, 128, launch, design, engine="numba") == \
+            D.run(cfg, costs, 128, launch, design, engine="python")
+    _, plain = D.run(cfg, costs, 128)
+    _, copied = D.run(cfg, costs, 128, launch)
+    mlp = [k for k in plain if k[0] >= 0 and g.nodes[k[1]] and
+           any(nd.key == k[0] and nd.stage == a.stage for nd in g.nodes[k[1]])]
+    took = lambda spans: sum(spans[k][1] - spans[k][0] for k in mlp)
+    assert took(copied) < took(plain)

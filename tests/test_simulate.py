@@ -127,8 +127,6 @@ def test_the_copy_ahead_is_priced_by_its_bytes(recorded, costs):
     assert np.all(big.spans()[:2] >= today.spans()[:2] - 1e-9)
     # a copy as large as the whole MLP share of a block cannot take the slot below what its other stage needs
     assert price(131072).us_per_token > S.simulate(cfg, costs, 128, design=S.Design(early_bytes=10**9)).us_per_token
-    with pytest.raises(ValueError, match="does not model Launch.ahead"):
-        S.parse_design("x:ahead=gate_up_silu,queue=1")
     assert S.parse_design("x:ahead=gate_up_silu,ahead_bytes=65536")[2] == {"ahead": ("gate_up_silu",),
                                                                           "ahead_bytes": 65536}
 
@@ -178,23 +176,30 @@ def test_the_simulator_predicts_a_position_it_was_not_fitted_on():
 
 
 def test_the_queueing_model_prices_the_measured_levers_and_the_slot_model_does_not():
-    """Round 30 measured two levers on one H100 against the register path at position 128, each end to end and
-    verified first (fixtures/bench/round30, `scripts/ab.py ... --stages`): two chunks of early loads
-    (`early_loads=16`) and none at all (`early=`). Priced on the H100 fixtures of round 25, the block-by-block engine
-    with its queueing what-if (`queue=1`: a round trip waits behind the bytes every SM has in flight beyond what
-    saturates HBM) gives the sign of both and each within 2.5 points of its measured change. The slot model, which
-    has no queue, priced two chunks early at +4.3% where the card measured −4.2%, which is why a design is now
-    priced with `queue=1` before device time goes to it (NOTES.md, round 31). A model that echoed today's kernel
+    """Round 30 measured four levers on one H100 against the register path at position 128, each end to end and
+    verified first (fixtures/bench/round30, `scripts/ab.py`): two chunks of early loads (`early_loads=16`), none at
+    all (`early=`), the MLP's first units copied ahead (`ahead=gate_up_silu`, 120 KB) and the first and third
+    together. Priced on the H100 fixtures of round 25, the block-by-block engine with its queueing what-if
+    (`queue=1`: a round trip waits behind the bytes every SM has in flight beyond what saturates HBM) gives three of
+    them their sign and each within 2.5 points of its measured change. The slot model, which has no queue, priced
+    two chunks early at +4.3% where the card measured −4.2%, and the copy at +7.1% where it measured −2.0%, which is
+    why a design is now priced with `queue=1` before device time goes to it (NOTES.md, round 31). The copy alone is
+    the queueing model's miss, left out here and written down there: +0.9% against the measured −2.0%. A model that echoed today's kernel
     would price both at 0 and fail the first; one that only counted bytes loaded ahead would fail the sign."""
     import json
 
     folder = T.FIXTURES / "h100_round25"
     fit = [T.load_trace(folder / f"trace_llama-3.2-1b_pos{p}.npz") for p in (0, 4096)]
     costs = S.calibrate(fit, hbm_tbps=fit[0].roofline_tbps, sm_gbps=62.5)
-    measured = json.loads((T.FIXTURES / "bench" / "round30" / "ab_stages_h100_llama-3.2-1b.json").read_text())
+    folder30 = T.FIXTURES / "bench" / "round30"
+    stages = json.loads((folder30 / "ab_stages_h100_llama-3.2-1b.json").read_text())
+    levers = json.loads((folder30 / "ab_levers_h100_llama-3.2-1b.json").read_text())
     cfg = fit[0].cfg
     base = dataflow.price(cfg, costs, 128, design=S.Design(queue=1))
-    for variant, launch in (("e16", plan.Launch(early_loads=16)), ("noearly", plan.Launch(early=()))):
+    ahead = ("gate_up_silu",)
+    for measured, variant, launch in ((stages, "e16", plan.Launch(early_loads=16)),
+                                      (stages, "noearly", plan.Launch(early=())),
+                                      (levers, "e16-ahead120", plan.Launch(ahead=ahead, early_loads=16))):
         want = measured[variant]["tok_s@128"] / measured["main"]["tok_s@128"] - 1
         got = base / dataflow.price(cfg, costs, 128, launch, S.Design(queue=1)) - 1
         assert np.sign(got) == np.sign(want) and abs(got - want) < 0.025, (variant, got, want)

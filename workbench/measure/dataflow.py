@@ -37,7 +37,7 @@ except ImportError:          # optional (the dev extra): without it `run` takes 
 from .. import plan, schedule
 from ..model.config import ModelConfig
 from ..worklists import attention_split, fan_in, kv_head_of, reads_cache, split_by_heads, unit_blocks
-from .simulate import AHEAD_NOT_MODELLED, Costs, Design, _jitter, parse_design, simulate
+from .simulate import Costs, Design, _jitter, parse_design, simulate
 
 WAIT, LATENCY, STREAM, DONE = range(4)
 
@@ -147,6 +147,34 @@ class _Graph:
             self._wire_barriers(costs, slots, merge, measured=not design.queue)
         self.loadable = [[nd.weight if self._ahead_ok(nd, design, launch) else 0.0 for nd in lst]
                          for lst in self.nodes]
+        self.copies = self._copies(cfg, launch, seq, tokens)
+
+    def _copies(self, cfg, launch, seq, tokens) -> list[list[tuple[int, int, float]]]:
+        """Launch.ahead's copy, per block in decode order: (the node at which it is posted, the node it is for, its
+        bytes). The kernel posts it at the block's arrival at the barrier after `posted_after` (attention's), and
+        its issuer's early path sends it at once, in every block, whether or not the block has units of the issuer;
+        with counters (no barrier) the block posts it once past its nodes of that slot. It lands in a region of its
+        own (not the early loads'); what has not landed when its stage starts streaming, the stage streams itself."""
+        out: list = [[] for _ in range(self.grid)]
+        a = schedule.ahead(cfg, launch)
+        if a is None:
+            return out
+        per = a.block_bytes(self.grid)
+        n_exec = len(seq)
+        for b, lst in enumerate(self.nodes):
+            index = {nd.key: i for i, nd in enumerate(lst)}
+            for t in range(tokens):
+                for e, (name, layer) in enumerate(seq):
+                    dest = index.get(t * n_exec + e)
+                    if name != a.stage or not per[b] or dest is None:
+                        continue
+                    after = t * n_exec + seq.index((a.posted_after, layer))
+                    b_slot = schedule.barrier_slot(cfg, a.posted_after, layer)
+                    post = index.get(-(t * 10_000 + b_slot + 1)) if b_slot is not None else None
+                    if post is None:                  # no barrier node: the first node past the slot
+                        post = next(i for i, nd in enumerate(lst) if nd.stage is not None and nd.key > after)
+                    out[b].append((post, dest, float(per[b])))
+        return out
 
     def _ahead_ok(self, nd: Node, design: Design, launch) -> bool:
         if nd.stage is None:
@@ -216,8 +244,6 @@ def run(cfg: ModelConfig, costs: Costs, pos: int = 0, launch: plan.Launch = plan
         raise ValueError(f"engine {engine!r}: numba or python")
     if engine == "numba" and numba is None:
         raise ImportError("engine 'numba' needs numba (pip install numba; the dev extra has it)")
-    if launch.ahead:
-        raise ValueError(AHEAD_NOT_MODELLED)
     g = _Graph(cfg, costs, pos, launch, design, tokens)
     spans = (_run_python if engine == "python" else _run_flat)(g, costs, design)
     n = g.n_exec
@@ -252,6 +278,11 @@ def _run_python(g: _Graph, costs: Costs, design: Design) -> dict:
     spans: dict = {}
     start = [0.0] * grid
     t = 0.0
+    # Launch.ahead's copies: each block's next one (cp_k), what is left of it once posted (cp_left, −1: not yet),
+    # and what of each node the copies brought (copied)
+    cp_k = [0] * grid
+    cp_left = [-1.0] * grid
+    copied = [[0.0] * len(lst) for lst in g.nodes]
 
     known: dict = {}                                      # block → (its node, the time its inputs are seen)
 
@@ -299,6 +330,7 @@ def _run_python(g: _Graph, costs: Costs, design: Design) -> dict:
                 return j, min(lst[j] - held[b][j], g.cap - total_held[b])
         return None
 
+    meter = design.inflight if design.inflight is not None else float("inf")
     while True:
         changed = True
         while changed:                                    # every transition due now
@@ -313,7 +345,10 @@ def _run_python(g: _Graph, costs: Costs, design: Design) -> dict:
                         changed = True
                 if phase[b] == LATENCY and t_lat[b] <= t + 1e-9:
                     nd = g.nodes[b][cur[b]]
-                    main[b] = max(0.0, nd.weight - held[b][cur[b]]) + nd.cache
+                    main[b] = max(0.0, nd.weight - held[b][cur[b]] - copied[b][cur[b]]) + nd.cache
+                    if cp_left[b] >= 0.0 and g.copies[b][cp_k[b]][1] == cur[b]:
+                        cp_left[b] = -1.0                 # what has not landed, the stage streams itself
+                        cp_k[b] += 1
                     phase[b] = STREAM
                     changed = True
                 if phase[b] == STREAM and main[b] <= 1e-6:
@@ -321,13 +356,24 @@ def _run_python(g: _Graph, costs: Costs, design: Design) -> dict:
                     changed = True
         if all(p == DONE for p in phase):
             break
+        for b in range(grid):                             # a copy is posted once its block reaches the post
+            cps = g.copies[b]
+            if cp_left[b] < 0.0:
+                # one whose stage started before it could be posted (nothing between them took time) is not sent
+                while cp_k[b] < len(cps) and (cps[cp_k[b]][1] < cur[b] or
+                                              (cps[cp_k[b]][1] == cur[b] and phase[b] >= STREAM)):
+                    cp_k[b] += 1
+                if cp_k[b] < len(cps) and cur[b] >= cps[cp_k[b]][0]:
+                    cp_left[b] = cps[cp_k[b]][2]
         loads = [ahead(b) for b in range(grid)]
         streaming = [b for b in range(grid) if phase[b] == STREAM]
         loading = [b for b in range(grid) if loads[b] is not None]
-        meter = design.inflight if design.inflight is not None else float("inf")
-        # each transfer's share of HBM: even, each at most its own cap (a metered loader: meter / round trip)
+        copying = [b for b in range(grid) if cp_left[b] >= 0.0]
+        # each transfer's share of HBM: even, each at most its own cap (a metered loader: meter / round trip; a
+        # copy, the copy engine's, as a stream's)
         caps = {b: cap_sm for b in streaming}
         caps.update({b: min(cap_sm, meter / max(costs.counter_us, 1e-3)) for b in loading})
+        caps.update({-1 - b: cap_sm for b in copying})
         rates = _water_fill(caps, costs.hbm_tbps * 1e6)
         if design.queue:                                  # what a round trip starting now waits behind
             window = cap_sm * costs.counter_us
@@ -338,6 +384,8 @@ def _run_python(g: _Graph, costs: Costs, design: Design) -> dict:
                 streamed += min(main[b], window)
             for b in loading:
                 asked += min(loads[b][1], meter)
+            for b in copying:                             # bulk copies, all posted at once: no meter
+                asked += cp_left[b]
             flight = streamed + asked
             queue_us = max(0.0, flight / (costs.hbm_tbps * 1e6) - costs.counter_us)
         events = []
@@ -350,6 +398,7 @@ def _run_python(g: _Graph, costs: Costs, design: Design) -> dict:
                 events.append(t_lat[b])
         events += [t + main[b] / rates[b] for b in streaming]
         events += [t + loads[b][1] / rates[b] for b in loading]
+        events += [t + cp_left[b] / rates[-1 - b] for b in copying]
         if not events:
             stuck = [(b, g.nodes[b][cur[b]].stage) for b in range(grid) if phase[b] == WAIT][:3]
             raise RuntimeError(f"the schedule deadlocks: blocks wait on producers that never finish {stuck}")
@@ -361,6 +410,13 @@ def _run_python(g: _Graph, costs: Costs, design: Design) -> dict:
             j, _ = loads[b]
             held[b][j] += rates[b] * dt
             total_held[b] += rates[b] * dt
+        for b in copying:
+            j = g.copies[b][cp_k[b]][1]
+            copied[b][j] += rates[-1 - b] * dt
+            cp_left[b] -= rates[-1 - b] * dt
+            if cp_left[b] <= 1e-6:                        # landed
+                cp_left[b] = -1.0
+                cp_k[b] += 1
         t = t_next
     return spans
 
@@ -399,8 +455,16 @@ def _flatten(g: _Graph) -> dict:
             fin_pair += [pair[nd.key, sid] for sid in members.get(nd.key, ()) if b in in_set[sid]]
             fin_ptr.append(len(fin_pair))
         node_ptr.append(len(keys))
+    cp_ptr, cp_post, cp_dest, cp_bytes = [0], [], [], []
+    for b, cps in enumerate(g.copies):
+        for post, dest, nbytes in cps:
+            cp_post.append(node_ptr[b] + post)
+            cp_dest.append(node_ptr[b] + dest)
+            cp_bytes.append(nbytes)
+        cp_ptr.append(len(cp_post))
     i64, f64 = np.int64, np.float64
-    return dict(keys=keys, blocks=blocks, node_ptr=np.array(node_ptr, i64), lat=np.array(lat, f64),
+    return dict(cp_ptr=np.array(cp_ptr, i64), cp_post=np.array(cp_post, i64), cp_dest=np.array(cp_dest, i64),
+                cp_bytes=np.array(cp_bytes, f64), keys=keys, blocks=blocks, node_ptr=np.array(node_ptr, i64), lat=np.array(lat, f64),
                 weight=np.array(weight, f64), cache=np.array(cache, f64), loadable=np.array(loadable, f64),
                 is_barrier=np.array(is_barrier, np.bool_), dep_ptr=np.array(dep_ptr, i64),
                 dep_pair=np.array(dep_pair, i64), dep_delay=np.array(dep_delay, f64), fin_ptr=np.array(fin_ptr, i64),
@@ -419,7 +483,8 @@ def _run_flat(g: _Graph, costs: Costs, design: Design) -> dict:
     cap_load = min(cap_sm, meter / max(costs.counter_us, 1e-3))
     status, start, finish, cur = _events(
         f["node_ptr"], f["lat"], f["weight"], f["cache"], f["loadable"], f["is_barrier"], f["dep_ptr"], f["dep_pair"],
-        f["dep_delay"], f["fin_ptr"], f["fin_pair"], f["left"], float(g.cap), float(cap_sm), float(cap_load),
+        f["dep_delay"], f["fin_ptr"], f["fin_pair"], f["left"], f["cp_ptr"], f["cp_post"], f["cp_dest"],
+        f["cp_bytes"], float(g.cap), float(cap_sm), float(cap_load),
         design.early_bytes is not None, bool(design.queue), float(meter), float(cap_sm * costs.counter_us),
         float(costs.hbm_tbps * 1e6), float(costs.counter_us))
     if status:
@@ -449,7 +514,8 @@ def _ready(i, dep_ptr, dep_pair, dep_delay, left, last):
 
 @_jit
 def _events(node_ptr, lat, weight, cache, loadable, is_barrier, dep_ptr, dep_pair, dep_delay, fin_ptr, fin_pair,
-            left0, cap, cap_sm, cap_load, ring, queue, meter, window, hbm, counter_us):
+            left0, cp_ptr, cp_post, cp_dest, cp_bytes, cap, cap_sm, cap_load, ring, queue, meter, window, hbm,
+            counter_us):
     """`_run_python`'s loop over flat arrays (`_flatten`), block for block and operation for operation: (status,
     each node's start and finish, each block's current node); status 1: a deadlock. Python's min(a, b) and
     max(a, b) return a unless b is strictly less (greater), and are spelt so; a block's current node `cur` is an
@@ -473,7 +539,12 @@ def _events(node_ptr, lat, weight, cache, loadable, is_barrier, dep_ptr, dep_pai
     rates = np.zeros(grid)
     streaming = np.zeros(grid, np.int64)
     loading = np.zeros(grid, np.int64)
-    order = np.zeros(grid, np.int64)
+    order = np.zeros(3 * grid, np.int64)                # entries: b (a stream or a load), grid + b (a copy)
+    cp_k = cp_ptr[:-1].copy()                            # each block's next copy, an index into cp_*
+    cp_left = np.full(grid, -1.0)                        # what is left of its posted copy (−1: none posted)
+    copied = np.zeros(n)
+    rates_c = np.zeros(grid)
+    copying = np.zeros(grid, np.int64)
     queue_us = 0.0
     t = 0.0
     while True:
@@ -490,8 +561,11 @@ def _events(node_ptr, lat, weight, cache, loadable, is_barrier, dep_ptr, dep_pai
                         changed = True
                 if phase[b] == 1 and t_lat[b] <= t + 1e-9:
                     i = cur[b]
-                    x = weight[i] - held[i]
+                    x = weight[i] - held[i] - copied[i]
                     main[b] = (x if x > 0.0 else 0.0) + cache[i]
+                    if cp_left[b] >= 0.0 and cp_dest[cp_k[b]] == i:
+                        cp_left[b] = -1.0
+                        cp_k[b] += 1
                     phase[b] = 2
                     changed = True
                 if phase[b] == 2 and main[b] <= 1e-6:
@@ -514,6 +588,17 @@ def _events(node_ptr, lat, weight, cache, loadable, is_barrier, dep_ptr, dep_pai
                 break
         if done:
             break
+        n_c = 0
+        for b in range(grid):                            # Launch.ahead's copies posted by now
+            if cp_left[b] < 0.0:
+                while cp_k[b] < cp_ptr[b + 1] and (cp_dest[cp_k[b]] < cur[b] or
+                                                   (cp_dest[cp_k[b]] == cur[b] and phase[b] >= 2)):
+                    cp_k[b] += 1
+                if cp_k[b] < cp_ptr[b + 1] and cur[b] >= cp_post[cp_k[b]]:
+                    cp_left[b] = cp_bytes[cp_k[b]]
+            if cp_left[b] >= 0.0:
+                copying[n_c] = b
+                n_c += 1
         # what each block loads ahead now (load_j −1: nothing)
         n_s = 0
         n_l = 0
@@ -561,9 +646,17 @@ def _events(node_ptr, lat, weight, cache, loadable, is_barrier, dep_ptr, dep_pai
             for k in range(n_l):
                 order[m] = loading[k]
                 m += 1
+        for k in range(n_c):
+            order[m] = grid + copying[k]
+            m += 1
         bw = hbm
         for k in range(m):
             b = order[k]
+            if b >= grid:
+                v = bw / (m - k)
+                rates_c[b - grid] = v if v < cap_sm else cap_sm
+                bw -= rates_c[b - grid]
+                continue
             c = cap_sm if phase[b] == 2 else cap_load
             v = bw / (m - k)
             rates[b] = v if v < c else c
@@ -577,6 +670,8 @@ def _events(node_ptr, lat, weight, cache, loadable, is_barrier, dep_ptr, dep_pai
             for k in range(n_l):
                 b = loading[k]
                 asked += meter if meter < load_amt[b] else load_amt[b]
+            for k in range(n_c):
+                asked += cp_left[copying[k]]
             q = (streamed + asked) / hbm - counter_us
             queue_us = q if q > 0.0 else 0.0
         found = False
@@ -605,6 +700,12 @@ def _events(node_ptr, lat, weight, cache, loadable, is_barrier, dep_ptr, dep_pai
             if not found or e < t_min:
                 t_min = e
                 found = True
+        for k in range(n_c):
+            b = copying[k]
+            e = t + cp_left[b] / rates_c[b]
+            if not found or e < t_min:
+                t_min = e
+                found = True
         if not found:
             return 1, span_start, span_end, cur
         t_next = t if t > t_min else t_min
@@ -616,6 +717,13 @@ def _events(node_ptr, lat, weight, cache, loadable, is_barrier, dep_ptr, dep_pai
             b = loading[k]
             held[load_j[b]] += rates[b] * dt
             total_held[b] += rates[b] * dt
+        for k in range(n_c):
+            b = copying[k]
+            copied[cp_dest[cp_k[b]]] += rates_c[b] * dt
+            cp_left[b] -= rates_c[b] * dt
+            if cp_left[b] <= 1e-6:
+                cp_left[b] = -1.0
+                cp_k[b] += 1
         t = t_next
     return 0, span_start, span_end, cur
 
