@@ -513,6 +513,18 @@ def _ready(i, dep_ptr, dep_pair, dep_delay, left, last):
 
 
 @_jit
+def _earliest(blocks, n, amount, rates, t, t_min, found):
+    """The earliest of (t_min if found) and each of the n transfers' ends, amount / rate after t."""
+    for k in range(n):
+        b = blocks[k]
+        e = t + amount[b] / rates[b]
+        if not found or e < t_min:
+            t_min = e
+            found = True
+    return t_min, found
+
+
+@_jit
 def _events(node_ptr, lat, weight, cache, loadable, is_barrier, dep_ptr, dep_pair, dep_delay, fin_ptr, fin_pair,
             left0, cp_ptr, cp_post, cp_dest, cp_bytes, cap, cap_sm, cap_load, ring, queue, meter, window, hbm,
             counter_us):
@@ -688,24 +700,9 @@ def _events(node_ptr, lat, weight, cache, loadable, is_barrier, dep_ptr, dep_pai
             if not found or e < t_min:
                 t_min = e
                 found = True
-        for k in range(n_s):
-            b = streaming[k]
-            e = t + main[b] / rates[b]
-            if not found or e < t_min:
-                t_min = e
-                found = True
-        for k in range(n_l):
-            b = loading[k]
-            e = t + load_amt[b] / rates[b]
-            if not found or e < t_min:
-                t_min = e
-                found = True
-        for k in range(n_c):
-            b = copying[k]
-            e = t + cp_left[b] / rates_c[b]
-            if not found or e < t_min:
-                t_min = e
-                found = True
+        t_min, found = _earliest(streaming, n_s, main, rates, t, t_min, found)
+        t_min, found = _earliest(loading, n_l, load_amt, rates, t, t_min, found)
+        t_min, found = _earliest(copying, n_c, cp_left, rates_c, t, t_min, found)
         if not found:
             return 1, span_start, span_end, cur
         t_next = t if t > t_min else t_min
