@@ -1,6 +1,8 @@
 """The bench's table without a GPU: its default positions, and both rooflines in every row of the table."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from conftest import needs_torch
@@ -154,3 +156,18 @@ def test_a_path_above_the_roofline_gets_a_footnote_and_only_then():
     slow = dataclasses.asdict(Row("monokernel", 128, 875.0, 1142.0, (1141.0, 1143.0), 65.3, "", 65.3))
     assert "above 100% of the roofline" in format_rows({**out, "rows": [roof, fast]})
     assert "above 100%" not in format_rows({**out, "rows": [roof, slow]})       # the roofline's own 100.0 is not
+
+
+def test_the_first_step_after_a_prefill_is_split_into_host_and_kernel():
+    """bench --ttft's note: what the first step adds to the prefill, split into the host's preparation, the
+    kernel's events and the rest, from the call's own marks; a call that never marked its preparation gives NaN,
+    not a number that looks measured."""
+    from types import SimpleNamespace
+    from workbench.measure.bench import first_step_split
+    res = SimpleNamespace(host_ms={"prepared": 0.4, "launched": 0.45, "first token": 1.7, "collected": 1.9},
+                          kernel_ms=1.1)
+    s = first_step_split(0.0250, 0.0225, res)
+    assert s["first step"] == pytest.approx(2.5) and s["host prepare"] == 0.4 and s["kernel"] == 1.1
+    assert s["rest"] == pytest.approx(1.0)
+    s = first_step_split(0.0250, 0.0225, SimpleNamespace(host_ms={}, kernel_ms=1.1))
+    assert math.isnan(s["host prepare"]) and math.isnan(s["rest"])

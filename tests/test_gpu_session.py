@@ -145,6 +145,11 @@ def test_time_to_first_token_is_reported_apart_from_decode(wb):
     assert ft.prompt == 1500 and ft.ms > 0 and ft.prefill_ms > 0 and len(ft.runs) == 2
     assert {"qkv_rope_append", "attention_decode", "lm_head"} <= set(ft.stages)
     assert all(v > 0 for v in ft.stages.values())
+    # the first step's split: its parts are positive and add up to less than it, and it is what the time to first
+    # token has beyond the prefill
+    fs = ft.first_step
+    assert fs["host prepare"] > 0 and fs["kernel"] > 0 and fs["rest"] >= 0, fs
+    assert fs["host prepare"] + fs["kernel"] <= fs["first step"] < min(ft.runs), (fs, ft.runs)
     with pytest.raises(ValueError, match="from 2"):
         wb.time_to_first_token(wb.cfg.max_seq + 1)
     rec = wb.reload(trigger="manual")

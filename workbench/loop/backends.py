@@ -64,6 +64,7 @@ class FirstToken:
     runs: list
     prefill_ms: float                   # the last run's prefill alone
     stages: dict
+    first_step: dict = dataclasses.field(default_factory=dict)   # the median run's (measure.bench.first_step_split)
 
 
 @dataclasses.dataclass
@@ -432,10 +433,10 @@ class GpuBackend:
         mk = self.kernels["timed"]
         prompt = np.random.default_rng(self.verify_seed).integers(0, self.cfg.vocab, prompt_len).tolist()
         with self._ctx():
-            secs, pre, stages = measure_ttft(mk, prompt, repeats, timeout_s=self.timeout_s)
+            secs, pre, stages, first = measure_ttft(mk, prompt, repeats, timeout_s=self.timeout_s)
         ms = [1e3 * s for s in secs]
         return FirstToken(prompt_len, float(np.median(ms)), ms, 1e3 * pre.seconds,
-                          {k: 1e3 * v for k, v in stages.items()})
+                          {k: 1e3 * v for k, v in stages.items()}, first)
 
     def ab(self, a: dict, b: dict, overrides: dict, *, tokens: int = 128, repeats: int = 5,
            verify: bool = True) -> dict:

@@ -87,27 +87,41 @@ def ttft_speedups(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def ttft_monokernel(mk, prompt: list[int], precision: str = "fp32", **generate_kw) -> tuple[float, object]:
+def ttft_monokernel(mk, prompt: list[int], precision: str = "fp32", **generate_kw) -> tuple[float, object, dict]:
     """Seconds from the prompt to the first new token: the prompt but its last token prefilled (batched, its
     products in `precision`), then the kernel's first step from that token (one launch, its first token
-    published). `generate_kw`: generate's (e.g. timeout_s). → (seconds, the prefill's Prefilled)."""
+    published). `generate_kw`: generate's (e.g. timeout_s). → (seconds, the prefill's Prefilled, first_step_split
+    of the step)."""
     import cupy as cp
     t0 = time.perf_counter()
     pre = mk.prefill(prompt[:-1], precision=precision)
-    mk.generate(prompt[-1:], 1, eos=[], pos0=len(prompt) - 1, **generate_kw)
+    res = mk.generate(prompt[-1:], 1, eos=[], pos0=len(prompt) - 1, **generate_kw)
     cp.cuda.Device().synchronize()
-    return time.perf_counter() - t0, pre
+    secs = time.perf_counter() - t0
+    return secs, pre, first_step_split(secs, pre.seconds, res)
+
+
+def first_step_split(secs: float, prefill_s: float, res) -> dict:
+    """Where a time to first token went after the prefill, ms: the whole first step (the call's wall time after
+    the prefill's), the host's preparation before the launch (inputs, resets, poisoning, one synchronisation), the
+    kernel (CUDA events, launch to end) and the rest (the launch call, the watch that sees the token, the read
+    back)."""
+    step = 1e3 * (secs - prefill_s)
+    prep, kernel = res.host_ms.get("prepared", float("nan")), res.kernel_ms
+    return {"first step": step, "host prepare": prep, "kernel": kernel, "rest": step - prep - kernel}
 
 
 def measure_ttft(mk, prompt: list[int], repeats: int, precision: str = "fp32",
-                 **generate_kw) -> tuple[list, object, dict]:
+                 **generate_kw) -> tuple[list, object, dict, dict]:
     """ttft_monokernel `repeats` times after one warm-up run (CuPy's kernels, cuBLAS) → (seconds of each run, the
-    last run's Prefilled, the seconds by stage of one more prefill synchronised after each stage)."""
+    last run's Prefilled, the seconds by stage of one more prefill synchronised after each stage, the median run's
+    first_step_split)."""
     ttft_monokernel(mk, prompt, precision, **generate_kw)
     runs = [ttft_monokernel(mk, prompt, precision, **generate_kw) for _ in range(max(1, repeats))]
     stages: dict = {}
     mk.prefill(prompt[:-1], timings=stages, precision=precision)
-    return [r[0] for r in runs], runs[-1][1], dict(sorted(stages.items(), key=lambda kv: -kv[1]))
+    median = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+    return [r[0] for r in runs], runs[-1][1], dict(sorted(stages.items(), key=lambda kv: -kv[1])), median[2]
 
 
 def hf_prefill(model, prompt_ids):
@@ -188,11 +202,13 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
     prompts = {n: rng.integers(0, cfg.vocab, n).tolist() for n in ttft}
     for n, prompt in prompts.items():
         for precision in PRECISIONS:                  # each precision of the products, in the same run
-            secs, pre, stages = measure_ttft(mk, prompt, max(2, repeats // 2), precision)
+            secs, pre, stages, first = measure_ttft(mk, prompt, max(2, repeats // 2), precision)
             add_ttft(f"{TTFT_MONOKERNEL} {precision}", n, secs,
-                     f"prefill {1e3 * pre.seconds:.1f} ms in {pre.chunks} chunks")
+                     f"prefill {1e3 * pre.seconds:.1f} ms in {pre.chunks} chunks, then the first step "
+                     + ", ".join(f"{k} {v:.2f}" for k, v in first.items()) + " ms")
             out.setdefault("ttft_stages", {}).setdefault(str(n), {})[precision] = {k: 1e3 * v
                                                                                    for k, v in stages.items()}
+            out.setdefault("ttft_first_step", {}).setdefault(str(n), {})[precision] = first
             log(f"  prefill ({precision}) of {n - 1} tokens by stage (ms, synchronised): "
                 + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in stages.items()))
 

@@ -137,6 +137,11 @@ class Result:
     prompt: list[int] = dataclasses.field(default_factory=list)
     max_new: int = 0
     eos: list[int] = dataclasses.field(default_factory=list)
+    # the host's side of the call, ms from its start (time.perf_counter): "prepared" (inputs on the device, the
+    # GPU synchronised), "launched" (the launch call returned), "first token" (the host saw the first token
+    # published), "collected" (the results read back). The time to first token's split between the host and the
+    # kernel's first step, which CUDA's events (kernel_ms) cannot tell.
+    host_ms: dict = dataclasses.field(default_factory=dict)
 
     @property
     def tok_per_s(self) -> float:
@@ -503,11 +508,21 @@ class Monokernel:
         req = self._check_request(prompt, max_new, sampling, pos0=pos0, eos=eos, record=record, n_draws=n_draws,
                                   timing_steps=timing_steps, tap_steps=tap_steps, kernel_limits=kernel_limits,
                                   timeout_s=timeout_s, poison_kv=poison_kv, stop_requested=stop_requested)
+        t0 = time.perf_counter()
+        host_ms = {}
+
+        def mark(phase):
+            host_ms[phase] = 1e3 * (time.perf_counter() - t0)
         self._fit_buffers(req)
         self._prepare(req)
+        mark("prepared")
         start, end = self._launch(req)
-        aborted_by_host = yield from self._watch(on_token, on_poll, poll_interval_s, host_timeout_s)
+        mark("launched")
+        aborted_by_host = yield from self._watch(on_token, on_poll, poll_interval_s, host_timeout_s,
+                                                 lambda: mark("first token"))
         self.last = self._collect(req, start, end)
+        mark("collected")
+        self.last.host_ms = host_ms
         try:
             self._raise_on_status(aborted_by_host, host_timeout_s)
         except KernelError as e:
@@ -666,9 +681,9 @@ class Monokernel:
         end.record(self.stream)
         return start, end
 
-    def _watch(self, on_token, on_poll, poll_interval_s: float, host_timeout_s: float):
+    def _watch(self, on_token, on_poll, poll_interval_s: float, host_timeout_s: float, on_first=None):
         """Yield each token as the kernel publishes it, until the stream is done, calling on_poll every
-        poll_interval_s. The host's watchdog: a heartbeat still for host_timeout_s sets the abort word; still as
+        poll_interval_s (and on_first when the first token is seen, before it is yielded). The host's watchdog: a heartbeat still for host_timeout_s sets the abort word; still as
         long again, KernelError. Returns whether the watchdog set the abort word."""
         w = self.mapped.words
         seen, last_progress, last_change, aborted_by_host = 0, -1, time.monotonic(), False
@@ -678,6 +693,8 @@ class Monokernel:
             n = int(w[M_N_OUT])
             while seen < n:
                 tok = int(w[M_TOKENS + seen])
+                if seen == 0 and on_first is not None:
+                    on_first()
                 seen += 1
                 if on_token:
                     on_token(tok)
