@@ -323,6 +323,32 @@ __device__ __forceinline__ void wb_ldmatrix_x4(u32* out, const void* row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(out[0]), "=r"(out[1]), "=r"(out[2]), "=r"(out[3]) : "r"(wb_smem_addr(row)));
 }
+// Hopper's warpgroup products (wgmma, sm_90a only: a build for plain sm_90 never calls these, and NVRTC emits no
+// PTX for an uncalled inline function). Four warps issue one m64nNk16 product together, asynchronously: A (64 × 16
+// bf16) from the registers in mma.sync's A fragments, one per warp's 16 rows, or from shared memory; B (16 × N)
+// from shared memory through a descriptor; D (64 × N, fp32) in the registers, mma.sync's C fragments for each 8
+// columns (generated per N by workbench.run.prefill_gpu.wgmma_products, since the operand list is N/2 registers
+// long). The registers a product reads or writes are not to be touched between wb_wgmma_fence and
+// wb_wgmma_wait; wb_reg_fence after the wait keeps the compiler from reading them before it.
+template <int N, int TRANS_B>
+__device__ __forceinline__ void wb_wgmma_bf16(float* d, const u32* a, u64 desc, int accumulate);
+template <int N>      // A (64 × 16, K-major) through a descriptor too
+__device__ __forceinline__ void wb_wgmma_bf16_ss(float* d, u64 desc_a, u64 desc_b, int accumulate);
+__device__ __forceinline__ void wb_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wb_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int pending> __device__ __forceinline__ void wb_wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" :: "n"(pending) : "memory");
+}
+__device__ __forceinline__ void wb_reg_fence(float& x) { asm volatile("" : "+f"(x) :: "memory"); }
+__device__ __forceinline__ void wb_reg_fence(u32& x) { asm volatile("" : "+r"(x) :: "memory"); }
+// shared memory written by this thread's loads or cp.async (the generic proxy), made visible to what reads it
+// through the async proxy (wgmma's operands, bulk copies out): before the block barrier that publishes it
+__device__ __forceinline__ void wb_fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// A shared-memory matrix descriptor without a swizzle: the matrix is 8 × 8 core matrices of 8 rows of 16 bytes,
+// each 128 contiguous bytes; `lead` bytes from one core matrix to the next along K, `stride` along M or N.
+__device__ __forceinline__ u64 wb_wgmma_desc(const void* smem, u32 lead, u32 stride) {
+    return (u64)((wb_smem_addr(smem) & 0x3ffff) >> 4) | ((u64)(lead >> 4) << 16) | ((u64)(stride >> 4) << 32);
+}
 #endif
 
 // ---- vendor-neutral helpers built on the layer above ---------------------------------------------------------

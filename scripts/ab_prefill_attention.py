@@ -2,7 +2,8 @@
 GPU, in one run: a whole prompt's causal attention, chunk by chunk as the prefill runs it, for one layer of a
 model's shapes, every layout (prefill_gpu.LAYOUTS) at each precision timed (median of repeats, CUDA events) and held
 to the same precision's per-head output bit for bit, with its relative error against the fp32 per-head output (the
-bf16 precision: one bf16 half of the queries and probabilities, half the products).
+bf16 precision: one bf16 half of the queries and probabilities, half the products). On an H100 or H200 the wgmma
+kernel's layouts (prefill_gpu.WGMMA_LAYOUTS) run too.
 
     python scripts/ab_prefill_attention.py --model llama-3.2-1b --prompt 4096 32768 [--json FILE]
 
@@ -37,12 +38,19 @@ def layout_name(layout) -> str:
     return "+".join(on) or "per-head"
 
 
-# (layout, halves) a row times: every layout at each precision, the fp32 per-head layout first (the others'
-# bits are compared with the first of their precision)
-RUNS = {f"{precision}, {layout_name(layout)}": (layout, halves)
-        for precision, halves in G.PRECISIONS.items()
-        for layout in (*G.LAYOUTS, dataclasses.replace(G.FLASH_LAYOUT, min_blocks=4),
-                       dataclasses.replace(G.FLASH_LAYOUT, frags=2))}
+def wgmma_layouts():
+    """The wgmma kernel's layouts where this GPU runs sm_90a's code (compute capability 9.0): another order of
+    sums, so their rows say "no" under same bits and give their error against the fp32 per-head output."""
+    return G.WGMMA_LAYOUTS if cp.cuda.Device().compute_capability == "90" else ()
+
+
+def runs() -> dict:
+    """(layout, halves) a row times: every layout at each precision, the fp32 per-head layout first (the others'
+    bits are compared with the first of their precision)."""
+    return {f"{precision}, {layout_name(layout)}": (layout, halves)
+            for precision, halves in G.PRECISIONS.items()
+            for layout in (*G.LAYOUTS, dataclasses.replace(G.FLASH_LAYOUT, min_blocks=4),
+                           dataclasses.replace(G.FLASH_LAYOUT, frags=2), *wgmma_layouts())}
 
 
 def one_prompt(cfg, n: int, chunk: int, repeats: int, rng) -> dict:
@@ -51,8 +59,8 @@ def one_prompt(cfg, n: int, chunk: int, repeats: int, rng) -> dict:
     kb, vb = (to_bf16(cp.asarray(rng.standard_normal((hkv, n, hd)), dtype=cp.float32), cp) for _ in range(2))
     chunks = [(c, min(c + chunk, n)) for c in range(0, n, chunk)]
     base, base_halves, ref, rows = None, None, None, {}
-    for name, (layout, halves) in RUNS.items():
-        kernel = G.module(G.flash_source(hd, layout, halves)).get_function("prefill_attention")
+    for name, (layout, halves) in runs().items():
+        kernel = G.flash_kernel(hd, layout, halves)
 
         def run():
             return [G.flash_attention(q[a:b], kb, vb, cp.arange(a, b), hq, kernel=kernel, layout=layout,

@@ -700,6 +700,49 @@ def test_the_bf16_prefills_attention_is_within_its_bound(heads, kv_heads, hd, n,
         assert bool(same.all()), f"{layout}: {int((~same).sum())} elements differ"
 
 
+@pytest.mark.parametrize("heads,kv_heads,hd,n,pos0", [(32, 8, 64, 700, 1500), (6, 2, 32, 130, 0),
+                                                       (8, 8, 96, 65, 63), (16, 4, 128, 257, 4100)])
+def test_the_wgmma_attention_kernel_is_the_references_attention(heads, kv_heads, hd, n, pos0):
+    """kernels/prefill/attention_wgmma.cuh (sm_90a's warpgroup products; an H100 or H200 only) against the fp64
+    math on the same inputs as the mma.sync kernel's test, every WGMMA_LAYOUTS layout (one and two warpgroups, 64
+    and 128 keys a tile: tails of rows and keys off every tile) at both precisions, held to the same bounds: fp32
+    3e-4 relative and 2⁻¹¹ of the values per element, bf16 4e-3 and looser than fp32 (its lo products gone); the
+    mask one key further; a NaN query's row and head NaN and nothing else; a NaN key past every row no effect. A
+    wrong descriptor stride, core-matrix order or transpose reads other keys or columns: off by order 1."""
+    import cupy as cp
+
+    from workbench.model import stage_math as S
+    from workbench.run.prefill_gpu import WGMMA_LAYOUTS, flash_attention
+    if cp.cuda.Device().compute_capability != "90":
+        pytest.skip("the wgmma kernel is sm_90a's (H100, H200)")
+    q, kb, vb, k, v, positions = _attention_inputs(heads, kv_heads, hd, n, pos0)
+    want = S.attention_decode(q.astype(cp.float64), k, v, positions)
+    later_want = S.attention_decode(q.astype(cp.float64), k, v, positions + 1)
+    vmax = float(cp.abs(v).max())
+    for layout in WGMMA_LAYOUTS:
+        rel = {}
+        for halves in (2, 1):
+            got = flash_attention(q, kb, vb, positions, heads, layout=layout, halves=halves)
+            assert bool(cp.isfinite(got).all()), (layout, halves)
+            rel[halves] = float(cp.linalg.norm(got - want) / cp.linalg.norm(want))
+            if halves == 2:
+                assert float(cp.abs(got.astype(cp.float64) - want).max()) <= 2 ** -11 * vmax, layout
+            later = flash_attention(q, kb, vb, positions + 1, heads, layout=layout, halves=halves)
+            assert float(cp.linalg.norm(later - later_want) / cp.linalg.norm(later_want)) <= 3 * rel[halves] + 1e-6
+        print(f"{layout}: rel err fp32 {rel[2]:.2e}, bf16 {rel[1]:.2e}")
+        assert rel[2] <= 3e-4 < rel[1] <= 4e-3, (layout, rel)
+    bad_q = q.copy()
+    bad_q[n // 2, :hd] = cp.nan
+    kb2 = kb.copy()
+    kb2[0, pos0 + n] = 0x7FC0                                            # a NaN key past every row
+    for layout in WGMMA_LAYOUTS:
+        base = flash_attention(q, kb, vb, positions, heads, layout=layout)
+        bad = flash_attention(bad_q, kb2, vb, positions, heads, layout=layout)
+        assert int(cp.isnan(bad).sum()) == hd and bool(cp.isnan(bad[n // 2, :hd]).all()), layout
+        bad[n // 2, :hd] = base[n // 2, :hd]
+        assert bool((bad == base).all()), layout
+
+
 @pytest.mark.parametrize("heads,kv_heads,hd,n", [(32, 8, 64, 700), (6, 2, 32, 130), (8, 8, 96, 65), (12, 4, 80, 97)])
 def test_the_prefills_attention_layouts_change_no_bit(heads, kv_heads, hd, n):
     """Each FlashLayout runs every row through the same products in the same order (only which block holds a row,

@@ -314,3 +314,31 @@ def test_the_prefill_runs_two_fragments_a_warp_only_where_they_build_without_a_s
             assert ok, log
             (r,) = [r for r in resource_usage(cubin) if r.kernel == "prefill_attention"]
             assert r.stack == 0, (hd, halves, r)
+
+
+def test_the_wgmma_attention_builds_for_sm90a_without_a_spill():
+    """FlashLayout(warpgroups=...): kernels/prefill/attention_wgmma.cuh with its generated products, for sm_90a, at
+    every head_dim a preset has (and 80, 96) and both precisions: no local memory, ≤ 255 registers, and in the
+    machine code the warpgroup products a key tile needs: Q·Kᵀ in hd/16 steps and P·V in keys/16, each once a bf16
+    half, P·V's with B transposed (the value tile is MN-major). A layout the kernel does not take is refused."""
+    from workbench.compiler.compile import disassemble, nvrtc_program, resource_usage
+    from workbench.model.config import PRESETS
+    from workbench.run.prefill_gpu import WGMMA_LAYOUTS, FlashLayout, flash_options, flash_source
+    dims = sorted({get_config(name).head_dim for name in PRESETS} | {80, 96})
+    for hd in dims:
+        for layout in WGMMA_LAYOUTS:
+            for halves in (1, 2):
+                ok, log, _, cubin = nvrtc_program(flash_source(hd, layout, halves), list(flash_options(layout)))
+                assert ok, (hd, layout, halves, log)
+                (r,) = [r for r in resource_usage(cubin) if r.kernel == "prefill_attention"]
+                assert r.stack == 0 and r.registers <= 255, (hd, layout, halves, r)
+                if hd == 64:
+                    sass = [ln for ln in disassemble(cubin).splitlines() if "HGMMA" in ln]
+                    pv = [ln for ln in sass if "tnspB" in ln]
+                    assert len(pv) == layout.tile_keys // 16 * halves, (layout, halves, sass)
+                    assert len(sass) - len(pv) == hd // 16 * halves, (layout, halves, sass)
+    ok, log, _, _ = nvrtc_program(flash_source(64, WGMMA_LAYOUTS[0], 1), ["--std=c++17", "-arch=sm_90"], cubin=True)
+    assert not ok and "wgmma" in log                          # plain sm_90 has no warpgroup products
+    for bad in (dict(warpgroups=3), dict(warpgroups=1, frags=2), dict(warpgroups=1, keys=24), dict(keys=64)):
+        with pytest.raises(ValueError):
+            FlashLayout(**bad)

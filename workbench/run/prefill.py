@@ -242,7 +242,7 @@ def _prefill_gpu(p: Prepared, tokens, positions, k_cache, v_cache, chunk: int, c
     layer_kernels = G.module(G.layer_source())
     layout = G.flash_layout(p.cfg.head_dim, halves)     # the kernel and the grid it is launched with, together
     # the attention's queries and probabilities in the products' halves: one precision for the whole prefill
-    attend = (G.module(G.flash_source(p.cfg.head_dim, layout, halves)).get_function("prefill_attention"), layout)
+    attend = (G.flash_kernel(p.cfg.head_dim, layout, halves), layout)
     w = view(p, np.float32)                             # converts nothing until a stage without one reads weights
     # what each stage may write, from the plan: an implementation's outputs are checked against it
     declared = {s.name: {u.buffer for u in s.writes if u.active(p.cfg)} for s in plan.STAGES}

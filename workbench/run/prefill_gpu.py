@@ -43,21 +43,52 @@ def _kernels_dir():
 @dataclasses.dataclass(frozen=True)
 class FlashLayout:
     """How the attention kernel lays its work out; no choice changes a result, bit for bit (the GPU test holds
-    every combination to it). gqa_rows: a block's 64 rows are (position, query head) pairs of one kv head, so
-    each key and value tile serves the whole group; k_ldmatrix: the keys' fragments by ldmatrix; heavy_first: the
-    row tiles with the most keys are dispatched first, every head's (the grid is (heads, row tiles)); min_blocks:
-    the blocks an SM the kernel's registers are capped for (0: attention.cuh's default for the precision); frags:
-    16-row fragments a warp (2: 128 rows a block, each key and value fragment loaded once for both)."""
+    every combination to it), but `warpgroups`. gqa_rows: a block's 64 rows are (position, query head) pairs of one
+    kv head, so each key and value tile serves the whole group; k_ldmatrix: the keys' fragments by ldmatrix;
+    heavy_first: the row tiles with the most keys are dispatched first, every head's (the grid is (heads, row
+    tiles)); min_blocks: the blocks an SM the kernel's registers are capped for (0: attention.cuh's default for
+    the precision); frags: 16-row fragments a warp (2: 128 rows a block, each key and value fragment loaded once
+    for both).
+    warpgroups: the other kernel, attention_wgmma.cuh (sm_90a's warpgroup products: 64 rows a warpgroup of four
+    warps, 1 or 2 a block), which takes `keys` keys a tile (0: 64) and heavy_first and min_blocks as above; the same
+    math in another order of sums, so it agrees with attention.cuh to rounding, not bit for bit."""
     gqa_rows: bool = False
     k_ldmatrix: bool = False
     heavy_first: bool = False
     min_blocks: int = 0
     frags: int = 1
+    warpgroups: int = 0
+    keys: int = 0
+
+    def __post_init__(self):
+        if self.warpgroups not in (0, 1, 2):
+            raise ValueError(f"warpgroups={self.warpgroups}: 0 (the mma.sync kernel), 1 or 2")
+        if self.warpgroups and (self.gqa_rows or self.k_ldmatrix or self.frags != 1):
+            raise ValueError("the wgmma kernel (warpgroups) has no gqa_rows, k_ldmatrix or frags: they lay out "
+                             "attention.cuh's mma.sync fragments")
+        if self.keys and not (self.warpgroups and self.keys % 16 == 0 and 16 <= self.keys <= 256):
+            raise ValueError(f"keys={self.keys}: a tile of the wgmma kernel (warpgroups), a multiple of 16 to 256")
 
     @property
     def rows(self) -> int:
         """Rows a block takes."""
-        return ATTN_ROWS * self.frags
+        return 64 * self.warpgroups if self.warpgroups else ATTN_ROWS * self.frags
+
+    @property
+    def threads(self) -> int:
+        return 128 * self.warpgroups if self.warpgroups else ATTN_THREADS
+
+    @property
+    def tile_keys(self) -> int:
+        """Keys a tile of the wgmma kernel."""
+        return self.keys or 64
+
+    def shared_bytes(self, head_dim: int, halves: int) -> int:
+        """Dynamic shared memory a block takes: the wgmma kernel's two stages of a key and a value tile, and its
+        rows' queries in `halves` bf16 halves."""
+        if not self.warpgroups:
+            return 0
+        return 2 * 2 * self.tile_keys * head_dim * 2 + halves * self.rows * head_dim * 2
 
     def grid(self, n: int, n_heads: int, n_kv: int) -> tuple:
         if self.gqa_rows:
@@ -71,6 +102,8 @@ class FlashLayout:
 
 # every layout, for the A/B and the tests that hold them to the same bits
 LAYOUTS = tuple(FlashLayout(*bits) for bits in itertools.product((False, True), repeat=3))
+# the wgmma kernel's layouts the A/B times beside them (another order of sums: not held to LAYOUTS' bits)
+WGMMA_LAYOUTS = tuple(FlashLayout(heavy_first=True, warpgroups=wg, keys=keys) for wg in (1, 2) for keys in (64, 128))
 # measured on the H200 (scripts/ab_prefill_attention.py): the keys by ldmatrix 3-5% faster at 4k
 # and 32k; rows per kv head 1-15% slower (more blocks on the diagonal's long tail than tiles saved); the longest
 # row tiles first 2-3% faster at 32k (bf16 20.86 against 21.32 ms a layer, fp32 28.80 against 29.81)
@@ -89,16 +122,69 @@ def flash_layout(head_dim: int, halves: int) -> FlashLayout:
 def flash_source(head_dim: int, layout: FlashLayout | None = None, halves: int = 2) -> str:
     """The prefill attention kernel's source for one head_dim (and layout, FLASH_LAYOUT unless given), with the
     queries and probabilities in `halves` bf16 halves (PRECISIONS; attention.cuh argues both): the portability
-    layer, then the kernel."""
+    layer, then the kernel (attention_wgmma.cuh and its products where the layout has warpgroups)."""
     if halves not in PRECISIONS.values():
         raise ValueError(f"halves={halves}: the attention kernel takes {sorted(set(PRECISIONS.values()))}")
     k, layout = _kernels_dir(), layout or FLASH_LAYOUT
-    return (f"#define WB_HD {head_dim}\n#define WB_THREADS {ATTN_THREADS}\n#define WB_PA_ROWS {layout.rows}\n"
-            f"#define WB_PA_FRAGS {layout.frags}\n"
-            f"#define WB_PA_GQA_ROWS {int(layout.gqa_rows)}\n#define WB_PA_K_LDMATRIX {int(layout.k_ldmatrix)}\n"
+    head = (f"#define WB_HD {head_dim}\n#define WB_THREADS {layout.threads}\n#define WB_PA_ROWS {layout.rows}\n"
             f"#define WB_PA_HEAVY_FIRST {int(layout.heavy_first)}\n#define WB_PA_HALVES {halves}\n"
-            + (f"#define WB_PA_MIN_BLOCKS {layout.min_blocks}\n" if layout.min_blocks else "")
+            + (f"#define WB_PA_MIN_BLOCKS {layout.min_blocks}\n" if layout.min_blocks else ""))
+    if layout.warpgroups:
+        return (head + f"#define WB_PW_WARPGROUPS {layout.warpgroups}\n#define WB_PW_KEYS {layout.tile_keys}\n"
+                + (k / "portability.cuh").read_text() + wgmma_products({layout.tile_keys, head_dim})
+                + (k / "prefill" / "attention_wgmma.cuh").read_text())
+    return (head + f"#define WB_PA_FRAGS {layout.frags}\n"
+            f"#define WB_PA_GQA_ROWS {int(layout.gqa_rows)}\n#define WB_PA_K_LDMATRIX {int(layout.k_ldmatrix)}\n"
             + (k / "portability.cuh").read_text() + (k / "prefill" / "attention.cuh").read_text())
+
+
+def wgmma_products(ns) -> str:
+    """The portability layer's warpgroup products for each N in `ns` (portability.cuh declares them and says what
+    they compute): wgmma.mma_async m64nNk16, bf16 × bf16 into fp32, B through a shared-memory descriptor; A from
+    four registers (wb_wgmma_bf16<N, TRANS_B>; TRANS_B 1: B MN-major) or through a descriptor too
+    (wb_wgmma_bf16_ss<N>, both K-major); D = A·B or D += A·B as `accumulate` says. Generated because the
+    instruction names its N/2 accumulator registers one by one."""
+    out = []
+    for n in sorted(ns):
+        if n % 8 or not 8 <= n <= 256:
+            raise ValueError(f"wgmma's N is a multiple of 8 from 8 to 256, got {n}")
+        r = n // 2
+        regs = ", ".join(f"%{i}" for i in range(r))
+        outs = ", ".join(f'"+f"(d[{i}])' for i in range(r))
+        for trans in (0, 1):
+            out.append(
+                f"template <> __device__ __forceinline__ void wb_wgmma_bf16<{n}, {trans}>(float* d, const u32* a, "
+                f"u64 desc, int accumulate) {{\n"
+                f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{r + 5}, 0;\\n"\n'
+                f'                 "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{regs}}}, '
+                f'{{%{r}, %{r + 1}, %{r + 2}, %{r + 3}}}, %{r + 4}, p, 1, 1, {trans};\\n}}"\n'
+                f'                 : {outs}\n'
+                f'                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));\n}}\n')
+        out.append(
+            f"template <> __device__ __forceinline__ void wb_wgmma_bf16_ss<{n}>(float* d, u64 desc_a, u64 desc_b, "
+            f"int accumulate) {{\n"
+            f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{r + 2}, 0;\\n"\n'
+            f'                 "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{regs}}}, %{r}, %{r + 1}, '
+            f'p, 1, 1, 0, 0;\\n}}"\n'
+            f'                 : {outs}\n'
+            f'                 : "l"(desc_a), "l"(desc_b), "r"(accumulate));\n}}\n')
+    return "".join(out)
+
+
+def flash_options(layout: FlashLayout) -> tuple:
+    """NVRTC's options for the attention kernel of this layout: the wgmma kernel is sm_90a's alone (NVRTC takes
+    this target over the one CuPy appends for the device)."""
+    return ("--std=c++17", "-arch=sm_90a") if layout.warpgroups else ("--std=c++17",)
+
+
+def flash_kernel(head_dim: int, layout: FlashLayout | None = None, halves: int = 2):
+    """The compiled attention kernel for this head_dim, layout and halves, its dynamic shared memory allowed."""
+    layout = layout or FLASH_LAYOUT
+    fn = module(flash_source(head_dim, layout, halves), flash_options(layout)).get_function("prefill_attention")
+    smem = layout.shared_bytes(head_dim, halves)
+    if smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:
+        fn.max_dynamic_shared_size_bytes = smem
+    return fn
 
 
 def layer_source() -> str:
@@ -118,14 +204,15 @@ def flash_supported(cfg, xp, dtype) -> bool:
 _MODULES: dict = {}
 
 
-def module(src: str):
+def module(src: str, options: tuple = ("--std=c++17",)):
     """The compiled module of this source (an edited kernel file is compiled again)."""
     import cupy
-    if src not in _MODULES:
+    key = (src, options)
+    if key not in _MODULES:
         if len(_MODULES) >= 8:
             _MODULES.clear()
-        _MODULES[src] = cupy.RawModule(code=src, options=("--std=c++17",))
-    return _MODULES[src]
+        _MODULES[key] = cupy.RawModule(code=src, options=options)
+    return _MODULES[key]
 
 
 def flash_attention(q, k_layer, v_layer, positions, n_heads: int, kernel=None, layout: FlashLayout | None = None,
@@ -161,10 +248,10 @@ def flash_attention(q, k_layer, v_layer, positions, n_heads: int, kernel=None, l
     if n == 0:
         return out
     layout = layout or FLASH_LAYOUT
-    kernel = kernel or module(flash_source(hd, layout, halves)).get_function("prefill_attention")
-    kernel(layout.grid(n, n_heads, n_kv), (ATTN_THREADS,),
+    kernel = kernel or flash_kernel(hd, layout, halves)
+    kernel(layout.grid(n, n_heads, n_kv), (layout.threads,),
            (q, k_layer, v_layer, pos, out, np.int32(n), np.int32(n_ctx), np.int32(n_heads), np.int32(n_heads // n_kv),
-            np.float32(hd ** -0.5)))
+            np.float32(hd ** -0.5)), shared_mem=layout.shared_bytes(hd, halves))
     return out
 
 

@@ -1,0 +1,241 @@
+// Causal attention of the batched prefill on Hopper's warpgroup products (wgmma, sm_90a): the same math as
+// attention.cuh, whose precision argument holds here unchanged (the queries and probabilities in WB_PA_HALVES bf16
+// halves, the running softmax in fp32, the fast exp), on the instruction the GPU's tensor cores run at full rate.
+// mma.sync reaches about a third of it; the mma.sync kernel measured ~255 TFLOP/s at 32k on an H100, cuDNN's
+// wgmma kernel about twice its speed at 4k (NOTES.md, rounds 26 and 28).
+//
+// One block takes PW_BM = 64·WB_PW_WARPGROUPS query rows of one query head; each warpgroup (four warps) owns 64 of
+// them and issues its products as one: S = Q·Kᵀ as 64 × PW_BN per key tile (the queries in shared memory for
+// the whole block), then O += P·V as 64 × head_dim, P taken from S's accumulators as they lie
+// (wgmma's accumulator fragments are mma.sync's, and so are its A fragments). Key and value tiles are copied from
+// the kernel's bf16 cache into shared memory with cp.async, two tiles in flight as in attention.cuh, laid out as
+// wgmma's 8 × 8 core matrices without a swizzle: 16-byte chunk e of a tile holds key (e / hd)·8 + e % 8, columns
+// 8·((e / 8) % (hd / 8)) onwards, at byte 16e, so each core matrix (8 keys × 8 columns) is 128 contiguous bytes,
+// the next along the columns 128 bytes on and the next along the keys hd·16. The same bytes serve both products:
+// K as B of Q·Kᵀ (K-major: its reduction, the columns, runs within a core matrix's rows) and V as B of P·V
+// (transposed: MN-major, its reduction over keys runs across a core matrix's rows).
+//
+// The order of the sums differs from attention.cuh's (a tile of PW_BN keys, where it takes 64, and the tensor
+// cores' own order within a product), so the two kernels agree to rounding, not bit for bit; the GPU tests hold
+// this one to the fp64 math at the same bounds.
+//
+// Set by the launcher (workbench/run/prefill_gpu.py): WB_HD, WB_PW_WARPGROUPS, WB_PW_KEYS (PW_BN), WB_PA_HALVES,
+// WB_PA_HEAVY_FIRST, WB_PA_ROWS (the rows a block takes, as the grid counts them) and WB_PA_MIN_BLOCKS; and the
+// generated wb_wgmma_bf16 products for N = PW_BN and N = WB_HD.
+
+#define PW_WG WB_PW_WARPGROUPS
+#define PW_THREADS (4 * WB_WARP * PW_WG)
+#define PW_BM (64 * PW_WG)
+#define PW_BN WB_PW_KEYS
+#define PW_TILE_BYTES (PW_BN * WB_HD * 2)          // one tile of keys or of values
+#define PW_CHUNKS (PW_BN * WB_HD / 8)              // its 16-byte chunks
+
+#ifndef WB_PA_HEAVY_FIRST
+#define WB_PA_HEAVY_FIRST 0
+#endif
+#ifndef WB_PA_HALVES
+#define WB_PA_HALVES 2
+#endif
+#ifndef WB_PA_MIN_BLOCKS
+#define WB_PA_MIN_BLOCKS 1
+#endif
+static_assert(WB_PA_HALVES == 1 || WB_PA_HALVES == 2, "bf16 halves of the queries and probabilities: 1 or 2");
+static_assert(WB_HD % 16 == 0 && WB_HD <= 256, "head_dim: a multiple of 16 (P·V's N, and Q·Kᵀ's 16-wide steps)");
+static_assert(PW_BN % 16 == 0 && PW_BN >= 16 && PW_BN <= 256, "keys a tile: P·V's 16-key steps, Q·Kᵀ's N ≤ 256");
+static_assert(PW_WG >= 1 && PW_WG <= 2, "one or two warpgroups a block");
+static_assert(WB_THREADS == PW_THREADS, "the launcher's block is four warps a warpgroup");
+static_assert(WB_PA_ROWS == PW_BM, "the launcher's grid counts rows in this tile's");
+
+// x ≈ hi + lo as attention.cuh's pa_split (lo not formed with one half)
+__device__ __forceinline__ void pw_split(float x0, float x1, u32& hi, u32& lo) {
+    hi = wb_pack_bf16x2(x0, x1);
+    lo = WB_PA_HALVES == 2 ? wb_pack_bf16x2(x0 - bf16_lo(hi), x1 - bf16_hi(hi)) : 0u;
+}
+
+__device__ __forceinline__ void pw_load_tile(u8* ks, u8* vs, const bf16* kb, const bf16* vb, int j0, int last_key) {
+    for (int e = threadIdx.x; e < PW_CHUNKS; e += PW_THREADS) {
+        const int key = (e / WB_HD) * 8 + (e & 7), col = ((e >> 3) % (WB_HD / 8)) * 8;
+        const bool valid = j0 + key <= last_key;           // keys past the block's last: zeros (0·x is never 0·NaN)
+        const long long at = (long long)(valid ? j0 + key : 0) * WB_HD + col;
+        wb_cp_async16(ks + 16 * e, kb + at, valid);
+        wb_cp_async16(vs + 16 * e, vb + at, valid);
+    }
+    wb_cp_async_commit();
+}
+
+template <int N>
+__device__ __forceinline__ void pw_fence_regs(float* d) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) wb_reg_fence(d[i]);
+}
+
+extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefill_attention(
+    const float* __restrict__ q,         // [n, Hq·hd]: the rows' queries, RoPE applied
+    const bf16* __restrict__ k,          // [Hkv, kv_stride, hd]: this layer's keys, the kernel's cache (bf16)
+    const bf16* __restrict__ v,          // [Hkv, kv_stride, hd]
+    const long long* __restrict__ pos,   // [n]: row r attends to keys 0..pos[r] (< kv_stride)
+    float* __restrict__ out,             // [n, Hq·hd]
+    int n, int kv_stride, int n_heads, int group, float scale)
+{
+    // [2 stages][the key tile, the value tile], then each warpgroup's queries [halves][64 × hd]
+    extern __shared__ __align__(128) u8 pw_smem[];
+    __shared__ int last_key, wg_last[PW_WG];
+    const int wg = threadIdx.x / (4 * WB_WARP), warp = (threadIdx.x / WB_WARP) % 4, lane = threadIdx.x % WB_WARP;
+    const int g = lane >> 2, t = lane & 3;
+    const long long stride = (long long)n_heads * WB_HD;
+#if WB_PA_HEAVY_FIRST
+    const int row_tile = gridDim.y - 1 - blockIdx.y, h = blockIdx.x;
+#else
+    const int row_tile = blockIdx.x, h = blockIdx.y;
+#endif
+    const int kvh = h / group;
+    // this lane's two rows (g and g + 8 of its warp's 16); a row past the last attends to key 0 alone, unwritten
+    const int ra = row_tile * PW_BM + wg * 64 + warp * 16 + g, rb = ra + 8;
+    const long long qa = ra * stride + h * WB_HD, qb = rb * stride + h * WB_HD;
+    const int pa = ra < n ? (int)pos[ra] : 0, pb = rb < n ? (int)pos[rb] : 0;
+    if (threadIdx.x == 0) last_key = 0;
+    if (threadIdx.x < PW_WG) wg_last[threadIdx.x] = 0;
+    __syncthreads();
+    atomicMax(&last_key, max(pa, pb));
+    atomicMax(&wg_last[wg], max(pa, pb));
+    int first = min(pa, pb);                                   // the warp's first row position: no mask before it
+#pragma unroll
+    for (int m = 1; m < WB_WARP; m <<= 1) first = min(first, wb_shfl_xor(first, m));
+
+    // the queries, scaled and split, into shared memory as Q·Kᵀ's A (64 rows × head_dim a warpgroup, K-major core
+    // matrices as the tiles': row r, columns 8c.. at ((r / 8)·(hd / 8) + c)·128 + (r % 8)·16): each lane writes
+    // the pairs its mma.sync A fragment would hold. A from the registers lost them: ptxas (13.0) gave the
+    // loop-invariant fragments' registers to P's inside the key loop (the SASS read P as Q from the second tile).
+    u8* qs = pw_smem + 2 * 2 * PW_TILE_BYTES + wg * WB_PA_HALVES * 64 * WB_HD * 2;
+#pragma unroll
+    for (int kk = 0; kk < WB_HD / 16; ++kk) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int row = (i & 1) ? rb : ra, col = kk * 16 + 2 * t + ((i & 2) ? 8 : 0);
+            float x0 = 0.f, x1 = 0.f;
+            if (row < n) {
+                const float* p = q + ((i & 1) ? qb : qa) + col;
+                x0 = p[0] * scale;
+                x1 = p[1] * scale;
+            }
+            u32 hi, lo;
+            pw_split(x0, x1, hi, lo);
+            const int r = warp * 16 + g + ((i & 1) ? 8 : 0);
+            const int at = ((r >> 3) * (WB_HD / 8) + (col >> 3)) * 128 + (r & 7) * 16 + (col & 7) * 2;
+            *(u32*)(qs + at) = hi;
+            if (WB_PA_HALVES == 2) *(u32*)(qs + 64 * WB_HD * 2 + at) = lo;
+        }
+    }
+    wb_fence_proxy_async();                           // the queries, visible to the products' reads
+    float o[WB_HD / 2];                                    // 8 columns a fragment: (ra, 2t), (ra, 2t+1), (rb, ..)
+#pragma unroll
+    for (int i = 0; i < WB_HD / 2; ++i) o[i] = 0.f;
+    float ma = -WB_INF, mb = -WB_INF, la = 0.f, lb = 0.f;     // running max and (this lane's part of) sum
+    __syncthreads();
+    const int tiles = last_key / PW_BN + 1, my_last = wg_last[wg];
+    const bf16* kb = k + (long long)kvh * kv_stride * WB_HD;
+    const bf16* vb = v + (long long)kvh * kv_stride * WB_HD;
+    pw_load_tile(pw_smem, pw_smem + PW_TILE_BYTES, kb, vb, 0, last_key);
+
+    for (int tile = 0; tile < tiles; ++tile) {
+        const int j0 = tile * PW_BN, stage = tile & 1;
+        if (tile + 1 < tiles) {                       // the next tile's copy, into the stage the last tile used
+            u8* next = pw_smem + (stage ^ 1) * 2 * PW_TILE_BYTES;
+            pw_load_tile(next, next + PW_TILE_BYTES, kb, vb, j0 + PW_BN, last_key);
+            wb_cp_async_wait<1>();
+        } else {
+            wb_cp_async_wait<0>();
+        }
+        wb_fence_proxy_async();                       // this thread's copies, visible to the products' reads
+        __syncthreads();                              // every thread's copies of this tile have landed
+        const u8* kt = pw_smem + stage * 2 * PW_TILE_BYTES;
+        const u8* vt = kt + PW_TILE_BYTES;
+        // a tile wholly past the warpgroup's last row changes none of its rows (every weight would be 0): skipped,
+        // the same for all its warps, which issue the products together
+        if (j0 <= my_last) {
+            // S = Q·Kᵀ: head_dim in 16-wide steps, K's step kk two core matrices (256 bytes) on
+            float s[PW_BN / 2];
+            wb_wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < WB_HD / 16; ++kk) {
+                const u64 desc = wb_wgmma_desc(kt + kk * 256, 128, WB_HD * 16);
+                wb_wgmma_bf16_ss<PW_BN>(s, wb_wgmma_desc(qs + kk * 256, 128, WB_HD * 16), desc, kk > 0);
+                if (WB_PA_HALVES == 2)
+                    wb_wgmma_bf16_ss<PW_BN>(s, wb_wgmma_desc(qs + 64 * WB_HD * 2 + kk * 256, 128, WB_HD * 16), desc, 1);
+            }
+            wb_wgmma_commit();
+            wb_wgmma_wait<0>();
+            pw_fence_regs<PW_BN / 2>(s);
+            // the causal mask where the tile reaches past the warp's first row; each row's new max over the four
+            // lanes that hold it
+            if (j0 + PW_BN - 1 > first) {
+#pragma unroll
+                for (int j = 0; j < PW_BN / 8; ++j) {
+#pragma unroll
+                    for (int c = 0; c < 2; ++c) {
+                        const int key = j0 + j * 8 + 2 * t + c;
+                        if (key > pa) s[4 * j + c] = -WB_INF;
+                        if (key > pb) s[4 * j + 2 + c] = -WB_INF;
+                    }
+                }
+            }
+            float xa = ma, xb = mb;
+#pragma unroll
+            for (int j = 0; j < PW_BN / 8; ++j) {
+                xa = wb_fmaxf(xa, wb_fmaxf(s[4 * j], s[4 * j + 1]));
+                xb = wb_fmaxf(xb, wb_fmaxf(s[4 * j + 2], s[4 * j + 3]));
+            }
+            xa = wb_fmaxf(xa, wb_shfl_xor(xa, 1)); xa = wb_fmaxf(xa, wb_shfl_xor(xa, 2));
+            xb = wb_fmaxf(xb, wb_shfl_xor(xb, 1)); xb = wb_fmaxf(xb, wb_shfl_xor(xb, 2));
+            // key 0 is in every row's first tile, so the max is finite from then on; before it nothing is rescaled
+            const float ca = ma == -WB_INF ? 0.f : wb_exp(ma - xa);
+            const float cb = mb == -WB_INF ? 0.f : wb_exp(mb - xb);
+            ma = xa;
+            mb = xb;
+            la *= ca;
+            lb *= cb;
+#pragma unroll
+            for (int j = 0; j < WB_HD / 8; ++j) {
+                o[4 * j] *= ca; o[4 * j + 1] *= ca;
+                o[4 * j + 2] *= cb; o[4 * j + 3] *= cb;
+            }
+            // P as A fragments, 16 keys a step: S's fragments 2kk and 2kk+1 as they lie (rows g, g+8 of keys
+            // 2t.. and of keys 2t+8..), split as the queries are
+            u32 ph[PW_BN / 16][4], pl[PW_BN / 16][4];
+#pragma unroll
+            for (int j = 0; j < PW_BN / 8; ++j) {
+                s[4 * j] = wb_exp(s[4 * j] - ma); s[4 * j + 1] = wb_exp(s[4 * j + 1] - ma);
+                s[4 * j + 2] = wb_exp(s[4 * j + 2] - mb); s[4 * j + 3] = wb_exp(s[4 * j + 3] - mb);
+                la += s[4 * j] + s[4 * j + 1];
+                lb += s[4 * j + 2] + s[4 * j + 3];
+            }
+#pragma unroll
+            for (int kk = 0; kk < PW_BN / 16; ++kk) {
+#pragma unroll
+                for (int i = 0; i < 4; ++i) pw_split(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1], ph[kk][i], pl[kk][i]);
+            }
+            // O += P·V: keys in 16-wide steps, V's step kk two core matrices along the keys (2·hd·16 bytes) on;
+            // V is B transposed (its N, the columns, runs within a core matrix's rows)
+            wb_wgmma_fence();
+#pragma unroll
+            for (int kk = 0; kk < PW_BN / 16; ++kk) {
+                const u64 desc = wb_wgmma_desc(vt + kk * 2 * WB_HD * 16, WB_HD * 16, 128);
+                wb_wgmma_bf16<WB_HD, 1>(o, ph[kk], desc, 1);
+                if (WB_PA_HALVES == 2) wb_wgmma_bf16<WB_HD, 1>(o, pl[kk], desc, 1);
+            }
+            wb_wgmma_commit();
+            wb_wgmma_wait<0>();
+            pw_fence_regs<WB_HD / 2>(o);
+        }
+        __syncthreads();                              // before the next tile's copy overwrites this stage
+    }
+    float sa = la, sb = lb;
+    sa += wb_shfl_xor(sa, 1); sa += wb_shfl_xor(sa, 2);
+    sb += wb_shfl_xor(sb, 1); sb += wb_shfl_xor(sb, 2);
+#pragma unroll
+    for (int j = 0; j < WB_HD / 8; ++j) {
+        const int d = j * 8 + 2 * t;
+        if (ra < n) { out[qa + d] = o[4 * j] / sa; out[qa + d + 1] = o[4 * j + 1] / sa; }
+        if (rb < n) { out[qb + d] = o[4 * j + 2] / sb; out[qb + d + 1] = o[4 * j + 3] / sb; }
+    }
+}
