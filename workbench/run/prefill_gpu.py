@@ -182,7 +182,9 @@ def flash_kernel(head_dim: int, layout: FlashLayout | None = None, halves: int =
     layout = layout or FLASH_LAYOUT
     fn = module(flash_source(head_dim, layout, halves), flash_options(layout)).get_function("prefill_attention")
     smem = layout.shared_bytes(head_dim, halves)
-    if smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:
+    # past 48 KB of static and dynamic together a launch needs the opt-in (at 48 KB of dynamic alone, the kernel's
+    # few static words made it an invalid argument)
+    if smem and fn.max_dynamic_shared_size_bytes < smem:
         fn.max_dynamic_shared_size_bytes = smem
     return fn
 
