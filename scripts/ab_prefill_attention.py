@@ -64,8 +64,13 @@ def one_prompt(cfg, n: int, chunk: int, repeats: int, rng) -> dict:
 
         def run():
             return [G.flash_attention(q[a:b], kb, vb, cp.arange(a, b), hq, kernel=kernel, layout=layout,
-                                      span=(a, b - 1)) for a, b in chunks]        # no read back between launches
-        out = cp.concatenate(run())                                    # compiled and warm
+                                      halves=halves, span=(a, b - 1)) for a, b in chunks]        # no read back between launches
+        try:
+            out = cp.concatenate(run())                                # compiled and warm
+        except cp.cuda.driver.CUDADriverError as e:                    # a layout this GPU cannot launch: its row
+            print(f"{name}: {e} (grid {layout.grid(n, hq, hkv)}, {layout.threads} threads, "
+                  f"{layout.shared_bytes(hd, halves)} B dynamic shared memory)", flush=True)
+            continue
         if base is None or halves != base_halves:
             base, base_halves = out, halves
         ref = out if ref is None else ref                              # the fp32 per-head layout's

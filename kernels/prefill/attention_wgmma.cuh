@@ -8,7 +8,7 @@
 // them and issues its products as one: S = Q·Kᵀ as 64 × PW_BN per key tile (the queries in shared memory for
 // the whole block), then O += P·V as 64 × head_dim, P taken from S's accumulators as they lie
 // (wgmma's accumulator fragments are mma.sync's, and so are its A fragments). Key and value tiles are copied from
-// the kernel's bf16 cache into shared memory with cp.async, two tiles in flight as in attention.cuh, laid out as
+// the kernel's bf16 cache into shared memory with cp.async, WB_PW_STAGES tiles in flight, laid out as
 // wgmma's 8 × 8 core matrices without a swizzle: 16-byte chunk e of a tile holds key (e / hd)·8 + e % 8, columns
 // 8·((e / 8) % (hd / 8)) onwards, at byte 16e, so each core matrix (8 keys × 8 columns) is 128 contiguous bytes,
 // the next along the columns 128 bytes on and the next along the keys hd·16. The same bytes serve both products:
@@ -19,8 +19,8 @@
 // cores' own order within a product), so the two kernels agree to rounding, not bit for bit; the GPU tests hold
 // this one to the fp64 math at the same bounds.
 //
-// Set by the launcher (workbench/run/prefill_gpu.py): WB_HD, WB_PW_WARPGROUPS, WB_PW_KEYS (PW_BN), WB_PA_HALVES,
-// WB_PA_HEAVY_FIRST, WB_PA_ROWS (the rows a block takes, as the grid counts them) and WB_PA_MIN_BLOCKS; and the
+// Set by the launcher (workbench/run/prefill_gpu.py): WB_HD, WB_PW_WARPGROUPS, WB_PW_KEYS (PW_BN), WB_PW_STAGES,
+// WB_PA_HALVES, WB_PA_HEAVY_FIRST, WB_PA_ROWS (the rows a block takes, as the grid counts them) and WB_PA_MIN_BLOCKS; and the
 // generated wb_wgmma_bf16 products for N = PW_BN and N = WB_HD.
 
 #define PW_WG WB_PW_WARPGROUPS
@@ -28,6 +28,9 @@
 #define PW_BM (64 * PW_WG)
 #define PW_BN WB_PW_KEYS
 #define PW_TILE_BYTES (PW_BN * WB_HD * 2)          // one tile of keys or of values
+// stages of the key and value tiles in flight: at two, a tile's copy had one tile's products to land in, about an
+// L2 round trip at one warpgroup a block (which ran at half the two's speed, one H100)
+#define PW_STAGES WB_PW_STAGES
 #define PW_CHUNKS (PW_BN * WB_HD / 8)              // its 16-byte chunks
 
 #ifndef WB_PA_HEAVY_FIRST
@@ -43,6 +46,7 @@ static_assert(WB_PA_HALVES == 1 || WB_PA_HALVES == 2, "bf16 halves of the querie
 static_assert(WB_HD % 16 == 0 && WB_HD <= 256, "head_dim: a multiple of 16 (P·V's N, and Q·Kᵀ's 16-wide steps)");
 static_assert(PW_BN % 16 == 0 && PW_BN >= 16 && PW_BN <= 256, "keys a tile: P·V's 16-key steps, Q·Kᵀ's N ≤ 256");
 static_assert(PW_WG >= 1 && PW_WG <= 2, "one or two warpgroups a block");
+static_assert(PW_STAGES >= 2 && PW_STAGES <= 4, "two to four stages of the key and value tiles");
 static_assert(WB_THREADS == PW_THREADS, "the launcher's block is four warps a warpgroup");
 static_assert(WB_PA_ROWS == PW_BM, "the launcher's grid counts rows in this tile's");
 
@@ -52,8 +56,13 @@ __device__ __forceinline__ void pw_split(float x0, float x1, u32& hi, u32& lo) {
     lo = WB_PA_HALVES == 2 ? wb_pack_bf16x2(x0 - bf16_lo(hi), x1 - bf16_hi(hi)) : 0u;
 }
 
-__device__ __forceinline__ void pw_load_tile(u8* ks, u8* vs, const bf16* kb, const bf16* vb, int j0, int last_key) {
-    for (int e = threadIdx.x; e < PW_CHUNKS; e += PW_THREADS) {
+// tile `tile`'s keys and values into its stage, as one commit group (an empty one past the last tile, so that
+// every thread counts one group a tile)
+__device__ __forceinline__ void pw_load_tile(u8* smem, const bf16* kb, const bf16* vb, int tile, int last_key) {
+    u8* ks = smem + (tile % PW_STAGES) * 2 * PW_TILE_BYTES;
+    u8* vs = ks + PW_TILE_BYTES;
+    const int j0 = tile * PW_BN;
+    for (int e = threadIdx.x; e < PW_CHUNKS && j0 <= last_key; e += PW_THREADS) {
         const int key = (e / WB_HD) * 8 + (e & 7), col = ((e >> 3) % (WB_HD / 8)) * 8;
         const bool valid = j0 + key <= last_key;           // keys past the block's last: zeros (0·x is never 0·NaN)
         const long long at = (long long)(valid ? j0 + key : 0) * WB_HD + col;
@@ -77,7 +86,7 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
     float* __restrict__ out,             // [n, Hq·hd]
     int n, int kv_stride, int n_heads, int group, float scale)
 {
-    // [2 stages][the key tile, the value tile], then each warpgroup's queries [halves][64 × hd]
+    // [PW_STAGES][the key tile, the value tile], then each warpgroup's queries [halves][64 × hd]
     extern __shared__ __align__(128) u8 pw_smem[];
     __shared__ int last_key, wg_last[PW_WG];
     const int wg = threadIdx.x / (4 * WB_WARP), warp = (threadIdx.x / WB_WARP) % 4, lane = threadIdx.x % WB_WARP;
@@ -106,7 +115,7 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
     // matrices as the tiles': row r, columns 8c.. at ((r / 8)·(hd / 8) + c)·128 + (r % 8)·16): each lane writes
     // the pairs its mma.sync A fragment would hold. A from the registers lost them: ptxas (13.0) gave the
     // loop-invariant fragments' registers to P's inside the key loop (the SASS read P as Q from the second tile).
-    u8* qs = pw_smem + 2 * 2 * PW_TILE_BYTES + wg * WB_PA_HALVES * 64 * WB_HD * 2;
+    u8* qs = pw_smem + PW_STAGES * 2 * PW_TILE_BYTES + wg * WB_PA_HALVES * 64 * WB_HD * 2;
 #pragma unroll
     for (int kk = 0; kk < WB_HD / 16; ++kk) {
 #pragma unroll
@@ -135,20 +144,18 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
     const int tiles = last_key / PW_BN + 1, my_last = wg_last[wg];
     const bf16* kb = k + (long long)kvh * kv_stride * WB_HD;
     const bf16* vb = v + (long long)kvh * kv_stride * WB_HD;
-    pw_load_tile(pw_smem, pw_smem + PW_TILE_BYTES, kb, vb, 0, last_key);
+#pragma unroll
+    for (int tile = 0; tile < PW_STAGES - 1; ++tile) pw_load_tile(pw_smem, kb, vb, tile, last_key);
 
     for (int tile = 0; tile < tiles; ++tile) {
-        const int j0 = tile * PW_BN, stage = tile & 1;
-        if (tile + 1 < tiles) {                       // the next tile's copy, into the stage the last tile used
-            u8* next = pw_smem + (stage ^ 1) * 2 * PW_TILE_BYTES;
-            pw_load_tile(next, next + PW_TILE_BYTES, kb, vb, j0 + PW_BN, last_key);
-            wb_cp_async_wait<1>();
-        } else {
-            wb_cp_async_wait<0>();
-        }
+        const int j0 = tile * PW_BN;
+        // tile + STAGES − 1's copy, into the stage tile − 1 used (every thread is past it: the barrier below);
+        // then this tile's group, the oldest of the STAGES in flight, has landed
+        pw_load_tile(pw_smem, kb, vb, tile + PW_STAGES - 1, last_key);
+        wb_cp_async_wait<PW_STAGES - 1>();
         wb_fence_proxy_async();                       // this thread's copies, visible to the products' reads
         __syncthreads();                              // every thread's copies of this tile have landed
-        const u8* kt = pw_smem + stage * 2 * PW_TILE_BYTES;
+        const u8* kt = pw_smem + (tile % PW_STAGES) * 2 * PW_TILE_BYTES;
         const u8* vt = kt + PW_TILE_BYTES;
         // a tile wholly past the warpgroup's last row changes none of its rows (every weight would be 0): skipped,
         // the same for all its warps, which issue the products together

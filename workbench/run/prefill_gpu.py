@@ -50,8 +50,9 @@ class FlashLayout:
     the precision); frags: 16-row fragments a warp (2: 128 rows a block, each key and value fragment loaded once
     for both).
     warpgroups: the other kernel, attention_wgmma.cuh (sm_90a's warpgroup products: 64 rows a warpgroup of four
-    warps, 1 or 2 a block), which takes `keys` keys a tile (0: 64) and heavy_first and min_blocks as above; the same
-    math in another order of sums, so it agrees with attention.cuh to rounding, not bit for bit."""
+    warps, 1 or 2 a block), which takes `keys` keys a tile (0: 64), `stages` tiles in flight (0: 2), and
+    heavy_first and min_blocks as above. The same math; at 64 keys a tile the same bits as attention.cuh (measured
+    on an H100), at 128 another order of sums, which agrees to rounding."""
     gqa_rows: bool = False
     k_ldmatrix: bool = False
     heavy_first: bool = False
@@ -59,6 +60,7 @@ class FlashLayout:
     frags: int = 1
     warpgroups: int = 0
     keys: int = 0
+    stages: int = 0
 
     def __post_init__(self):
         if self.warpgroups not in (0, 1, 2):
@@ -68,6 +70,8 @@ class FlashLayout:
                              "attention.cuh's mma.sync fragments")
         if self.keys and not (self.warpgroups and self.keys % 16 == 0 and 16 <= self.keys <= 256):
             raise ValueError(f"keys={self.keys}: a tile of the wgmma kernel (warpgroups), a multiple of 16 to 256")
+        if self.stages and not (self.warpgroups and 2 <= self.stages <= 4):
+            raise ValueError(f"stages={self.stages}: tiles in flight in the wgmma kernel (warpgroups), 2 to 4")
 
     @property
     def rows(self) -> int:
@@ -83,12 +87,17 @@ class FlashLayout:
         """Keys a tile of the wgmma kernel."""
         return self.keys or 64
 
+    @property
+    def tile_stages(self) -> int:
+        """Key and value tiles the wgmma kernel keeps in flight."""
+        return self.stages or 2
+
     def shared_bytes(self, head_dim: int, halves: int) -> int:
         """Dynamic shared memory a block takes: the wgmma kernel's two stages of a key and a value tile, and its
         rows' queries in `halves` bf16 halves."""
         if not self.warpgroups:
             return 0
-        return 2 * 2 * self.tile_keys * head_dim * 2 + halves * self.rows * head_dim * 2
+        return self.tile_stages * 2 * self.tile_keys * head_dim * 2 + halves * self.rows * head_dim * 2
 
     def grid(self, n: int, n_heads: int, n_kv: int) -> tuple:
         if self.gqa_rows:
@@ -103,7 +112,9 @@ class FlashLayout:
 # every layout, for the A/B and the tests that hold them to the same bits
 LAYOUTS = tuple(FlashLayout(*bits) for bits in itertools.product((False, True), repeat=3))
 # the wgmma kernel's layouts the A/B times beside them (another order of sums: not held to LAYOUTS' bits)
-WGMMA_LAYOUTS = tuple(FlashLayout(heavy_first=True, warpgroups=wg, keys=keys) for wg in (1, 2) for keys in (64, 128))
+# (round 32, one H100: two warpgroups and 64 keys the best of four with two stages; one warpgroup at half its speed)
+WGMMA_LAYOUTS = tuple(FlashLayout(heavy_first=True, warpgroups=wg, keys=keys, stages=stages)
+                      for wg, keys, stages in ((2, 64, 2), (2, 64, 3), (2, 64, 4), (1, 64, 4), (2, 128, 3)))
 # measured on the H200 (scripts/ab_prefill_attention.py): the keys by ldmatrix 3-5% faster at 4k
 # and 32k; rows per kv head 1-15% slower (more blocks on the diagonal's long tail than tiles saved); the longest
 # row tiles first 2-3% faster at 32k (bf16 20.86 against 21.32 ms a layer, fp32 28.80 against 29.81)
@@ -131,6 +142,7 @@ def flash_source(head_dim: int, layout: FlashLayout | None = None, halves: int =
             + (f"#define WB_PA_MIN_BLOCKS {layout.min_blocks}\n" if layout.min_blocks else ""))
     if layout.warpgroups:
         return (head + f"#define WB_PW_WARPGROUPS {layout.warpgroups}\n#define WB_PW_KEYS {layout.tile_keys}\n"
+                f"#define WB_PW_STAGES {layout.tile_stages}\n"
                 + (k / "portability.cuh").read_text() + wgmma_products({layout.tile_keys, head_dim})
                 + (k / "prefill" / "attention_wgmma.cuh").read_text())
     return (head + f"#define WB_PA_FRAGS {layout.frags}\n"
