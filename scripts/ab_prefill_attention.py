@@ -67,7 +67,7 @@ def one_prompt(cfg, n: int, chunk: int, repeats: int, rng) -> dict:
                                       halves=halves, span=(a, b - 1)) for a, b in chunks]        # no read back between launches
         try:
             out = cp.concatenate(run())                                # compiled and warm
-        except cp.cuda.driver.CUDADriverError as e:                    # a layout this GPU cannot launch: its row
+        except (cp.cuda.driver.CUDADriverError, ValueError) as e:       # a layout not for this GPU or model: its row
             print(f"{name}: {e} (grid {layout.grid(n, hq, hkv)}, {layout.threads} threads, "
                   f"{layout.shared_bytes(hd, halves)} B dynamic shared memory)", flush=True)
             continue

@@ -712,14 +712,20 @@ def test_the_wgmma_attention_kernel_is_the_references_attention(heads, kv_heads,
     import cupy as cp
 
     from workbench.model import stage_math as S
-    from workbench.run.prefill_gpu import WGMMA_LAYOUTS, flash_attention
+    from workbench.run.prefill_gpu import WGMMA_LAYOUTS, flash_attention, layout_runs
     if cp.cuda.Device().compute_capability != "90":
         pytest.skip("the wgmma kernel is sm_90a's (H100, H200)")
     q, kb, vb, k, v, positions = _attention_inputs(heads, kv_heads, hd, n, pos0)
     want = S.attention_decode(q.astype(cp.float64), k, v, positions)
     later_want = S.attention_decode(q.astype(cp.float64), k, v, positions + 1)
     vmax = float(cp.abs(v).max())
-    for layout in WGMMA_LAYOUTS:
+    most = cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
+    layouts = [lay for lay in WGMMA_LAYOUTS if layout_runs(lay, heads, kv_heads, hd, 2, most)]
+    assert layouts
+    for layout in set(WGMMA_LAYOUTS) - set(layouts):          # refused in one line, not launched
+        with pytest.raises(ValueError, match="GQA group|shared memory"):
+            flash_attention(q, kb, vb, positions, heads, layout=layout, halves=2)
+    for layout in layouts:
         rel = {}
         for halves in (2, 1):
             got = flash_attention(q, kb, vb, positions, heads, layout=layout, halves=halves)
@@ -735,7 +741,7 @@ def test_the_wgmma_attention_kernel_is_the_references_attention(heads, kv_heads,
     bad_q[n // 2, :hd] = cp.nan
     kb2 = kb.copy()
     kb2[0, pos0 + n] = 0x7FC0                                            # a NaN key past every row
-    for layout in WGMMA_LAYOUTS:
+    for layout in layouts:
         base = flash_attention(q, kb, vb, positions, heads, layout=layout)
         bad = flash_attention(bad_q, kb2, vb, positions, heads, layout=layout)
         assert int(cp.isnan(bad).sum()) == hd and bool(cp.isnan(bad[n // 2, :hd]).all()), layout

@@ -4,10 +4,11 @@
 // mma.sync reaches about a third of it; the mma.sync kernel measured ~255 TFLOP/s at 32k on an H100, cuDNN's
 // wgmma kernel about twice its speed at 4k (NOTES.md, rounds 26 and 28).
 //
-// One block takes PW_BM = 64·WB_PW_WARPGROUPS query rows of one query head; each warpgroup (four warps) owns 64 of
-// them and issues its products as one: S = Q·Kᵀ as 64 × PW_BN per key tile (the queries in shared memory for
-// the whole block), then O += P·V as 64 × head_dim, P taken from S's accumulators as they lie
-// (wgmma's accumulator fragments are mma.sync's, and so are its A fragments). Key and value tiles are copied from
+// One block takes PW_BM = 64·WB_PW_WARPGROUPS query rows of one query head, or 64 rows of WB_PW_WARPGROUPS heads
+// (WB_PW_HEADS); each warpgroup (four warps) owns 64 rows of one head and issues its products as one: S = Q·Kᵀ
+// as 64 × PW_BN per key tile (the queries in shared memory for the whole block), then O += P·V as 64 × head_dim,
+// P taken from S's accumulators as they lie (wgmma's accumulator fragments are mma.sync's, and so are its A
+// fragments). Key and value tiles are copied from
 // the kernel's bf16 cache into shared memory with cp.async, WB_PW_STAGES tiles in flight, laid out as
 // wgmma's 8 × 8 core matrices without a swizzle: 16-byte chunk e of a tile holds key (e / hd)·8 + e % 8, columns
 // 8·((e / 8) % (hd / 8)) onwards, at byte 16e, so each core matrix (8 keys × 8 columns) is 128 contiguous bytes,
@@ -25,7 +26,14 @@
 
 #define PW_WG WB_PW_WARPGROUPS
 #define PW_THREADS (4 * WB_WARP * PW_WG)
-#define PW_BM (64 * PW_WG)
+// WB_PW_HEADS 0: the warpgroups take consecutive 64-row tiles of one query head (PW_BM = 64·warpgroups rows a
+// block); 1: they take the same 64 rows of as many query heads of one kv head (a GQA group), so each key and value
+// tile copied serves all of them. The copies are what bounds the first: ~2 TB/s of tiles from L2 at 32k on an H100
+// with one warpgroup a block and with two alike (round 32), where the second copies 1/warpgroups of them.
+#ifndef WB_PW_HEADS
+#define WB_PW_HEADS 0
+#endif
+#define PW_BM (WB_PW_HEADS ? 64 : 64 * PW_WG)
 #define PW_BN WB_PW_KEYS
 #define PW_TILE_BYTES (PW_BN * WB_HD * 2)          // one tile of keys or of values
 // stages of the key and value tiles in flight: at two, a tile's copy had one tile's products to land in, about an
@@ -45,7 +53,7 @@
 static_assert(WB_PA_HALVES == 1 || WB_PA_HALVES == 2, "bf16 halves of the queries and probabilities: 1 or 2");
 static_assert(WB_HD % 16 == 0 && WB_HD <= 256, "head_dim: a multiple of 16 (P·V's N, and Q·Kᵀ's 16-wide steps)");
 static_assert(PW_BN % 16 == 0 && PW_BN >= 16 && PW_BN <= 256, "keys a tile: P·V's 16-key steps, Q·Kᵀ's N ≤ 256");
-static_assert(PW_WG >= 1 && PW_WG <= 2, "one or two warpgroups a block");
+static_assert(PW_WG == 1 || PW_WG == 2 || PW_WG == 4, "one, two or four warpgroups a block");
 static_assert(PW_STAGES >= 2 && PW_STAGES <= 4, "two to four stages of the key and value tiles");
 static_assert(WB_THREADS == PW_THREADS, "the launcher's block is four warps a warpgroup");
 static_assert(WB_PA_ROWS == PW_BM, "the launcher's grid counts rows in this tile's");
@@ -93,13 +101,14 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
     const int g = lane >> 2, t = lane & 3;
     const long long stride = (long long)n_heads * WB_HD;
 #if WB_PA_HEAVY_FIRST
-    const int row_tile = gridDim.y - 1 - blockIdx.y, h = blockIdx.x;
+    const int row_tile = gridDim.y - 1 - blockIdx.y, head_tile = blockIdx.x;
 #else
-    const int row_tile = blockIdx.x, h = blockIdx.y;
+    const int row_tile = blockIdx.x, head_tile = blockIdx.y;
 #endif
-    const int kvh = h / group;
+    // the launcher checks that a block's heads share their kv head (warpgroups divide the group)
+    const int h = WB_PW_HEADS ? head_tile * PW_WG + wg : head_tile, kvh = h / group;
     // this lane's two rows (g and g + 8 of its warp's 16); a row past the last attends to key 0 alone, unwritten
-    const int ra = row_tile * PW_BM + wg * 64 + warp * 16 + g, rb = ra + 8;
+    const int ra = row_tile * PW_BM + (WB_PW_HEADS ? 0 : wg * 64) + warp * 16 + g, rb = ra + 8;
     const long long qa = ra * stride + h * WB_HD, qb = rb * stride + h * WB_HD;
     const int pa = ra < n ? (int)pos[ra] : 0, pb = rb < n ? (int)pos[rb] : 0;
     if (threadIdx.x == 0) last_key = 0;

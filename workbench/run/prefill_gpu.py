@@ -61,22 +61,27 @@ class FlashLayout:
     warpgroups: int = 0
     keys: int = 0
     stages: int = 0
+    heads: bool = False
 
     def __post_init__(self):
-        if self.warpgroups not in (0, 1, 2):
-            raise ValueError(f"warpgroups={self.warpgroups}: 0 (the mma.sync kernel), 1 or 2")
+        if self.warpgroups not in (0, 1, 2, 4):
+            raise ValueError(f"warpgroups={self.warpgroups}: 0 (the mma.sync kernel), 1, 2 or 4")
         if self.warpgroups and (self.gqa_rows or self.k_ldmatrix or self.frags != 1):
             raise ValueError("the wgmma kernel (warpgroups) has no gqa_rows, k_ldmatrix or frags: they lay out "
                              "attention.cuh's mma.sync fragments")
         if self.keys and not (self.warpgroups and self.keys % 16 == 0 and 16 <= self.keys <= 256):
             raise ValueError(f"keys={self.keys}: a tile of the wgmma kernel (warpgroups), a multiple of 16 to 256")
+        if self.heads and self.warpgroups < 2:
+            raise ValueError("heads: the wgmma kernel's warpgroups take a GQA group's heads (warpgroups 2 to 4)")
         if self.stages and not (self.warpgroups and 2 <= self.stages <= 4):
             raise ValueError(f"stages={self.stages}: tiles in flight in the wgmma kernel (warpgroups), 2 to 4")
 
     @property
     def rows(self) -> int:
-        """Rows a block takes."""
-        return 64 * self.warpgroups if self.warpgroups else ATTN_ROWS * self.frags
+        """Rows a block takes (of each of its heads)."""
+        if self.warpgroups:
+            return 64 if self.heads else 64 * self.warpgroups
+        return ATTN_ROWS * self.frags
 
     @property
     def threads(self) -> int:
@@ -97,11 +102,16 @@ class FlashLayout:
         rows' queries in `halves` bf16 halves."""
         if not self.warpgroups:
             return 0
-        return self.tile_stages * 2 * self.tile_keys * head_dim * 2 + halves * self.rows * head_dim * 2
+        return self.tile_stages * 2 * self.tile_keys * head_dim * 2 + halves * 64 * self.warpgroups * head_dim * 2
 
     def grid(self, n: int, n_heads: int, n_kv: int) -> tuple:
         if self.gqa_rows:
             g = ((n * (n_heads // n_kv) + self.rows - 1) // self.rows, n_kv)
+        elif self.heads:
+            if (n_heads // n_kv) % self.warpgroups:
+                raise ValueError(f"heads: {self.warpgroups} warpgroups a block do not divide a GQA group of "
+                                 f"{n_heads // n_kv} query heads")
+            g = ((n + self.rows - 1) // self.rows, n_heads // self.warpgroups)
         else:
             g = ((n + self.rows - 1) // self.rows, n_heads)
         if self.heavy_first and g[0] > 65535:
@@ -113,8 +123,18 @@ class FlashLayout:
 LAYOUTS = tuple(FlashLayout(*bits) for bits in itertools.product((False, True), repeat=3))
 # the wgmma kernel's layouts the A/B times beside them (another order of sums: not held to LAYOUTS' bits)
 # (round 32, one H100: two warpgroups and 64 keys the best of four with two stages; one warpgroup at half its speed)
-WGMMA_LAYOUTS = tuple(FlashLayout(heavy_first=True, warpgroups=wg, keys=keys, stages=stages)
-                      for wg, keys, stages in ((2, 64, 2), (2, 64, 3), (2, 64, 4), (1, 64, 4), (2, 128, 3)))
+WGMMA_LAYOUTS = (*(FlashLayout(heavy_first=True, warpgroups=wg, keys=keys, stages=stages)
+                   for wg, keys, stages in ((2, 64, 2), (1, 64, 4), (2, 128, 2))),
+                 *(FlashLayout(heavy_first=True, warpgroups=wg, keys=64, stages=stages, heads=True)
+                   for wg, stages in ((2, 2), (4, 2), (4, 3))))
+
+
+def layout_runs(layout: FlashLayout, n_heads: int, n_kv: int, head_dim: int, halves: int, smem_most: int) -> bool:
+    """Whether the attention kernel takes this layout for these shapes: a block's heads within one GQA group, and
+    its shared memory within what the GPU gives a block (`smem_most` bytes)."""
+    if layout.heads and (n_heads // n_kv) % layout.warpgroups:
+        return False
+    return layout.shared_bytes(head_dim, halves) <= smem_most
 # measured on the H200 (scripts/ab_prefill_attention.py): the keys by ldmatrix 3-5% faster at 4k
 # and 32k; rows per kv head 1-15% slower (more blocks on the diagonal's long tail than tiles saved); the longest
 # row tiles first 2-3% faster at 32k (bf16 20.86 against 21.32 ms a layer, fp32 28.80 against 29.81)
@@ -142,7 +162,7 @@ def flash_source(head_dim: int, layout: FlashLayout | None = None, halves: int =
             + (f"#define WB_PA_MIN_BLOCKS {layout.min_blocks}\n" if layout.min_blocks else ""))
     if layout.warpgroups:
         return (head + f"#define WB_PW_WARPGROUPS {layout.warpgroups}\n#define WB_PW_KEYS {layout.tile_keys}\n"
-                f"#define WB_PW_STAGES {layout.tile_stages}\n"
+                f"#define WB_PW_STAGES {layout.tile_stages}\n#define WB_PW_HEADS {int(layout.heads)}\n"
                 + (k / "portability.cuh").read_text() + wgmma_products({layout.tile_keys, head_dim})
                 + (k / "prefill" / "attention_wgmma.cuh").read_text())
     return (head + f"#define WB_PA_FRAGS {layout.frags}\n"
@@ -194,6 +214,12 @@ def flash_kernel(head_dim: int, layout: FlashLayout | None = None, halves: int =
     layout = layout or FLASH_LAYOUT
     fn = module(flash_source(head_dim, layout, halves), flash_options(layout)).get_function("prefill_attention")
     smem = layout.shared_bytes(head_dim, halves)
+    if smem:
+        import cupy
+        most = cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
+        if smem > most:
+            raise ValueError(f"{layout} at head_dim {head_dim} needs {smem // 1024} KB of shared memory a block; "
+                             f"this GPU gives a block {most // 1024} KB")
     # past 48 KB of static and dynamic together a launch needs the opt-in (at 48 KB of dynamic alone, the kernel's
     # few static words made it an invalid argument)
     if smem and fn.max_dynamic_shared_size_bytes < smem:
