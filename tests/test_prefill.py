@@ -331,8 +331,8 @@ def test_the_wgmma_attention_builds_for_sm90a_without_a_spill():
                 ok, log, _, cubin = nvrtc_program(flash_source(hd, layout, halves), list(flash_options(layout)))
                 assert ok, (hd, layout, halves, log)
                 (r,) = [r for r in resource_usage(cubin) if r.kernel == "prefill_attention"]
-                # four warpgroups (512 threads) have 128 registers a thread: the bf16 build spills 32 B at 128
-                spills_ok = layout.warpgroups == 4 and hd > 96
+                # four warpgroups (512 threads) have 128 registers a thread: past head_dim 80 they spill 16-32 B
+                spills_ok = layout.warpgroups == 4 and hd > 80
                 assert (r.stack == 0 or spills_ok and r.stack <= 32) and r.registers <= 255, (hd, layout, halves, r)
                 if hd == 64:
                     sass = [ln for ln in disassemble(cubin).splitlines() if "HGMMA" in ln]
