@@ -721,10 +721,11 @@ def test_generate_prefills_the_prompt_and_continues_after_it(capsys, monkeypatch
         shape = (cfg.n_layers, cfg.n_kv_heads, cfg.max_seq, cfg.head_dim)
         k_cache, v_cache = np.zeros(shape, np.uint16), np.zeros(shape, np.uint16)
 
-        def prefill(self, tokens, precision):
+        def prefill(self, tokens, precision, logits=True):
             seen["precision"] = precision
             seen.setdefault("prefilled", []).append(list(tokens))
-            return prefill(p, tokens, self.k_cache, self.v_cache, chunk=5, precision=precision)
+            seen.setdefault("logits", []).append(logits)
+            return prefill(p, tokens, self.k_cache, self.v_cache, chunk=5, precision=precision, logits=logits)
 
         def stream_tokens(self, prompt, max_new, sampling, pos0=0, **kw):
             seen.update(prompt=prompt, pos0=pos0, cached=int((self.k_cache[0, 0, :, 0] != 0).sum()))
@@ -743,7 +744,12 @@ def test_generate_prefills_the_prompt_and_continues_after_it(capsys, monkeypatch
     assert seen["prefilled"] == [ids[:22], ids[:22]]
     assert "time to first token" in out and "an untimed warm-up prefill of its first 22 tokens and one kernel step" \
         in out
-    assert "prefill passed" in out
+    assert "prefill passed" in out and seen["logits"] == [True, True]      # --check-prefill compares the logits
+    seen.clear()
+    assert main(["generate", "--in-process", "--model", str(tiny_hf_checkpoint), "--prompt-random", "23",
+                 "--tokens", "2"]) == 0
+    # without the check, the prefill leaves the last row's logits to the kernel's first step
+    assert seen["logits"] == [False, False] and "prefill passed" not in capsys.readouterr().out
     assert_error(capsys, ["generate", "--model", str(tiny_hf_checkpoint), "--check-prefill", "--no-prefill",
                           "--prompt-ids", "5,6"],
                  "--check-prefill checks a prefill: leave out --no-prefill")

@@ -51,6 +51,24 @@ def test_chunks_give_the_unchunked_cache_and_logits(p, chunk):
     np.testing.assert_allclose(pre.logits, want, rtol=1e-6, atol=1e-6)
 
 
+def test_a_prefill_without_its_logits_writes_the_same_cache_and_runs_no_token_stage(p):
+    """prefill(..., logits=False), a time to first token's (the kernel's first step computes the first token): the
+    same cache bit for bit, no LM head or sampler run (their timings absent), Prefilled.logits None, which
+    check_prefill refuses in one line rather than compare."""
+    cfg = p.cfg
+    toks = tokens(cfg, 41, seed=2)
+    k, v = caches(cfg)
+    k1, v1 = caches(cfg)
+    with_logits = prefill(p, toks, k, v, chunk=16, dtype=np.float64)
+    stages: dict = {}
+    without = prefill(p, toks, k1, v1, chunk=16, dtype=np.float64, timings=stages, logits=False)
+    assert without.logits is None and with_logits.logits is not None
+    assert np.array_equal(k, k1) and np.array_equal(v, v1)
+    assert "lm_head" not in stages and "sampling" not in stages and "attention_decode" in stages
+    with pytest.raises(ValueError, match="logits=False"):
+        check_prefill(p, toks, without, k1, v1)
+
+
 def test_a_prefill_continues_a_cached_context(p):
     cfg = p.cfg
     toks = tokens(cfg, 50, seed=1)

@@ -634,11 +634,13 @@ def cmd_generate(args) -> int:
         # pays it here too, and the timed prefill writes that position again.
         warm_n = min(len(ids) - 1, PREFILL_CHUNK)
         t0 = time.perf_counter()
-        mk.prefill(ids[:warm_n], precision=args.prefill_precision)
+        mk.prefill(ids[:warm_n], precision=args.prefill_precision, logits=bool(args.check_prefill))
         for _ in mk.stream_tokens(ids[:1], 1, s, pos0=0, eos=[], timeout_s=timeout):
             pass
         warm = time.perf_counter() - t0
-    pre = mk.prefill(ids[:-1], precision=args.prefill_precision) if prefilled else None
+    # the last row's logits only where --check-prefill compares them: the kernel's first step computes the first token
+    pre = (mk.prefill(ids[:-1], precision=args.prefill_precision, logits=bool(args.check_prefill))
+           if prefilled else None)
     tokens = mk.stream_tokens(fed, args.tokens, s, pos0=len(ids) - len(fed), eos=None if args.stop_on_eos else [],
                               timeout_s=timeout, host_timeout_s=max(20.0, 4 * timeout), record=record)
     first = []

@@ -52,6 +52,9 @@ def check_prefill(p: Prepared, tokens, pre: Prefilled, k_cache, v_cache, rtol: f
     bound (PREFILL_RTOL)."""
     if pre.pos0 != 0:
         raise ValueError("check_prefill checks a prefill from position 0")
+    if pre.logits is None:
+        raise ValueError("this prefill left its last logits to the kernel (prefill(..., logits=False)): run it with "
+                         "logits=True to check them")
     rtol = PREFILL_RTOL[pre.precision] if rtol is None else rtol
     cfg, xp = p.cfg, p.xp
     ctx = dataclasses.replace(p, cfg=dataclasses.replace(cfg, max_seq=pre.n))

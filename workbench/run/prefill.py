@@ -42,7 +42,8 @@ PREFILL_CHUNK = 4096
 class Prefilled:
     n: int                     # tokens prefilled, at positions pos0 .. pos0 + n - 1
     pos0: int
-    logits: np.ndarray         # [V] float32, of the last prefilled token (what the next position would be fed by)
+    logits: np.ndarray | None  # [V] float32, of the last prefilled token (what the next position would be fed by);
+    #                            None where prefill(..., logits=False) left the LM head to the kernel's first step
     seconds: float             # wall time, the GPU synchronised
     chunks: int
     precision: str = "fp32"    # of the products (prefill_gpu.PRECISIONS)
@@ -122,14 +123,16 @@ def _sync(xp):
 
 def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int = PREFILL_CHUNK,
             dtype=np.float32, tf32: bool = True, gpu: bool = True, timings: dict | None = None,
-            precision: str = "fp32") -> Prefilled:
+            precision: str = "fp32", logits: bool = True) -> Prefilled:
     """Feed `tokens` at positions pos0.. through every layer, chunk by chunk, writing their keys and values into
     k_cache / v_cache (the kernel's: bf16 bits [L, Hkv, max_seq, hd], positions < pos0 already filled). Returns the
     last token's logits. On an NVIDIA GPU the prefill's own path runs (prefill_gpu) unless gpu=False; otherwise
     the interpreter's, whose fp32 products run in TF32 on a GPU unless tf32=False (see _tf32). `timings`, a dict,
     gets the seconds of each stage over all layers and chunks (and on the interpreter's path, of converting the
     weights and of writing the cache), the GPU synchronised around each, which costs a little. `precision`: of the
-    prefill's own path's products (prefill_gpu.PRECISIONS); "bf16" runs on that path only. Raises ValueError
+    prefill's own path's products (prefill_gpu.PRECISIONS); "bf16" runs on that path only. `logits=False`: the
+    LM head and the sampler are not run on the last row (Prefilled.logits None), for a caller whose kernel step
+    computes the first token itself (a time to first token; a check needs them). Raises ValueError
     for an empty prompt, tokens outside the vocabulary, positions past the cache, or a precision the path taken
     does not have."""
     cfg, xp = p.cfg, p.xp
@@ -171,14 +174,16 @@ def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int 
     clock = _clock(xp, timings)
     if gpu:
         G.check_tokens(tokens, cfg.vocab)
-        logits = _prefill_gpu(p, tokens, positions, k_cache, v_cache, chunk, clock, G.PRECISIONS[precision], pos0)
+        out = _prefill_gpu(p, tokens, positions, k_cache, v_cache, chunk, clock, G.PRECISIONS[precision], pos0,
+                           logits)
     else:
         with _tf32(xp, tf32 and np.dtype(dtype) == np.float32):
-            logits = _prefill_interpreted(p, tokens, positions, k_cache, v_cache, chunk, dtype, clock)
+            out = _prefill_interpreted(p, tokens, positions, k_cache, v_cache, chunk, dtype, clock, logits)
     _sync(xp)
     seconds = time.perf_counter() - t0
-    logits = logits.get() if hasattr(logits, "get") else np.asarray(logits)
-    return Prefilled(n, pos0, logits.astype(np.float32), seconds, len(range(0, n, chunk)), precision)
+    if out is not None:
+        out = (out.get() if hasattr(out, "get") else np.asarray(out)).astype(np.float32)
+    return Prefilled(n, pos0, out, seconds, len(range(0, n, chunk)), precision)
 
 
 def _clock(xp, timings):
@@ -195,17 +200,20 @@ def _clock(xp, timings):
     return clock
 
 
-def _layers(cfg, xp, n: int, chunk: int, run, clock, before_layer=None):
+def _layers(cfg, xp, n: int, chunk: int, run, clock, before_layer=None, logits: bool = True):
     """The plan's stages layer by layer over every chunk of rows, so each layer's weights are read (or converted)
     once; within a layer the chunks go in order, so each chunk's attention finds every earlier chunk's keys and
     values of that layer cached. run(name, layer, state, a, b) runs one stage on rows a..b−1, updating state;
     only the residual outlives its chunk. After the layers, the token stages run on the last row alone. Returns
-    the last row's logits."""
+    the last row's logits; with logits=False the token stages do not run and None is returned (the kernel's first
+    step computes the first token from the last row again)."""
     bounds = [(a, min(n, a + chunk)) for a in range(0, n, chunk)]
     state: dict = {}
     for layer, stages in itertools.groupby(schedule.execution(cfg), key=lambda e: e[1]):
         names = [name for name, _ in stages if plan.stage(name).reference is not None]
         if layer < 0 and "x" in state:                  # after the layers: the LM head on the last row only
+            if not logits:
+                return None
             last = {"x": state["x"][n - 1:]}
             for name in names:
                 with clock(name):
@@ -236,7 +244,8 @@ def _same(a, b) -> bool:
     return a.shape == b.shape and a.strides == b.strides and a.dtype == b.dtype and where(a) == where(b)
 
 
-def _prefill_gpu(p: Prepared, tokens, positions, k_cache, v_cache, chunk: int, clock, halves: int, pos0: int):
+def _prefill_gpu(p: Prepared, tokens, positions, k_cache, v_cache, chunk: int, clock, halves: int, pos0: int,
+                 logits: bool = True):
     """The prefill's own path (prefill_gpu): each stage's implementation found through its math; a token stage
     without one (the sampler) runs its reference's math on the last row's logits."""
     layer_kernels = G.module(G.layer_source())
@@ -259,10 +268,11 @@ def _prefill_gpu(p: Prepared, tokens, positions, k_cache, v_cache, chunk: int, c
         if undeclared:                            # the plan says what a stage writes, on this path too
             raise RuntimeError(f"the prefill's {name} wrote {sorted(undeclared)}, which the plan's {name} does not")
         st.update(out)
-    return _layers(p.cfg, p.xp, int(tokens.size), chunk, run, clock)
+    return _layers(p.cfg, p.xp, int(tokens.size), chunk, run, clock, logits=logits)
 
 
-def _prefill_interpreted(p: Prepared, tokens, positions, k_cache, v_cache, chunk: int, dtype, clock):
+def _prefill_interpreted(p: Prepared, tokens, positions, k_cache, v_cache, chunk: int, dtype, clock,
+                         logits: bool = True):
     """The plan's own stage math (run_stage) on a weight view in `dtype`, over its own cache of the context in
     `dtype` (bf16 values, as the kernel's are: run_stage rounds what it stores), written into the kernel's cache
     at the end."""
@@ -281,9 +291,9 @@ def _prefill_interpreted(p: Prepared, tokens, positions, k_cache, v_cache, chunk
 
     def run(name, layer, st, a, b):
         run_stage(w, name, layer, st, work, positions[a:b], tokens[a:b], True)
-    logits = _layers(cfg, xp, int(tokens.size), chunk, run, clock, before_layer=convert)
+    out = _layers(cfg, xp, int(tokens.size), chunk, run, clock, before_layer=convert, logits=logits)
     with clock("(cache to bf16)"):
         for layer in range(cfg.n_layers):        # a layer at a time: the conversion's temporaries stay small
             k_cache[layer, :, pos0:end] = to_bf16(work.k[layer, :, pos0:end], xp)
             v_cache[layer, :, pos0:end] = to_bf16(work.v[layer, :, pos0:end], xp)
-    return logits
+    return out
