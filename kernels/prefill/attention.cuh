@@ -63,16 +63,6 @@
 #ifndef WB_PA_K_LDMATRIX
 #define WB_PA_K_LDMATRIX 0
 #endif
-// WB_PA_HEAVY_FIRST: the grid is (heads, row tiles) and the last row tiles, whose rows see the most keys, go first,
-// every head's before any head's next: the blocks are dispatched in that order, so the causal triangle's longest
-// blocks start early and its shortest fill the end, instead of a last wave of one head's longest
-#ifndef WB_PA_HEAVY_FIRST
-#define WB_PA_HEAVY_FIRST 0
-#endif
-#ifndef WB_PA_HALVES
-#define WB_PA_HALVES 2
-#endif
-static_assert(WB_PA_HALVES == 1 || WB_PA_HALVES == 2, "bf16 halves of the queries and probabilities: 1 or 2");
 // The launch bounds, for ptxas's register budget. One half frees the lo fragments (~30 registers at head_dim 64,
 // ~60 at 128); with the block size alone ptxas then aimed at 128 registers and spilled at head_dims 80 and 96 (8
 // and 24 bytes of stack), and with no limit it took up to 177 at 64, two blocks an SM where two halves have three.
@@ -94,13 +84,6 @@ static_assert(WB_PA_FRAGS == 1 || WB_PA_FRAGS == 2, "16-row fragments a warp: 1 
 static_assert(WB_PA_ROWS == PA_BM, "the launcher's grid counts rows in this tile's");
 static_assert(2 * 2 * PA_BN * PA_KS * 2 <= 48 * 1024, "two stages of both tiles fit static shared memory");
 
-// x ≈ hi + lo, both bf16 (|x − hi − lo| ≤ 2⁻¹⁷|x|), for a pair of operand elements: hi rounded, lo the rounded
-// rest (x − hi is exact in fp32). With one half, hi alone (lo is never read, and the compiler drops it).
-__device__ __forceinline__ void pa_split(float x0, float x1, u32& hi, u32& lo) {
-    hi = wb_pack_bf16x2(x0, x1);
-    lo = WB_PA_HALVES == 2 ? wb_pack_bf16x2(x0 - bf16_lo(hi), x1 - bf16_hi(hi)) : 0u;
-}
-
 // acc += (hi + lo)·b, or hi·b with one half
 __device__ __forceinline__ void pa_mma(float* acc, const u32* hi, const u32* lo, const u32* b) {
     wb_mma_bf16_16816(acc, hi, b);
@@ -120,13 +103,7 @@ __device__ __forceinline__ void pa_load_tile(bf16* ks, bf16* vs, const bf16* kb,
     wb_cp_async_commit();
 }
 
-extern "C" __global__ void PA_LAUNCH_BOUNDS prefill_attention(
-    const float* __restrict__ q,         // [n, Hq·hd]: the rows' queries, RoPE applied
-    const bf16* __restrict__ k,          // [Hkv, kv_stride, hd]: this layer's keys, the kernel's cache (bf16)
-    const bf16* __restrict__ v,          // [Hkv, kv_stride, hd]
-    const long long* __restrict__ pos,   // [n]: row r attends to keys 0..pos[r] (< kv_stride)
-    float* __restrict__ out,             // [n, Hq·hd]
-    int n, int kv_stride, int n_heads, int group, float scale)
+extern "C" __global__ void PA_LAUNCH_BOUNDS prefill_attention(PA_PARAMS)
 {
     __shared__ __align__(16) bf16 ks[2][PA_BN * PA_KS];
     __shared__ __align__(16) bf16 vs[2][PA_BN * PA_KS];
@@ -253,48 +230,9 @@ extern "C" __global__ void PA_LAUNCH_BOUNDS prefill_attention(
             }
         }
 #pragma unroll
-        for (int f = 0; f < PA_MF; ++f) {
-            // the causal mask where the tile reaches past the warp's first row, and each row's new max over the
-            // four lanes that hold it
-            if (j0 + PA_BN - 1 > first) {
-#pragma unroll
-                for (int nt = 0; nt < PA_BN / 8; ++nt) {
-#pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        const int key = j0 + nt * 8 + 2 * t + c;
-                        if (key > pa[f]) s[f][nt][c] = -WB_INF;
-                        if (key > pb[f]) s[f][nt][2 + c] = -WB_INF;
-                    }
-                }
-            }
-            float xa = ma[f], xb = mb[f];
-#pragma unroll
-            for (int nt = 0; nt < PA_BN / 8; ++nt) {
-                xa = wb_fmaxf(xa, wb_fmaxf(s[f][nt][0], s[f][nt][1]));
-                xb = wb_fmaxf(xb, wb_fmaxf(s[f][nt][2], s[f][nt][3]));
-            }
-            xa = wb_fmaxf(xa, wb_shfl_xor(xa, 1)); xa = wb_fmaxf(xa, wb_shfl_xor(xa, 2));
-            xb = wb_fmaxf(xb, wb_shfl_xor(xb, 1)); xb = wb_fmaxf(xb, wb_shfl_xor(xb, 2));
-            // key 0 is in every row's first tile, so the max is finite from then on; before it nothing is rescaled
-            const float ca = ma[f] == -WB_INF ? 0.f : wb_exp(ma[f] - xa);
-            const float cb = mb[f] == -WB_INF ? 0.f : wb_exp(mb[f] - xb);
-            ma[f] = xa;
-            mb[f] = xb;
-            la[f] *= ca;
-            lb[f] *= cb;
-#pragma unroll
-            for (int nt = 0; nt < WB_HD / 8; ++nt) {
-                o[f][nt][0] *= ca; o[f][nt][1] *= ca;
-                o[f][nt][2] *= cb; o[f][nt][3] *= cb;
-            }
-#pragma unroll
-            for (int nt = 0; nt < PA_BN / 8; ++nt) {
-                s[f][nt][0] = wb_exp(s[f][nt][0] - ma[f]); s[f][nt][1] = wb_exp(s[f][nt][1] - ma[f]);
-                s[f][nt][2] = wb_exp(s[f][nt][2] - mb[f]); s[f][nt][3] = wb_exp(s[f][nt][3] - mb[f]);
-                la[f] += s[f][nt][0] + s[f][nt][1];
-                lb[f] += s[f][nt][2] + s[f][nt][3];
-            }
-        }
+        for (int f = 0; f < PA_MF; ++f)
+            pa_softmax_tile<PA_BN / 8, WB_HD / 8>(&s[f][0][0], &o[f][0][0], j0, PA_BN, first, pa[f], pb[f], t, ma[f],
+                                                  mb[f], la[f], lb[f]);
         // O += P·V, 16 keys a step: the scores' tiles 2kk and 2kk+1 are the A fragment as they lie in registers,
         // split in hi + lo as the queries are; the values' B fragments come transposed out of their row-major tile,
         // two 8-wide column tiles a load (lane L: key 16kk + 8·(L/8 % 2) + L % 8, columns 8·(nt + L/16)..), loaded
@@ -324,15 +262,6 @@ extern "C" __global__ void PA_LAUNCH_BOUNDS prefill_attention(
         __syncthreads();                              // before the next tile's copy overwrites this stage
     }
 #pragma unroll
-    for (int f = 0; f < PA_MF; ++f) {
-        float sa = la[f], sb = lb[f];
-        sa += wb_shfl_xor(sa, 1); sa += wb_shfl_xor(sa, 2);
-        sb += wb_shfl_xor(sb, 1); sb += wb_shfl_xor(sb, 2);
-#pragma unroll
-        for (int nt = 0; nt < WB_HD / 8; ++nt) {
-            const int d = nt * 8 + 2 * t;
-            if (ra[f] < rows) { out[qa[f] + d] = o[f][nt][0] / sa; out[qa[f] + d + 1] = o[f][nt][1] / sa; }
-            if (rb[f] < rows) { out[qb[f] + d] = o[f][nt][2] / sb; out[qb[f] + d + 1] = o[f][nt][3] / sb; }
-        }
-    }
+    for (int f = 0; f < PA_MF; ++f)
+        pa_write_rows<WB_HD / 8>(out, &o[f][0][0], qa[f], qb[f], ra[f] < rows, rb[f] < rows, t, la[f], lb[f]);
 }

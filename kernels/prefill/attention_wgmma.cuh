@@ -41,28 +41,15 @@
 #define PW_STAGES WB_PW_STAGES
 #define PW_CHUNKS (PW_BN * WB_HD / 8)              // its 16-byte chunks
 
-#ifndef WB_PA_HEAVY_FIRST
-#define WB_PA_HEAVY_FIRST 0
-#endif
-#ifndef WB_PA_HALVES
-#define WB_PA_HALVES 2
-#endif
 #ifndef WB_PA_MIN_BLOCKS
 #define WB_PA_MIN_BLOCKS 1
 #endif
-static_assert(WB_PA_HALVES == 1 || WB_PA_HALVES == 2, "bf16 halves of the queries and probabilities: 1 or 2");
 static_assert(WB_HD % 16 == 0 && WB_HD <= 256, "head_dim: a multiple of 16 (P·V's N, and Q·Kᵀ's 16-wide steps)");
 static_assert(PW_BN % 16 == 0 && PW_BN >= 16 && PW_BN <= 256, "keys a tile: P·V's 16-key steps, Q·Kᵀ's N ≤ 256");
 static_assert(PW_WG == 1 || PW_WG == 2 || PW_WG == 4, "one, two or four warpgroups a block");
 static_assert(PW_STAGES >= 2 && PW_STAGES <= 4, "two to four stages of the key and value tiles");
 static_assert(WB_THREADS == PW_THREADS, "the launcher's block is four warps a warpgroup");
 static_assert(WB_PA_ROWS == PW_BM, "the launcher's grid counts rows in this tile's");
-
-// x ≈ hi + lo as attention.cuh's pa_split (lo not formed with one half)
-__device__ __forceinline__ void pw_split(float x0, float x1, u32& hi, u32& lo) {
-    hi = wb_pack_bf16x2(x0, x1);
-    lo = WB_PA_HALVES == 2 ? wb_pack_bf16x2(x0 - bf16_lo(hi), x1 - bf16_hi(hi)) : 0u;
-}
 
 // tile `tile`'s keys and values into its stage, as one commit group (an empty one past the last tile, so that
 // every thread counts one group a tile)
@@ -86,13 +73,7 @@ __device__ __forceinline__ void pw_fence_regs(float* d) {
     for (int i = 0; i < N; ++i) wb_reg_fence(d[i]);
 }
 
-extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefill_attention(
-    const float* __restrict__ q,         // [n, Hq·hd]: the rows' queries, RoPE applied
-    const bf16* __restrict__ k,          // [Hkv, kv_stride, hd]: this layer's keys, the kernel's cache (bf16)
-    const bf16* __restrict__ v,          // [Hkv, kv_stride, hd]
-    const long long* __restrict__ pos,   // [n]: row r attends to keys 0..pos[r] (< kv_stride)
-    float* __restrict__ out,             // [n, Hq·hd]
-    int n, int kv_stride, int n_heads, int group, float scale)
+extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefill_attention(PA_PARAMS)
 {
     // [PW_STAGES][the key tile, the value tile], then each warpgroup's queries [halves][64 × hd]
     extern __shared__ __align__(128) u8 pw_smem[];
@@ -137,7 +118,7 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
                 x1 = p[1] * scale;
             }
             u32 hi, lo;
-            pw_split(x0, x1, hi, lo);
+            pa_split(x0, x1, hi, lo);
             const int r = warp * 16 + g + ((i & 1) ? 8 : 0);
             const int at = ((r >> 3) * (WB_HD / 8) + (col >> 3)) * 128 + (r & 7) * 16 + (col & 7) * 2;
             *(u32*)(qs + at) = hi;
@@ -182,53 +163,14 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
             wb_wgmma_commit();
             wb_wgmma_wait<0>();
             pw_fence_regs<PW_BN / 2>(s);
-            // the causal mask where the tile reaches past the warp's first row; each row's new max over the four
-            // lanes that hold it
-            if (j0 + PW_BN - 1 > first) {
-#pragma unroll
-                for (int j = 0; j < PW_BN / 8; ++j) {
-#pragma unroll
-                    for (int c = 0; c < 2; ++c) {
-                        const int key = j0 + j * 8 + 2 * t + c;
-                        if (key > pa) s[4 * j + c] = -WB_INF;
-                        if (key > pb) s[4 * j + 2 + c] = -WB_INF;
-                    }
-                }
-            }
-            float xa = ma, xb = mb;
-#pragma unroll
-            for (int j = 0; j < PW_BN / 8; ++j) {
-                xa = wb_fmaxf(xa, wb_fmaxf(s[4 * j], s[4 * j + 1]));
-                xb = wb_fmaxf(xb, wb_fmaxf(s[4 * j + 2], s[4 * j + 3]));
-            }
-            xa = wb_fmaxf(xa, wb_shfl_xor(xa, 1)); xa = wb_fmaxf(xa, wb_shfl_xor(xa, 2));
-            xb = wb_fmaxf(xb, wb_shfl_xor(xb, 1)); xb = wb_fmaxf(xb, wb_shfl_xor(xb, 2));
-            // key 0 is in every row's first tile, so the max is finite from then on; before it nothing is rescaled
-            const float ca = ma == -WB_INF ? 0.f : wb_exp(ma - xa);
-            const float cb = mb == -WB_INF ? 0.f : wb_exp(mb - xb);
-            ma = xa;
-            mb = xb;
-            la *= ca;
-            lb *= cb;
-#pragma unroll
-            for (int j = 0; j < WB_HD / 8; ++j) {
-                o[4 * j] *= ca; o[4 * j + 1] *= ca;
-                o[4 * j + 2] *= cb; o[4 * j + 3] *= cb;
-            }
+            pa_softmax_tile<PW_BN / 8, WB_HD / 8>(s, o, j0, PW_BN, first, pa, pb, t, ma, mb, la, lb);
             // P as A fragments, 16 keys a step: S's fragments 2kk and 2kk+1 as they lie (rows g, g+8 of keys
             // 2t.. and of keys 2t+8..), split as the queries are
             u32 ph[PW_BN / 16][4], pl[PW_BN / 16][4];
 #pragma unroll
-            for (int j = 0; j < PW_BN / 8; ++j) {
-                s[4 * j] = wb_exp(s[4 * j] - ma); s[4 * j + 1] = wb_exp(s[4 * j + 1] - ma);
-                s[4 * j + 2] = wb_exp(s[4 * j + 2] - mb); s[4 * j + 3] = wb_exp(s[4 * j + 3] - mb);
-                la += s[4 * j] + s[4 * j + 1];
-                lb += s[4 * j + 2] + s[4 * j + 3];
-            }
-#pragma unroll
             for (int kk = 0; kk < PW_BN / 16; ++kk) {
 #pragma unroll
-                for (int i = 0; i < 4; ++i) pw_split(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1], ph[kk][i], pl[kk][i]);
+                for (int i = 0; i < 4; ++i) pa_split(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1], ph[kk][i], pl[kk][i]);
             }
             // O += P·V: keys in 16-wide steps, V's step kk two core matrices along the keys (2·hd·16 bytes) on;
             // V is B transposed (its N, the columns, runs within a core matrix's rows)
@@ -245,13 +187,5 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
         }
         __syncthreads();                              // before the next tile's copy overwrites this stage
     }
-    float sa = la, sb = lb;
-    sa += wb_shfl_xor(sa, 1); sa += wb_shfl_xor(sa, 2);
-    sb += wb_shfl_xor(sb, 1); sb += wb_shfl_xor(sb, 2);
-#pragma unroll
-    for (int j = 0; j < WB_HD / 8; ++j) {
-        const int d = j * 8 + 2 * t;
-        if (ra < n) { out[qa + d] = o[4 * j] / sa; out[qa + d + 1] = o[4 * j + 1] / sa; }
-        if (rb < n) { out[qb + d] = o[4 * j + 2] / sb; out[qb + d + 1] = o[4 * j + 3] / sb; }
-    }
+    pa_write_rows<WB_HD / 8>(out, o, qa, qb, ra < n, rb < n, t, la, lb);
 }

@@ -173,10 +173,12 @@ def flash_source(head_dim: int, layout: FlashLayout | None = None, halves: int =
         return (head + f"#define WB_PW_WARPGROUPS {layout.warpgroups}\n#define WB_PW_KEYS {layout.tile_keys}\n"
                 f"#define WB_PW_STAGES {layout.tile_stages}\n#define WB_PW_HEADS {int(layout.heads)}\n"
                 + (k / "portability.cuh").read_text() + wgmma_products({layout.tile_keys, head_dim})
+                + (k / "prefill" / "attention_common.cuh").read_text()
                 + (k / "prefill" / "attention_wgmma.cuh").read_text())
     return (head + f"#define WB_PA_FRAGS {layout.frags}\n"
             f"#define WB_PA_GQA_ROWS {int(layout.gqa_rows)}\n#define WB_PA_K_LDMATRIX {int(layout.k_ldmatrix)}\n"
-            + (k / "portability.cuh").read_text() + (k / "prefill" / "attention.cuh").read_text())
+            + (k / "portability.cuh").read_text() + (k / "prefill" / "attention_common.cuh").read_text()
+            + (k / "prefill" / "attention.cuh").read_text())
 
 
 def wgmma_products(ns) -> str:

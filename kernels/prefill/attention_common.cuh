@@ -1,0 +1,92 @@
+// What both prefill attention kernels (attention.cuh on mma.sync, attention_wgmma.cuh on sm_90a's warpgroup
+// products) do alike, on the fragments the two instructions share: a lane holds two rows of a 16-row fragment
+// (g and g + 8 of it) and, for each 8 columns j, the pair (row a: [4j], [4j+1]; row b: [4j+2], [4j+3]) at columns
+// 8j + 2t, 8j + 2t + 1. attention.cuh argues the precision of both.
+
+// The kernels' parameters, in the order workbench/run/prefill_gpu.flash_attention passes them:
+// q [n, Hq·hd], the rows' queries, RoPE applied; k, v [Hkv, kv_stride, hd], this layer's keys and values, the
+// kernel's cache (bf16); pos [n], row r attends to keys 0..pos[r] (< kv_stride); out [n, Hq·hd].
+#define PA_PARAMS const float* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v, \
+    const long long* __restrict__ pos, float* __restrict__ out, int n, int kv_stride, int n_heads, int group,  \
+    float scale
+
+// WB_PA_HEAVY_FIRST: the grid is (heads, row tiles) and the last row tiles, whose rows see the most keys, go first,
+// every head's before any head's next: the blocks are dispatched in that order, so the causal triangle's longest
+// blocks start early and its shortest fill the end, instead of a last wave of one head's longest
+#ifndef WB_PA_HEAVY_FIRST
+#define WB_PA_HEAVY_FIRST 0
+#endif
+#ifndef WB_PA_HALVES
+#define WB_PA_HALVES 2
+#endif
+static_assert(WB_PA_HALVES == 1 || WB_PA_HALVES == 2, "bf16 halves of the queries and probabilities: 1 or 2");
+
+// x ≈ hi + lo, both bf16 (|x − hi − lo| ≤ 2⁻¹⁷|x|), for a pair of operand elements: hi rounded, lo the rounded
+// rest (x − hi is exact in fp32). With one half, hi alone (lo is never read, and the compiler drops it).
+__device__ __forceinline__ void pa_split(float x0, float x1, u32& hi, u32& lo) {
+    hi = wb_pack_bf16x2(x0, x1);
+    lo = WB_PA_HALVES == 2 ? wb_pack_bf16x2(x0 - bf16_lo(hi), x1 - bf16_hi(hi)) : 0u;
+}
+
+// One key tile's scores s (NT groups of 8 keys from j0) of the lane's rows a and b (positions pa, pb) into the
+// running softmax: the causal mask where the tile reaches past the warp's first row position `first` (`keys` keys a
+// tile), each row's new max over the four lanes that hold it, the sums (la, lb: this lane's part) and the output
+// o (OT groups of 8 columns) rescaled to it, and s turned into the unnormalised probabilities.
+template <int NT, int OT>
+__device__ __forceinline__ void pa_softmax_tile(float* s, float* o, int j0, int keys, int first, int pa, int pb,
+                                                int t, float& ma, float& mb, float& la, float& lb) {
+    if (j0 + keys - 1 > first) {
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int key = j0 + nt * 8 + 2 * t + c;
+                if (key > pa) s[4 * nt + c] = -WB_INF;
+                if (key > pb) s[4 * nt + 2 + c] = -WB_INF;
+            }
+        }
+    }
+    float xa = ma, xb = mb;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        xa = wb_fmaxf(xa, wb_fmaxf(s[4 * nt], s[4 * nt + 1]));
+        xb = wb_fmaxf(xb, wb_fmaxf(s[4 * nt + 2], s[4 * nt + 3]));
+    }
+    xa = wb_fmaxf(xa, wb_shfl_xor(xa, 1)); xa = wb_fmaxf(xa, wb_shfl_xor(xa, 2));
+    xb = wb_fmaxf(xb, wb_shfl_xor(xb, 1)); xb = wb_fmaxf(xb, wb_shfl_xor(xb, 2));
+    // key 0 is in every row's first tile, so the max is finite from then on; before it nothing is rescaled
+    const float ca = ma == -WB_INF ? 0.f : wb_exp(ma - xa);
+    const float cb = mb == -WB_INF ? 0.f : wb_exp(mb - xb);
+    ma = xa;
+    mb = xb;
+    la *= ca;
+    lb *= cb;
+#pragma unroll
+    for (int nt = 0; nt < OT; ++nt) {
+        o[4 * nt] *= ca; o[4 * nt + 1] *= ca;
+        o[4 * nt + 2] *= cb; o[4 * nt + 3] *= cb;
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        s[4 * nt] = wb_exp(s[4 * nt] - ma); s[4 * nt + 1] = wb_exp(s[4 * nt + 1] - ma);
+        s[4 * nt + 2] = wb_exp(s[4 * nt + 2] - mb); s[4 * nt + 3] = wb_exp(s[4 * nt + 3] - mb);
+        la += s[4 * nt] + s[4 * nt + 1];
+        lb += s[4 * nt + 2] + s[4 * nt + 3];
+    }
+}
+
+// The rows' outputs (OT groups of 8 columns) divided by their sums over the four lanes, written where a row exists
+// (row a at out + qa, row b at out + qb, each written only if it is below `rows`).
+template <int OT>
+__device__ __forceinline__ void pa_write_rows(float* __restrict__ out, const float* o, long long qa, long long qb,
+                                              bool a_exists, bool b_exists, int t, float la, float lb) {
+    float sa = la, sb = lb;
+    sa += wb_shfl_xor(sa, 1); sa += wb_shfl_xor(sa, 2);
+    sb += wb_shfl_xor(sb, 1); sb += wb_shfl_xor(sb, 2);
+#pragma unroll
+    for (int nt = 0; nt < OT; ++nt) {
+        const int d = nt * 8 + 2 * t;
+        if (a_exists) { out[qa + d] = o[4 * nt] / sa; out[qa + d + 1] = o[4 * nt + 1] / sa; }
+        if (b_exists) { out[qb + d] = o[4 * nt + 2] / sb; out[qb + d + 1] = o[4 * nt + 3] / sb; }
+    }
+}
