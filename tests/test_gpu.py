@@ -707,12 +707,13 @@ def test_the_wgmma_attention_kernel_is_the_references_attention(heads, kv_heads,
     math on the same inputs as the mma.sync kernel's test, every WGMMA_LAYOUTS layout (one and two warpgroups, 64
     and 128 keys a tile: tails of rows and keys off every tile) at both precisions, held to the same bounds: fp32
     3e-4 relative and 2⁻¹¹ of the values per element, bf16 4e-3 and looser than fp32 (its lo products gone); the
-    mask one key further; a NaN query's row and head NaN and nothing else; a NaN key past every row no effect. A
-    wrong descriptor stride, core-matrix order or transpose reads other keys or columns: off by order 1."""
+    mask one key further; a NaN query's row and head NaN and nothing else; a NaN key past every row no effect; the
+    layout the fp32 prefill runs on sm_90 (WGMMA_FP32) the default's bits up to head_dim 64. A wrong descriptor
+    stride, core-matrix order or transpose reads other keys or columns: off by order 1."""
     import cupy as cp
 
     from workbench.model import stage_math as S
-    from workbench.run.prefill_gpu import WGMMA_LAYOUTS, flash_attention, layout_runs
+    from workbench.run.prefill_gpu import FLASH_LAYOUT, WGMMA_FP32, WGMMA_LAYOUTS, flash_attention, layout_runs
     if cp.cuda.Device().compute_capability != "90":
         pytest.skip("the wgmma kernel is sm_90a's (H100, H200)")
     q, kb, vb, k, v, positions = _attention_inputs(heads, kv_heads, hd, n, pos0)
@@ -737,6 +738,9 @@ def test_the_wgmma_attention_kernel_is_the_references_attention(heads, kv_heads,
             assert float(cp.linalg.norm(later - later_want) / cp.linalg.norm(later_want)) <= 3 * rel[halves] + 1e-6
         print(f"{layout}: rel err fp32 {rel[2]:.2e}, bf16 {rel[1]:.2e}")
         assert rel[2] <= 3e-4 < rel[1] <= 4e-3, (layout, rel)
+    if hd <= 64:      # attention.cuh's 64-key tiles: the same sums in the same order, so the same bits
+        base = flash_attention(q, kb, vb, positions, heads, layout=FLASH_LAYOUT)
+        assert bool((flash_attention(q, kb, vb, positions, heads, layout=WGMMA_FP32) == base).all())
     bad_q = q.copy()
     bad_q[n // 2, :hd] = cp.nan
     kb2 = kb.copy()

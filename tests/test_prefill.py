@@ -371,3 +371,34 @@ def test_the_wgmma_attention_builds_for_sm90a_without_a_spill():
                 dict(warpgroups=1, heads=True), dict(warpgroups=2, stages=5)):
         with pytest.raises(ValueError):
             FlashLayout(**bad)
+
+
+def test_a_workspace_filled_before_these_prefill_kernels_builds_the_prefill_from_the_shipped_ones(tmp_path):
+    """A workspace is filled once and never updated: one from before the wgmma attention (no attention_common.cuh
+    or attention_wgmma.cuh, a portability layer without the warpgroup products) still builds every prefill kernel,
+    from the shipped sources; a complete workspace's own prefill files are the ones used."""
+    import shutil
+
+    from workbench import paths
+    from workbench.compiler.compile import nvrtc_program
+    from workbench.run.prefill_gpu import (PRECISIONS, WGMMA_FP32, flash_layout, flash_options, flash_source,
+                                           layer_source)
+    old = tmp_path / "old"
+    shutil.copytree(paths.template_dir(), old)
+    (old / "prefill" / "attention_common.cuh").unlink()
+    (old / "prefill" / "attention_wgmma.cuh").unlink()
+    port = old / "portability.cuh"
+    port.write_text(port.read_text().replace("wb_wgmma_desc", "wb_old_desc"))
+    with paths.use_kernels_dir(old):
+        layout = flash_layout(64, PRECISIONS["fp32"], "90")
+        assert layout == WGMMA_FP32
+        src = flash_source(64, layout, PRECISIONS["fp32"])
+        ok, log, _, _ = nvrtc_program(src, list(flash_options(layout)), cubin=False)
+        assert ok, log
+        assert "wb_old_desc" not in src and "wb_old_desc" not in layer_source()
+    mine = tmp_path / "mine"
+    shutil.copytree(paths.template_dir(), mine)
+    common = mine / "prefill" / "attention_common.cuh"
+    common.write_text(common.read_text() + "\n// this workspace's own\n")
+    with paths.use_kernels_dir(mine):
+        assert "// this workspace's own" in flash_source(64)

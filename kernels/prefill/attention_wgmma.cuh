@@ -16,9 +16,9 @@
 // K as B of Q·Kᵀ (K-major: its reduction, the columns, runs within a core matrix's rows) and V as B of P·V
 // (transposed: MN-major, its reduction over keys runs across a core matrix's rows).
 //
-// The order of the sums differs from attention.cuh's (a tile of PW_BN keys, where it takes 64, and the tensor
-// cores' own order within a product), so the two kernels agree to rounding, not bit for bit; the GPU tests hold
-// this one to the fp64 math at the same bounds.
+// At 64 keys a tile each row's sums are formed in attention.cuh's order (one H100 gave the same bits); at other
+// tile sizes the online softmax rescales at other keys, which agrees to rounding. The GPU tests hold every layout to
+// the fp64 math at attention.cuh's bounds, and the layout the prefill runs (WGMMA_FP32) to attention.cuh's bits.
 //
 // Set by the launcher (workbench/run/prefill_gpu.py): WB_HD, WB_PW_WARPGROUPS, WB_PW_KEYS (PW_BN), WB_PW_STAGES,
 // WB_PA_HALVES, WB_PA_HEAVY_FIRST, WB_PA_ROWS (the rows a block takes, as the grid counts them) and WB_PA_MIN_BLOCKS; and the
@@ -33,7 +33,9 @@
 #ifndef WB_PW_HEADS
 #define WB_PW_HEADS 0
 #endif
-#define PW_BM (WB_PW_HEADS ? 64 : 64 * PW_WG)
+#define PW_M (4 * 16)                              // wgmma's M: four warps' 16-row fragments
+#define PW_BM (WB_PW_HEADS ? PW_M : PW_M * PW_WG)
+#define PW_Q_BYTES (PW_M * WB_HD * 2)              // a warpgroup's queries, one bf16 half
 #define PW_BN WB_PW_KEYS
 #define PW_TILE_BYTES (PW_BN * WB_HD * 2)          // one tile of keys or of values
 // stages of the key and value tiles in flight: at two, a tile's copy had one tile's products to land in, about an
@@ -89,7 +91,7 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
     // the launcher checks that a block's heads share their kv head (warpgroups divide the group)
     const int h = WB_PW_HEADS ? head_tile * PW_WG + wg : head_tile, kvh = h / group;
     // this lane's two rows (g and g + 8 of its warp's 16); a row past the last attends to key 0 alone, unwritten
-    const int ra = row_tile * PW_BM + (WB_PW_HEADS ? 0 : wg * 64) + warp * 16 + g, rb = ra + 8;
+    const int ra = row_tile * PW_BM + (WB_PW_HEADS ? 0 : wg * PW_M) + warp * 16 + g, rb = ra + 8;
     const long long qa = ra * stride + h * WB_HD, qb = rb * stride + h * WB_HD;
     const int pa = ra < n ? (int)pos[ra] : 0, pb = rb < n ? (int)pos[rb] : 0;
     if (threadIdx.x == 0) last_key = 0;
@@ -105,7 +107,7 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
     // matrices as the tiles': row r, columns 8c.. at ((r / 8)·(hd / 8) + c)·128 + (r % 8)·16): each lane writes
     // the pairs its mma.sync A fragment would hold. A from the registers lost them: ptxas (13.0) gave the
     // loop-invariant fragments' registers to P's inside the key loop (the SASS read P as Q from the second tile).
-    u8* qs = pw_smem + PW_STAGES * 2 * PW_TILE_BYTES + wg * WB_PA_HALVES * 64 * WB_HD * 2;
+    u8* qs = pw_smem + PW_STAGES * 2 * PW_TILE_BYTES + wg * WB_PA_HALVES * PW_Q_BYTES;
 #pragma unroll
     for (int kk = 0; kk < WB_HD / 16; ++kk) {
 #pragma unroll
@@ -122,7 +124,7 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
             const int r = warp * 16 + g + ((i & 1) ? 8 : 0);
             const int at = ((r >> 3) * (WB_HD / 8) + (col >> 3)) * 128 + (r & 7) * 16 + (col & 7) * 2;
             *(u32*)(qs + at) = hi;
-            if (WB_PA_HALVES == 2) *(u32*)(qs + 64 * WB_HD * 2 + at) = lo;
+            if (WB_PA_HALVES == 2) *(u32*)(qs + PW_Q_BYTES + at) = lo;
         }
     }
     wb_fence_proxy_async();                           // the queries, visible to the products' reads
@@ -158,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
                 const u64 desc = wb_wgmma_desc(kt + kk * 256, 128, WB_HD * 16);
                 wb_wgmma_bf16_ss<PW_BN>(s, wb_wgmma_desc(qs + kk * 256, 128, WB_HD * 16), desc, kk > 0);
                 if (WB_PA_HALVES == 2)
-                    wb_wgmma_bf16_ss<PW_BN>(s, wb_wgmma_desc(qs + 64 * WB_HD * 2 + kk * 256, 128, WB_HD * 16), desc, 1);
+                    wb_wgmma_bf16_ss<PW_BN>(s, wb_wgmma_desc(qs + PW_Q_BYTES + kk * 256, 128, WB_HD * 16), desc, 1);
             }
             wb_wgmma_commit();
             wb_wgmma_wait<0>();

@@ -34,10 +34,21 @@ ATTN_ROWS = 64               # hold both to its tile (a warp's 16-row fragment e
 LAYER_THREADS = 256          # the row-wise kernels' blocks (a multiple of the warp on both vendors)
 
 
+# what the prefill reads of the kernels folder, besides portability.cuh
+PREFILL_FILES = ("prefill/layer.cuh", "prefill/attention_common.cuh", "prefill/attention.cuh",
+                 "prefill/attention_wgmma.cuh")
+
+
 def _kernels_dir():
-    """The kernels in use, or the shipped ones for a workspace copied before the prefill's kernels existed."""
+    """The kernels in use, or the shipped ones for a workspace filled before this version's prefill kernels: a
+    workspace is filled once and never updated, so one without a file the prefill reads, or whose portability
+    layer has no warpgroup products (wb_wgmma_desc), would fail to build the prefill; it takes the shipped kernels
+    whole, portability layer included, for the prefill alone (the monokernel's sections stay the workspace's)."""
     k = paths.kernels_dir()
-    return k if (k / "prefill" / "layer.cuh").is_file() else paths.template_dir()
+    port = k / "portability.cuh"
+    complete = (all((k / f).is_file() for f in PREFILL_FILES) and port.is_file()
+                and "wb_wgmma_desc" in port.read_text())
+    return k if complete else paths.template_dir()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +61,8 @@ class FlashLayout:
     the precision); frags: 16-row fragments a warp (2: 128 rows a block, each key and value fragment loaded once
     for both).
     warpgroups: the other kernel, attention_wgmma.cuh (sm_90a's warpgroup products: 64 rows a warpgroup of four
-    warps, 1 or 2 a block), which takes `keys` keys a tile (0: 64), `stages` tiles in flight (0: 2), and
+    warps, 1, 2 or 4 a block), which takes `keys` keys a tile (0: 64), `stages` tiles in flight (0: 2), `heads`
+    (the warpgroups take one GQA group's heads over the same 64 rows, not 64 rows each of one head), and
     heavy_first and min_blocks as above. The same math; at 64 keys a tile the same bits as attention.cuh (measured
     on an H100), at 128 another order of sums, which agrees to rounding."""
     gqa_rows: bool = False
@@ -124,7 +136,7 @@ LAYOUTS = tuple(FlashLayout(*bits) for bits in itertools.product((False, True), 
 # the wgmma kernel's layouts the A/B times beside them (another order of sums: not held to LAYOUTS' bits)
 # (round 32, one H100: two warpgroups and 64 keys the best of four with two stages; one warpgroup at half its speed)
 WGMMA_LAYOUTS = (*(FlashLayout(heavy_first=True, warpgroups=wg, keys=keys, stages=stages)
-                   for wg, keys, stages in ((2, 64, 2), (1, 64, 4), (2, 128, 2))),
+                   for wg, keys, stages in ((2, 64, 2), (2, 64, 4), (1, 64, 4), (2, 128, 2))),
                  *(FlashLayout(heavy_first=True, warpgroups=wg, keys=64, stages=stages, heads=True)
                    for wg, stages in ((2, 2), (4, 2), (4, 3))))
 
