@@ -153,20 +153,17 @@ def layout_runs(layout: FlashLayout, n_heads: int, n_kv: int, head_dim: int, hal
 FLASH_LAYOUT = FlashLayout(k_ldmatrix=True, heavy_first=True)
 
 
-# fp32's attention at head_dim 64 on compute capability 9.0 (flash_layout)
+# The candidate for fp32's attention at head_dim 64 on sm_90: 0.44 against 0.50 ms a 1B layer at 4k and 20.9 against
+# 25.0 at 32k, the same bits as FLASH_LAYOUT (one H100, NOTES.md round 32). Not flash_layout's choice until the
+# GPU suite has run the prefill end to end with it (its kernel changed since, by a refactor, after the measurement).
 WGMMA_FP32 = FlashLayout(heavy_first=True, warpgroups=2, keys=64, stages=4)
 
 
-def flash_layout(head_dim: int, halves: int, compute_capability: str = "") -> FlashLayout:
-    """The layout the prefill runs at this head_dim and precision (PRECISIONS' halves) on a GPU of this compute
-    capability (CuPy's string, "90" for an H100 or H200; "" for none in particular). Two fragments a warp where
+def flash_layout(head_dim: int, halves: int) -> FlashLayout:
+    """The layout the prefill runs at this head_dim and precision (PRECISIONS' halves). Two fragments a warp where
     they were measured faster and build without a spill: one bf16 half at head_dim 64, 0.34 against 0.38 ms a 1B
     layer at 4k and 17.2 against 19.0 at 32k (one H100, scripts/ab_prefill_attention.py, NOTES.md round 28). In fp32
-    (two halves) they spill 32-544 B and lost at 4k (0.59 against 0.50 ms); at head_dim 128 the bf16 build spills.
-    fp32 at head_dim 64 on sm_90 takes the wgmma kernel (WGMMA_FP32): 0.44 against 0.50 ms a 1B layer at 4k and
-    20.9 against 25.0 at 32k, the same bits (one H100, NOTES.md round 32); in bf16 it measured slower there."""
-    if compute_capability == "90" and halves == PRECISIONS["fp32"] and head_dim == 64:
-        return WGMMA_FP32
+    (two halves) they spill 32-544 B and lost at 4k (0.59 against 0.50 ms); at head_dim 128 the bf16 build spills."""
     two = halves == PRECISIONS["bf16"] and head_dim <= 64
     return dataclasses.replace(FLASH_LAYOUT, frags=2) if two else FLASH_LAYOUT
 
