@@ -18,7 +18,7 @@
 //
 // At 64 keys a tile each row's sums are formed in attention.cuh's order (one H100 gave the same bits); at other
 // tile sizes the online softmax rescales at other keys, which agrees to rounding. The GPU tests hold every layout to
-// the fp64 math at attention.cuh's bounds, and the layout the prefill runs (WGMMA_FP32) to attention.cuh's bits.
+// the fp64 math at attention.cuh's bounds, and the fp32 candidate (prefill_gpu.WGMMA_FP32) to attention.cuh's bits.
 //
 // Set by the launcher (workbench/run/prefill_gpu.py): WB_HD, WB_PW_WARPGROUPS, WB_PW_KEYS (PW_BN), WB_PW_STAGES,
 // WB_PA_HALVES, WB_PA_HEAVY_FIRST, WB_PA_ROWS (the rows a block takes, as the grid counts them) and WB_PA_MIN_BLOCKS; and the
