@@ -62,9 +62,9 @@ def one_prompt(cfg, n: int, chunk: int, repeats: int, rng) -> dict:
     for name, (layout, halves) in runs().items():
         kernel = G.flash_kernel(hd, layout, halves)
 
-        def run():
+        def run():                                                     # no read back between launches
             return [G.flash_attention(q[a:b], kb, vb, cp.arange(a, b), hq, kernel=kernel, layout=layout,
-                                      halves=halves, span=(a, b - 1)) for a, b in chunks]        # no read back between launches
+                                      halves=halves, span=(a, b - 1)) for a, b in chunks]
         try:
             out = cp.concatenate(run())                                # compiled and warm
         except (cp.cuda.driver.CUDADriverError, ValueError) as e:       # a layout not for this GPU or model: its row

@@ -21,8 +21,8 @@
 // the fp64 math at attention.cuh's bounds, and the fp32 candidate (prefill_gpu.WGMMA_FP32) to attention.cuh's bits.
 //
 // Set by the launcher (workbench/run/prefill_gpu.py): WB_HD, WB_PW_WARPGROUPS, WB_PW_KEYS (PW_BN), WB_PW_STAGES,
-// WB_PA_HALVES, WB_PA_HEAVY_FIRST, WB_PA_ROWS (the rows a block takes, as the grid counts them) and WB_PA_MIN_BLOCKS; and the
-// generated wb_wgmma_bf16 products for N = PW_BN and N = WB_HD.
+// WB_PW_HEADS, WB_PA_HALVES, WB_PA_HEAVY_FIRST, WB_PA_ROWS (the rows a block takes, as the grid counts them) and
+// WB_PA_MIN_BLOCKS; and the generated wb_wgmma_bf16 products for N = PW_BN and N = WB_HD.
 
 #define PW_WG WB_PW_WARPGROUPS
 #define PW_THREADS (4 * WB_WARP * PW_WG)
