@@ -169,5 +169,6 @@ def test_the_first_step_after_a_prefill_is_split_into_host_and_kernel():
     s = first_step_split(0.0250, 0.0225, res)
     assert s["first step"] == pytest.approx(2.5) and s["host prepare"] == 0.4 and s["kernel"] == 1.1
     assert s["rest"] == pytest.approx(1.0)
+    assert (s["launch call"], s["to the token seen"], s["read back"]) == pytest.approx((0.05, 1.25, 0.2))
     s = first_step_split(0.0250, 0.0225, SimpleNamespace(host_ms={}, kernel_ms=1.1))
-    assert math.isnan(s["host prepare"]) and math.isnan(s["rest"])
+    assert math.isnan(s["host prepare"]) and math.isnan(s["rest"]) and math.isnan(s["read back"])

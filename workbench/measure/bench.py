@@ -105,10 +105,16 @@ def first_step_split(secs: float, prefill_s: float, res) -> dict:
     """Where a time to first token went after the prefill, ms: the whole first step (the call's wall time after
     the prefill's), the host's preparation before the launch (inputs, resets, poisoning, one synchronisation), the
     kernel (CUDA events, launch to end) and the rest (the launch call, the watch that sees the token, the read
-    back)."""
+    back); and the rest's host marks (Result.host_ms): the launch call, from its return to the token seen (the
+    kernel's step inside it), from then to the results read back."""
+    nan = float("nan")
+    mark = res.host_ms
     step = 1e3 * (secs - prefill_s)
-    prep, kernel = res.host_ms.get("prepared", float("nan")), res.kernel_ms
-    return {"first step": step, "host prepare": prep, "kernel": kernel, "rest": step - prep - kernel}
+    prep, kernel = mark.get("prepared", nan), res.kernel_ms
+    return {"first step": step, "host prepare": prep, "kernel": kernel, "rest": step - prep - kernel,
+            "launch call": mark.get("launched", nan) - prep,
+            "to the token seen": mark.get("first token", nan) - mark.get("launched", nan),
+            "read back": mark.get("collected", nan) - mark.get("first token", nan)}
 
 
 def measure_ttft(mk, prompt: list[int], repeats: int, precision: str = "fp32",
