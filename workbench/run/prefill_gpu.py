@@ -110,19 +110,26 @@ class FlashLayout:
         return self.stages or 2
 
     def shared_bytes(self, head_dim: int, halves: int) -> int:
-        """Dynamic shared memory a block takes: the wgmma kernel's two stages of a key and a value tile, and its
-        rows' queries in `halves` bf16 halves."""
+        """Dynamic shared memory a block takes: the wgmma kernel's stages of a key and a value tile, and its
+        warpgroups' queries in `halves` bf16 halves."""
         if not self.warpgroups:
             return 0
         return self.tile_stages * 2 * self.tile_keys * head_dim * 2 + halves * 64 * self.warpgroups * head_dim * 2
+
+    def group_problem(self, n_heads: int, n_kv: int) -> str | None:
+        """Why this layout cannot take a model of these heads (None: it can): `heads` wants its warpgroups to
+        divide a GQA group."""
+        if self.heads and (n_heads // n_kv) % self.warpgroups:
+            return (f"heads: {self.warpgroups} warpgroups a block do not divide a GQA group of {n_heads // n_kv} "
+                    f"query heads")
+        return None
 
     def grid(self, n: int, n_heads: int, n_kv: int) -> tuple:
         if self.gqa_rows:
             g = ((n * (n_heads // n_kv) + self.rows - 1) // self.rows, n_kv)
         elif self.heads:
-            if (n_heads // n_kv) % self.warpgroups:
-                raise ValueError(f"heads: {self.warpgroups} warpgroups a block do not divide a GQA group of "
-                                 f"{n_heads // n_kv} query heads")
+            if problem := self.group_problem(n_heads, n_kv):
+                raise ValueError(problem)
             g = ((n + self.rows - 1) // self.rows, n_heads // self.warpgroups)
         else:
             g = ((n + self.rows - 1) // self.rows, n_heads)
@@ -144,9 +151,7 @@ WGMMA_LAYOUTS = (*(FlashLayout(heavy_first=True, warpgroups=wg, keys=keys, stage
 def layout_runs(layout: FlashLayout, n_heads: int, n_kv: int, head_dim: int, halves: int, smem_most: int) -> bool:
     """Whether the attention kernel takes this layout for these shapes: a block's heads within one GQA group, and
     its shared memory within what the GPU gives a block (`smem_most` bytes)."""
-    if layout.heads and (n_heads // n_kv) % layout.warpgroups:
-        return False
-    return layout.shared_bytes(head_dim, halves) <= smem_most
+    return layout.group_problem(n_heads, n_kv) is None and layout.shared_bytes(head_dim, halves) <= smem_most
 # measured on the H200 (scripts/ab_prefill_attention.py): the keys by ldmatrix 3-5% faster at 4k
 # and 32k; rows per kv head 1-15% slower (more blocks on the diagonal's long tail than tiles saved); the longest
 # row tiles first 2-3% faster at 32k (bf16 20.86 against 21.32 ms a layer, fp32 28.80 against 29.81)
@@ -236,7 +241,8 @@ def flash_kernel(head_dim: int, layout: FlashLayout | None = None, halves: int =
     smem = layout.shared_bytes(head_dim, halves)
     if smem:
         import cupy
-        most = cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
+        rt = cupy.cuda.runtime        # one attribute, not Device().attributes' whole table, on every prefill
+        most = rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin, cupy.cuda.Device().id)
         if smem > most:
             raise ValueError(f"{layout} at head_dim {head_dim} needs {smem // 1024} KB of shared memory a block; "
                              f"this GPU gives a block {most // 1024} KB")

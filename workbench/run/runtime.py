@@ -683,8 +683,9 @@ class Monokernel:
 
     def _watch(self, on_token, on_poll, poll_interval_s: float, host_timeout_s: float, on_first=None):
         """Yield each token as the kernel publishes it, until the stream is done, calling on_poll every
-        poll_interval_s (and on_first when the first token is seen, before it is yielded). The host's watchdog: a heartbeat still for host_timeout_s sets the abort word; still as
-        long again, KernelError. Returns whether the watchdog set the abort word."""
+        poll_interval_s (and on_first when the first token is seen, before it is yielded). The host's watchdog: a
+        heartbeat still for host_timeout_s sets the abort word; still as long again, KernelError. Returns whether
+        the watchdog set the abort word."""
         w = self.mapped.words
         seen, last_progress, last_change, aborted_by_host = 0, -1, time.monotonic(), False
         next_poll = time.monotonic() + poll_interval_s
