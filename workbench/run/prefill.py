@@ -249,7 +249,9 @@ def _prefill_gpu(p: Prepared, tokens, positions, k_cache, v_cache, chunk: int, c
     """The prefill's own path (prefill_gpu): each stage's implementation found through its math; a token stage
     without one (the sampler) runs its reference's math on the last row's logits."""
     layer_kernels = G.module(G.layer_source())
-    layout = G.flash_layout(p.cfg.head_dim, halves)     # the kernel and the grid it is launched with, together
+    import cupy
+    # the kernel and the grid it is launched with, together
+    layout = G.flash_layout(p.cfg.head_dim, halves, cupy.cuda.Device().compute_capability)
     # the attention's queries and probabilities in the products' halves: one precision for the whole prefill
     attend = (G.flash_kernel(p.cfg.head_dim, layout, halves), layout)
     w = view(p, np.float32)                             # converts nothing until a stage without one reads weights

@@ -158,17 +158,22 @@ def layout_runs(layout: FlashLayout, n_heads: int, n_kv: int, head_dim: int, hal
 FLASH_LAYOUT = FlashLayout(k_ldmatrix=True, heavy_first=True)
 
 
-# The candidate for fp32's attention at head_dim 64 on sm_90: 0.44 against 0.50 ms a 1B layer at 4k and 20.9 against
-# 25.0 at 32k, the same bits as FLASH_LAYOUT (one H100, NOTES.md round 32). Not flash_layout's choice until the
-# GPU suite has run the prefill end to end with it (its kernel changed since, by a refactor, after the measurement).
+# fp32's attention at head_dim ≤ 64 on sm_90: 0.44 against 0.50 ms a 1B layer at 4k and 20.9 against 25.0 at 32k,
+# the same bits as FLASH_LAYOUT (one H100, NOTES.md round 32; the GPU test holds it to them)
 WGMMA_FP32 = FlashLayout(heavy_first=True, warpgroups=2, keys=64, stages=4)
 
 
-def flash_layout(head_dim: int, halves: int) -> FlashLayout:
-    """The layout the prefill runs at this head_dim and precision (PRECISIONS' halves). Two fragments a warp where
-    they were measured faster and build without a spill: one bf16 half at head_dim 64, 0.34 against 0.38 ms a 1B
-    layer at 4k and 17.2 against 19.0 at 32k (one H100, scripts/ab_prefill_attention.py, NOTES.md round 28). In fp32
-    (two halves) they spill 32-544 B and lost at 4k (0.59 against 0.50 ms); at head_dim 128 the bf16 build spills."""
+def flash_layout(head_dim: int, halves: int, compute_capability: str = "") -> FlashLayout:
+    """The layout the prefill runs at this head_dim and precision (PRECISIONS' halves) on a GPU of this compute
+    capability (CuPy's string, "90" for an H100 or H200; "" for none known: the mma.sync kernel's layouts).
+    - fp32 at head_dim ≤ 64 on sm_90: WGMMA_FP32, 12-15% faster than FLASH_LAYOUT and the same bits (its 64-key
+      tiles sum a row in FLASH_LAYOUT's order). Not bf16: there the wgmma kernel measured 8-15% slower.
+    - bf16 at head_dim ≤ 64: two fragments a warp, where they were measured faster and build without a spill (0.34
+      against 0.38 ms a 1B layer at 4k and 17.2 against 19.0 at 32k, one H100, NOTES.md round 28). In fp32 they
+      spill 32-544 B and lost at 4k (0.59 against 0.50 ms); at head_dim 128 the bf16 build spills.
+    - FLASH_LAYOUT elsewhere."""
+    if head_dim <= 64 and halves == PRECISIONS["fp32"] and compute_capability == "90":
+        return WGMMA_FP32
     two = halves == PRECISIONS["bf16"] and head_dim <= 64
     return dataclasses.replace(FLASH_LAYOUT, frags=2) if two else FLASH_LAYOUT
 
