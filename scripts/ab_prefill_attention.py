@@ -5,7 +5,7 @@ to the same precision's per-head output bit for bit, with its relative error aga
 bf16 precision: one bf16 half of the queries and probabilities, half the products). On an H100 or H200 the wgmma
 kernel's layouts (prefill_gpu.WGMMA_LAYOUTS) run too.
 
-    python scripts/ab_prefill_attention.py --model llama-3.2-1b --prompt 4096 32768 [--json FILE]
+    python scripts/ab_prefill_attention.py --model llama-3.2-1b --prompt 4096 32768 [--match NAME ...] [--json FILE]
 
 The table gives ms per layer and for all layers (× n_layers), and the tensor-core rate counted as the work a
 bf16 attention does (4·rows·keys·hd per head, causal), so a layout that does the same work faster shows higher;
@@ -44,22 +44,24 @@ def wgmma_layouts():
     return G.WGMMA_LAYOUTS if cp.cuda.Device().compute_capability == "90" else ()
 
 
-def runs() -> dict:
-    """(layout, halves) a row times: every layout at each precision, the fp32 per-head layout first (the others'
-    bits are compared with the first of their precision)."""
+def runs(match=()) -> dict:
+    """(layout, halves) a row times: every layout at each precision (or those whose name holds one of `match`), the
+    per-head layout first (the others' bits are compared with the first of their precision, and every row's error
+    with the fp32 per-head output)."""
     return {f"{precision}, {layout_name(layout)}": (layout, halves)
             for precision, halves in G.PRECISIONS.items()
             for layout in (*G.LAYOUTS, dataclasses.replace(G.FLASH_LAYOUT, min_blocks=4),
-                           dataclasses.replace(G.FLASH_LAYOUT, frags=2), *wgmma_layouts())}
+                           dataclasses.replace(G.FLASH_LAYOUT, frags=2), *wgmma_layouts())
+            if layout == G.LAYOUTS[0] or not match or any(m in layout_name(layout) for m in match)}
 
 
-def one_prompt(cfg, n: int, chunk: int, repeats: int, rng) -> dict:
+def one_prompt(cfg, n: int, chunk: int, repeats: int, rng, match=()) -> dict:
     hd, hq, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     q = cp.asarray(rng.standard_normal((n, hq * hd)) * 1.5, dtype=cp.float32)
     kb, vb = (to_bf16(cp.asarray(rng.standard_normal((hkv, n, hd)), dtype=cp.float32), cp) for _ in range(2))
     chunks = [(c, min(c + chunk, n)) for c in range(0, n, chunk)]
     base, base_halves, ref, rows = None, None, None, {}
-    for name, (layout, halves) in runs().items():
+    for name, (layout, halves) in runs(match).items():
         kernel = G.flash_kernel(hd, layout, halves)
 
         def run():                                                     # no read back between launches
@@ -99,6 +101,8 @@ def main():
     ap.add_argument("--chunk", type=int, default=PREFILL_CHUNK)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=output_file)
+    ap.add_argument("--match", nargs="*", default=(),
+                    help="only the layouts whose name holds one of these (e.g. warpgroups frags=2), and the per-head")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     report = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "chunk": a.chunk, "rows": []}
@@ -107,7 +111,7 @@ def main():
     for m in a.model:
         cfg = get_config(m)
         for n in a.prompt:
-            for name, r in one_prompt(cfg, n, a.chunk, a.repeats, rng).items():
+            for name, r in one_prompt(cfg, n, a.chunk, a.repeats, rng, a.match).items():
                 report["rows"].append({"model": m, "prompt": n, "layout": name, **r})
                 print(f"| {m} | {n:,} | {name} | {r['ms_layer']:.2f} | {r['ms_all_layers']:.1f} | "
                       f"{r['tflops_bf16_work']:.0f} | {'yes' if r['bit_identical_to_per_head'] else 'no'} | "

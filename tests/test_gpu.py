@@ -708,7 +708,8 @@ def test_the_wgmma_attention_kernel_is_the_references_attention(heads, kv_heads,
     and 128 keys a tile: tails of rows and keys off every tile) at both precisions, held to the same bounds: fp32
     3e-4 relative and 2⁻¹¹ of the values per element, bf16 4e-3 and looser than fp32 (its lo products gone); the
     mask one key further; a NaN query's row and head NaN and nothing else; a NaN key past every row no effect; the
-    layout the fp32 prefill runs on sm_90 (WGMMA_FP32) the default's bits up to head_dim 64. A wrong descriptor
+    layout the fp32 prefill runs on sm_90 (WGMMA_FP32), and every 64-key layout (the overlapped products too), the
+    default's bits up to head_dim 64 at both precisions. A wrong descriptor
     stride, core-matrix order or transpose reads other keys or columns: off by order 1."""
     import cupy as cp
 
@@ -739,8 +740,11 @@ def test_the_wgmma_attention_kernel_is_the_references_attention(heads, kv_heads,
         print(f"{layout}: rel err fp32 {rel[2]:.2e}, bf16 {rel[1]:.2e}")
         assert rel[2] <= 3e-4 < rel[1] <= 4e-3, (layout, rel)
     if hd <= 64:      # attention.cuh's 64-key tiles: the same sums in the same order, so the same bits
-        base = flash_attention(q, kb, vb, positions, heads, layout=FLASH_LAYOUT)
-        assert bool((flash_attention(q, kb, vb, positions, heads, layout=WGMMA_FP32) == base).all())
+        for halves in (2, 1):
+            base = flash_attention(q, kb, vb, positions, heads, layout=FLASH_LAYOUT, halves=halves)
+            for layout in [WGMMA_FP32] + [lay for lay in layouts if lay.tile_keys == 64]:
+                got = flash_attention(q, kb, vb, positions, heads, layout=layout, halves=halves)
+                assert bool((got == base).all()), (layout, halves)
     bad_q = q.copy()
     bad_q[n // 2, :hd] = cp.nan
     kb2 = kb.copy()

@@ -346,7 +346,9 @@ def test_the_wgmma_attention_builds_for_sm90a_without_a_spill():
     """FlashLayout(warpgroups=...): kernels/prefill/attention_wgmma.cuh with its generated products, for sm_90a, at
     every head_dim a preset has (and 80, 96) and both precisions: no local memory, ≤ 255 registers, and in the
     machine code the warpgroup products a key tile needs: Q·Kᵀ in hd/16 steps and P·V in keys/16, each once a bf16
-    half, P·V's with B transposed (the value tile is MN-major). A layout the kernel does not take is refused."""
+    half, P·V's with B transposed (the value tile is MN-major), twice where the products overlap (the steady
+    tile's and the first or last tile's), and never serialised by ptxas (C7520: a product whose registers another
+    branch wrote, which would undo the overlap). A layout the kernel does not take is refused."""
     from workbench.compiler.compile import disassemble, nvrtc_program, resource_usage
     from workbench.model.config import PRESETS
     from workbench.run.prefill_gpu import WGMMA_LAYOUTS, FlashLayout, flash_options, flash_source
@@ -356,19 +358,21 @@ def test_the_wgmma_attention_builds_for_sm90a_without_a_spill():
             for halves in (1, 2):
                 ok, log, _, cubin = nvrtc_program(flash_source(hd, layout, halves), list(flash_options(layout)))
                 assert ok, (hd, layout, halves, log)
+                assert "C7520" not in log, (hd, layout, halves, log)
                 (r,) = [r for r in resource_usage(cubin) if r.kernel == "prefill_attention"]
                 # four warpgroups (512 threads) have 128 registers a thread: past head_dim 80 they spill 16-32 B
                 spills_ok = layout.warpgroups == 4 and hd > 80
                 assert (r.stack == 0 or spills_ok and r.stack <= 32) and r.registers <= 255, (hd, layout, halves, r)
                 if hd == 64:
                     sass = [ln for ln in disassemble(cubin).splitlines() if "HGMMA" in ln]
-                    pv = [ln for ln in sass if "tnspB" in ln]
-                    assert len(pv) == layout.tile_keys // 16 * halves, (layout, halves, sass)
-                    assert len(sass) - len(pv) == hd // 16 * halves, (layout, halves, sass)
+                    pv, copies = [ln for ln in sass if "tnspB" in ln], 1 + layout.overlap
+                    assert len(pv) == layout.tile_keys // 16 * halves * copies, (layout, halves, sass)
+                    assert len(sass) - len(pv) == hd // 16 * halves * copies, (layout, halves, sass)
     ok, log, _, _ = nvrtc_program(flash_source(64, WGMMA_LAYOUTS[0], 1), ["--std=c++17", "-arch=sm_90"], cubin=True)
     assert not ok and "wgmma" in log                          # plain sm_90 has no warpgroup products
     for bad in (dict(warpgroups=3), dict(warpgroups=1, frags=2), dict(warpgroups=1, keys=24), dict(keys=64),
-                dict(warpgroups=1, heads=True), dict(warpgroups=2, stages=5)):
+                dict(warpgroups=1, heads=True), dict(warpgroups=2, stages=5), dict(overlap=True),
+                dict(warpgroups=2, stages=2, overlap=True)):
         with pytest.raises(ValueError):
             FlashLayout(**bad)
 

@@ -30,11 +30,12 @@ __device__ __forceinline__ void pa_split(float x0, float x1, u32& hi, u32& lo) {
 
 // One key tile's scores s (NT groups of 8 keys from j0) of the lane's rows a and b (positions pa, pb) into the
 // running softmax: the causal mask where the tile reaches past the warp's first row position `first` (`keys` keys a
-// tile), each row's new max over the four lanes that hold it, the sums (la, lb: this lane's part) and the output
-// o (OT groups of 8 columns) rescaled to it, and s turned into the unnormalised probabilities.
-template <int NT, int OT>
-__device__ __forceinline__ void pa_softmax_tile(float* s, float* o, int j0, int keys, int first, int pa, int pb,
-                                                int t, float& ma, float& mb, float& la, float& lb) {
+// tile), each row's new max over the four lanes that hold it, the sums (la, lb: this lane's part) rescaled to it,
+// s turned into the unnormalised probabilities, and the factors (ca, cb) that rescale the rows' output to the new
+// max (pa_rescale): apart, so that a kernel can take them while a product still adds into the output.
+template <int NT>
+__device__ __forceinline__ void pa_softmax_scores(float* s, int j0, int keys, int first, int pa, int pb, int t,
+                                                  float& ma, float& mb, float& la, float& lb, float& ca, float& cb) {
     if (j0 + keys - 1 > first) {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
@@ -55,17 +56,12 @@ __device__ __forceinline__ void pa_softmax_tile(float* s, float* o, int j0, int 
     xa = wb_fmaxf(xa, wb_shfl_xor(xa, 1)); xa = wb_fmaxf(xa, wb_shfl_xor(xa, 2));
     xb = wb_fmaxf(xb, wb_shfl_xor(xb, 1)); xb = wb_fmaxf(xb, wb_shfl_xor(xb, 2));
     // key 0 is in every row's first tile, so the max is finite from then on; before it nothing is rescaled
-    const float ca = ma == -WB_INF ? 0.f : wb_exp(ma - xa);
-    const float cb = mb == -WB_INF ? 0.f : wb_exp(mb - xb);
+    ca = ma == -WB_INF ? 0.f : wb_exp(ma - xa);
+    cb = mb == -WB_INF ? 0.f : wb_exp(mb - xb);
     ma = xa;
     mb = xb;
     la *= ca;
     lb *= cb;
-#pragma unroll
-    for (int nt = 0; nt < OT; ++nt) {
-        o[4 * nt] *= ca; o[4 * nt + 1] *= ca;
-        o[4 * nt + 2] *= cb; o[4 * nt + 3] *= cb;
-    }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
         s[4 * nt] = wb_exp(s[4 * nt] - ma); s[4 * nt + 1] = wb_exp(s[4 * nt + 1] - ma);
@@ -73,6 +69,25 @@ __device__ __forceinline__ void pa_softmax_tile(float* s, float* o, int j0, int 
         la += s[4 * nt] + s[4 * nt + 1];
         lb += s[4 * nt + 2] + s[4 * nt + 3];
     }
+}
+
+// The output o (OT groups of 8 columns) of rows a and b rescaled to their new max
+template <int OT>
+__device__ __forceinline__ void pa_rescale(float* o, float ca, float cb) {
+#pragma unroll
+    for (int nt = 0; nt < OT; ++nt) {
+        o[4 * nt] *= ca; o[4 * nt + 1] *= ca;
+        o[4 * nt + 2] *= cb; o[4 * nt + 3] *= cb;
+    }
+}
+
+// Both: the tile's scores into the running softmax and the output rescaled, before the tile's P·V adds into it
+template <int NT, int OT>
+__device__ __forceinline__ void pa_softmax_tile(float* s, float* o, int j0, int keys, int first, int pa, int pb,
+                                                int t, float& ma, float& mb, float& la, float& lb) {
+    float ca, cb;
+    pa_softmax_scores<NT>(s, j0, keys, first, pa, pb, t, ma, mb, la, lb, ca, cb);
+    pa_rescale<OT>(o, ca, cb);
 }
 
 // The rows' outputs (OT groups of 8 columns) divided by their sums over the four lanes, written where a row exists

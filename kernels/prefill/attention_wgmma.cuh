@@ -33,6 +33,10 @@
 #ifndef WB_PW_HEADS
 #define WB_PW_HEADS 0
 #endif
+// WB_PW_OVERLAP 1: a tile's softmax while the last tile's P·V is in flight (the key loop's first form below)
+#ifndef WB_PW_OVERLAP
+#define WB_PW_OVERLAP 0
+#endif
 #define PW_M (4 * 16)                              // wgmma's M: four warps' 16-row fragments
 #define PW_BM (WB_PW_HEADS ? PW_M : PW_M * PW_WG)
 #define PW_Q_BYTES (PW_M * WB_HD * 2)              // a warpgroup's queries, one bf16 half
@@ -49,7 +53,8 @@
 static_assert(WB_HD % 16 == 0 && WB_HD <= 256, "head_dim: a multiple of 16 (P·V's N, and Q·Kᵀ's 16-wide steps)");
 static_assert(PW_BN % 16 == 0 && PW_BN >= 16 && PW_BN <= 256, "keys a tile: P·V's 16-key steps, Q·Kᵀ's N ≤ 256");
 static_assert(PW_WG == 1 || PW_WG == 2 || PW_WG == 4, "one, two or four warpgroups a block");
-static_assert(PW_STAGES >= 2 && PW_STAGES <= 4, "two to four stages of the key and value tiles");
+static_assert(PW_STAGES >= 2 + WB_PW_OVERLAP && PW_STAGES <= 4,
+              "two to four stages of the key and value tiles, three or more where the products overlap");
 static_assert(WB_THREADS == PW_THREADS, "the launcher's block is four warps a warpgroup");
 static_assert(WB_PA_ROWS == PW_BM, "the launcher's grid counts rows in this tile's");
 
@@ -73,6 +78,48 @@ template <int N>
 __device__ __forceinline__ void pw_fence_regs(float* d) {
 #pragma unroll
     for (int i = 0; i < N; ++i) wb_reg_fence(d[i]);
+}
+
+// S = Q·Kᵀ of one key tile (kt) into s, issued: head_dim in 16-wide steps, K's step kk two core matrices (256
+// bytes) on; the caller fences before, commits and waits
+__device__ __forceinline__ void pw_issue_scores(float* s, const u8* qs, const u8* kt) {
+#pragma unroll
+    for (int kk = 0; kk < WB_HD / 16; ++kk) {
+        const u64 desc = wb_wgmma_desc(kt + kk * 256, 128, WB_HD * 16);
+        wb_wgmma_bf16_ss<PW_BN>(s, wb_wgmma_desc(qs + kk * 256, 128, WB_HD * 16), desc, kk > 0);
+        if (WB_PA_HALVES == 2)
+            wb_wgmma_bf16_ss<PW_BN>(s, wb_wgmma_desc(qs + PW_Q_BYTES + kk * 256, 128, WB_HD * 16), desc, 1);
+    }
+}
+
+// P as A fragments, 16 keys a step: S's fragments 2kk and 2kk+1 as they lie (rows g, g+8 of keys 2t.. and of keys
+// 2t+8..), split as the queries are
+__device__ __forceinline__ void pw_split_probabilities(const float* s, u32 (*ph)[4], u32 (*pl)[4]) {
+#pragma unroll
+    for (int kk = 0; kk < PW_BN / 16; ++kk) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pa_split(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1], ph[kk][i], pl[kk][i]);
+    }
+}
+
+// O += P·V of one value tile (vt), issued: keys in 16-wide steps, V's step kk two core matrices along the keys
+// (2·hd·16 bytes) on; V is B transposed (its N, the columns, runs within a core matrix's rows)
+__device__ __forceinline__ void pw_issue_values(float* o, u32 (*ph)[4], u32 (*pl)[4], const u8* vt) {
+#pragma unroll
+    for (int kk = 0; kk < PW_BN / 16; ++kk) {
+        const u64 desc = wb_wgmma_desc(vt + kk * 2 * WB_HD * 16, WB_HD * 16, 128);
+        wb_wgmma_bf16<WB_HD, 1>(o, ph[kk], desc, 1);
+        if (WB_PA_HALVES == 2) wb_wgmma_bf16<WB_HD, 1>(o, pl[kk], desc, 1);
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void pw_fence_frags(u32 (*f)[4]) {
+#pragma unroll
+    for (int kk = 0; kk < N; ++kk) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) wb_reg_fence(f[kk][i]);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefill_attention(PA_PARAMS)
@@ -136,6 +183,66 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
     const int tiles = last_key / PW_BN + 1, my_last = wg_last[wg];
     const bf16* kb = k + (long long)kvh * kv_stride * WB_HD;
     const bf16* vb = v + (long long)kvh * kv_stride * WB_HD;
+    u32 ph[PW_BN / 16][4], pl[PW_BN / 16][4];
+#if WB_PW_OVERLAP
+    const int my_tiles = my_last / PW_BN + 1;               // the tiles this warpgroup's rows reach
+    // FA3's pipelining within a warpgroup: tile j's Q·Kᵀ and tile j − 1's P·V are in flight together, and tile j's
+    // softmax runs while the P·V is, so the tensor cores work through the exps. The output takes the same
+    // operations in the same order as below (P·V of tile j − 1 added, then the rescale to tile j's max, then tile
+    // j's P·V), so the same bits. A tile's stage is read until the next tile's P·V lands: STAGES − 2 tiles are in
+    // flight ahead of the one the products read.
+#pragma unroll
+    for (int tile = 0; tile < PW_STAGES - 2; ++tile) pw_load_tile(pw_smem, kb, vb, tile, last_key);
+    for (int tile = 0; tile <= tiles; ++tile) {
+        if (tile < tiles) {
+            // tile + STAGES − 2's copy, into the stage of tile − 2 (whose P·V landed before the barrier that ended
+            // the last iteration); then this tile's group, the oldest of the STAGES − 1 in flight, has landed
+            pw_load_tile(pw_smem, kb, vb, tile + PW_STAGES - 2, last_key);
+            wb_cp_async_wait<PW_STAGES - 2>();
+            wb_fence_proxy_async();
+            __syncthreads();
+        }
+        // tiles wholly past the warpgroup's last row are skipped, the same for all its warps. Each case fences,
+        // issues and waits within its own branch: ptxas serialises every product (C7520) where a wgmma's registers
+        // were last written on another branch than the one that issues it.
+        const u8* kt = pw_smem + (tile % PW_STAGES) * 2 * PW_TILE_BYTES;
+        const u8* vt = pw_smem + ((tile + PW_STAGES - 1) % PW_STAGES) * 2 * PW_TILE_BYTES + PW_TILE_BYTES;
+        if (tile > 0 && tile < my_tiles) {                 // S of this tile and P·V of the last, in flight together
+            float s[PW_BN / 2], ca, cb;
+            wb_wgmma_fence();
+            pw_issue_scores(s, qs, kt);
+            wb_wgmma_commit();
+            pw_issue_values(o, ph, pl, vt);
+            wb_wgmma_commit();
+            wb_wgmma_wait<1>();                            // the groups land in order: S first
+            pw_fence_regs<PW_BN / 2>(s);
+            pa_softmax_scores<PW_BN / 8>(s, tile * PW_BN, PW_BN, first, pa, pb, t, ma, mb, la, lb, ca, cb);
+            wb_wgmma_wait<0>();
+            pw_fence_regs<WB_HD / 2>(o);
+            pw_fence_frags<PW_BN / 16>(ph);                // read by the P·V until here: not reused before
+            if (WB_PA_HALVES == 2) pw_fence_frags<PW_BN / 16>(pl);
+            pa_rescale<WB_HD / 8>(o, ca, cb);
+            pw_split_probabilities(s, ph, pl);
+        } else if (tile == 0) {                            // the first tile's S alone
+            float s[PW_BN / 2], ca, cb;
+            wb_wgmma_fence();
+            pw_issue_scores(s, qs, kt);
+            wb_wgmma_commit();
+            wb_wgmma_wait<0>();
+            pw_fence_regs<PW_BN / 2>(s);
+            pa_softmax_scores<PW_BN / 8>(s, 0, PW_BN, first, pa, pb, t, ma, mb, la, lb, ca, cb);
+            pa_rescale<WB_HD / 8>(o, ca, cb);
+            pw_split_probabilities(s, ph, pl);
+        } else if (tile == my_tiles) {                     // the last tile's P·V alone
+            wb_wgmma_fence();
+            pw_issue_values(o, ph, pl, vt);
+            wb_wgmma_commit();
+            wb_wgmma_wait<0>();
+            pw_fence_regs<WB_HD / 2>(o);
+        }
+        __syncthreads();                              // tile − 1's stage read by every warpgroup's P·V
+    }
+#else
 #pragma unroll
     for (int tile = 0; tile < PW_STAGES - 1; ++tile) pw_load_tile(pw_smem, kb, vb, tile, last_key);
 
@@ -148,46 +255,25 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
         wb_fence_proxy_async();                       // this thread's copies, visible to the products' reads
         __syncthreads();                              // every thread's copies of this tile have landed
         const u8* kt = pw_smem + (tile % PW_STAGES) * 2 * PW_TILE_BYTES;
-        const u8* vt = kt + PW_TILE_BYTES;
         // a tile wholly past the warpgroup's last row changes none of its rows (every weight would be 0): skipped,
         // the same for all its warps, which issue the products together
         if (j0 <= my_last) {
-            // S = Q·Kᵀ: head_dim in 16-wide steps, K's step kk two core matrices (256 bytes) on
             float s[PW_BN / 2];
             wb_wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < WB_HD / 16; ++kk) {
-                const u64 desc = wb_wgmma_desc(kt + kk * 256, 128, WB_HD * 16);
-                wb_wgmma_bf16_ss<PW_BN>(s, wb_wgmma_desc(qs + kk * 256, 128, WB_HD * 16), desc, kk > 0);
-                if (WB_PA_HALVES == 2)
-                    wb_wgmma_bf16_ss<PW_BN>(s, wb_wgmma_desc(qs + PW_Q_BYTES + kk * 256, 128, WB_HD * 16), desc, 1);
-            }
+            pw_issue_scores(s, qs, kt);
             wb_wgmma_commit();
             wb_wgmma_wait<0>();
             pw_fence_regs<PW_BN / 2>(s);
             pa_softmax_tile<PW_BN / 8, WB_HD / 8>(s, o, j0, PW_BN, first, pa, pb, t, ma, mb, la, lb);
-            // P as A fragments, 16 keys a step: S's fragments 2kk and 2kk+1 as they lie (rows g, g+8 of keys
-            // 2t.. and of keys 2t+8..), split as the queries are
-            u32 ph[PW_BN / 16][4], pl[PW_BN / 16][4];
-#pragma unroll
-            for (int kk = 0; kk < PW_BN / 16; ++kk) {
-#pragma unroll
-                for (int i = 0; i < 4; ++i) pa_split(s[8 * kk + 2 * i], s[8 * kk + 2 * i + 1], ph[kk][i], pl[kk][i]);
-            }
-            // O += P·V: keys in 16-wide steps, V's step kk two core matrices along the keys (2·hd·16 bytes) on;
-            // V is B transposed (its N, the columns, runs within a core matrix's rows)
+            pw_split_probabilities(s, ph, pl);
             wb_wgmma_fence();
-#pragma unroll
-            for (int kk = 0; kk < PW_BN / 16; ++kk) {
-                const u64 desc = wb_wgmma_desc(vt + kk * 2 * WB_HD * 16, WB_HD * 16, 128);
-                wb_wgmma_bf16<WB_HD, 1>(o, ph[kk], desc, 1);
-                if (WB_PA_HALVES == 2) wb_wgmma_bf16<WB_HD, 1>(o, pl[kk], desc, 1);
-            }
+            pw_issue_values(o, ph, pl, kt + PW_TILE_BYTES);
             wb_wgmma_commit();
             wb_wgmma_wait<0>();
             pw_fence_regs<WB_HD / 2>(o);
         }
         __syncthreads();                              // before the next tile's copy overwrites this stage
     }
+#endif
     pa_write_rows<WB_HD / 8>(out, o, qa, qb, ra < n, rb < n, t, la, lb);
 }

@@ -63,8 +63,9 @@ class FlashLayout:
     warpgroups: the other kernel, attention_wgmma.cuh (sm_90a's warpgroup products: 64 rows a warpgroup of four
     warps, 1, 2 or 4 a block), which takes `keys` keys a tile (0: 64), `stages` tiles in flight (0: 2), `heads`
     (the warpgroups take one GQA group's heads over the same 64 rows, not 64 rows each of one head), and
-    heavy_first and min_blocks as above. The same math; at 64 keys a tile the same bits as attention.cuh (measured
-    on an H100), at 128 another order of sums, which agrees to rounding."""
+    heavy_first and min_blocks as above; `overlap`: a tile's softmax runs while the last tile's P·V is in flight
+    (FA3's pipelining within a warpgroup; 3 stages or more, the same bits). The same math; at 64 keys a tile the
+    same bits as attention.cuh (measured on an H100), at 128 another order of sums, which agrees to rounding."""
     gqa_rows: bool = False
     k_ldmatrix: bool = False
     heavy_first: bool = False
@@ -74,6 +75,7 @@ class FlashLayout:
     keys: int = 0
     stages: int = 0
     heads: bool = False
+    overlap: bool = False
 
     def __post_init__(self):
         if self.warpgroups not in (0, 1, 2, 4):
@@ -87,6 +89,9 @@ class FlashLayout:
             raise ValueError("heads: the wgmma kernel's warpgroups take a GQA group's heads (warpgroups 2 to 4)")
         if self.stages and not (self.warpgroups and 2 <= self.stages <= 4):
             raise ValueError(f"stages={self.stages}: tiles in flight in the wgmma kernel (warpgroups), 2 to 4")
+        if self.overlap and not (self.warpgroups and self.tile_stages >= 3):
+            raise ValueError("overlap: the wgmma kernel (warpgroups) with 3 stages or more (a tile's stage is read "
+                             "until the next tile's P·V lands)")
 
     @property
     def rows(self) -> int:
@@ -145,7 +150,9 @@ LAYOUTS = tuple(FlashLayout(*bits) for bits in itertools.product((False, True), 
 WGMMA_LAYOUTS = (*(FlashLayout(heavy_first=True, warpgroups=wg, keys=keys, stages=stages)
                    for wg, keys, stages in ((2, 64, 2), (2, 64, 4), (1, 64, 4), (2, 128, 2))),
                  *(FlashLayout(heavy_first=True, warpgroups=wg, keys=64, stages=stages, heads=True)
-                   for wg, stages in ((2, 2), (4, 2), (4, 3))))
+                   for wg, stages in ((2, 2), (4, 2), (4, 3))),
+                 *(FlashLayout(heavy_first=True, warpgroups=wg, keys=64, stages=stages, heads=heads, overlap=True)
+                   for wg, stages, heads in ((2, 3, False), (2, 4, False), (1, 4, False), (2, 3, True))))
 
 
 def layout_runs(layout: FlashLayout, n_heads: int, n_kv: int, head_dim: int, halves: int, smem_most: int) -> bool:
@@ -191,6 +198,7 @@ def flash_source(head_dim: int, layout: FlashLayout | None = None, halves: int =
     if layout.warpgroups:
         return (head + f"#define WB_PW_WARPGROUPS {layout.warpgroups}\n#define WB_PW_KEYS {layout.tile_keys}\n"
                 f"#define WB_PW_STAGES {layout.tile_stages}\n#define WB_PW_HEADS {int(layout.heads)}\n"
+                f"#define WB_PW_OVERLAP {int(layout.overlap)}\n"
                 + (k / "portability.cuh").read_text() + wgmma_products({layout.tile_keys, head_dim})
                 + (k / "prefill" / "attention_common.cuh").read_text()
                 + (k / "prefill" / "attention_wgmma.cuh").read_text())
