@@ -44,7 +44,7 @@ class Prefilled:
     pos0: int
     logits: np.ndarray | None  # [V] float32, of the last prefilled token (what the next position would be fed by);
     #                            None where prefill(..., logits=False) left the LM head to the kernel's first step
-    seconds: float             # wall time, the GPU synchronised
+    seconds: float             # wall time of the call, the GPU synchronised
     chunks: int
     precision: str = "fp32"    # of the products (prefill_gpu.PRECISIONS)
 
@@ -135,6 +135,9 @@ def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int 
     computes the first token itself (a time to first token; a check needs them). Raises ValueError
     for an empty prompt, tokens outside the vocabulary, positions past the cache, or a precision the path taken
     does not have."""
+    # from the call: the prompt's conversion to the GPU and the checks grow with its length (at 32k, 2 ms that a
+    # time to first token had put on the kernel's first step)
+    t0 = time.perf_counter()
     cfg, xp = p.cfg, p.xp
     if precision not in G.PRECISIONS:
         raise ValueError(f"precision {precision!r}: the prefill has {', '.join(G.PRECISIONS)}")
@@ -169,7 +172,6 @@ def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int 
         chunk, problem = fit_chunk(cfg, end, n, chunk, dtype, gpu, free_device_bytes(xp))
         if problem:
             raise GpuMemoryError(problem)
-    t0 = time.perf_counter()
     positions = xp.arange(pos0, end, dtype=xp.int64)
     clock = _clock(xp, timings)
     if gpu:
