@@ -98,6 +98,7 @@ __device__ __forceinline__ wb_u2 wb_ld_stream_u2(const void* p) {
     return wb_u2{v.x, v.y};
 }
 __device__ __forceinline__ float wb_exp(float x)  { return __builtin_expf(x); }
+__device__ __forceinline__ float wb_exp_ftz(float x)  { return __builtin_expf(x); }
 __device__ __forceinline__ float wb_rsqrt(float x) { return __builtin_amdgcn_rsqf(x); }
 __device__ __forceinline__ float wb_fmaxf(float a, float b) { return __builtin_fmaxf(a, b); }
 __device__ __forceinline__ float wb_u32_as_float(u32 u) { return __builtin_bit_cast(float, u); }
@@ -216,6 +217,13 @@ __device__ __forceinline__ wb_u2 wb_ld_stream_u2(const void* p) {
     return v;
 }
 __device__ __forceinline__ float wb_exp(float x)  { return __expf(x); }
+// wb_exp with results below 2⁻¹²⁶ flushed to zero: __expf's own product and ex2, without the steps that keep a
+// denormal result (a compare, two conditional multiplies), which cost as much as the ex2 in a softmax
+__device__ __forceinline__ float wb_exp_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+    return y;
+}
 __device__ __forceinline__ float wb_rsqrt(float x) { return rsqrtf(x); }
 __device__ __forceinline__ float wb_fmaxf(float a, float b) { return fmaxf(a, b); }
 __device__ __forceinline__ float wb_u32_as_float(u32 u) { return __uint_as_float(u); }

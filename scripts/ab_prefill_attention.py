@@ -51,7 +51,8 @@ def runs(match=()) -> dict:
     return {f"{precision}, {layout_name(layout)}": (layout, halves)
             for precision, halves in G.PRECISIONS.items()
             for layout in (*G.LAYOUTS, dataclasses.replace(G.FLASH_LAYOUT, min_blocks=4),
-                           dataclasses.replace(G.FLASH_LAYOUT, frags=2), *wgmma_layouts())
+                           dataclasses.replace(G.FLASH_LAYOUT, frags=2),
+                           dataclasses.replace(G.FLASH_LAYOUT, frags=2, exp_ftz=True), *wgmma_layouts())
             if layout == G.LAYOUTS[0] or not match or any(m in layout_name(layout) for m in match)}
 
 

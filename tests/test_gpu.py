@@ -694,7 +694,8 @@ def test_the_bf16_prefills_attention_is_within_its_bound(heads, kv_heads, hd, n,
     q[n // 2, :hd] = cp.nan
     base = flash_attention(q, kb, vb, positions, heads, halves=1, layout=FlashLayout())
     assert int(cp.isnan(base).sum()) == hd and bool(cp.isnan(base[n // 2, :hd]).all())
-    for layout in (*LAYOUTS[1:], dataclasses.replace(FLASH_LAYOUT, frags=2)):
+    for layout in (*LAYOUTS[1:], dataclasses.replace(FLASH_LAYOUT, frags=2),
+                   dataclasses.replace(FLASH_LAYOUT, frags=2, exp_ftz=True)):
         got = flash_attention(q, kb, vb, positions, heads, halves=1, layout=layout)
         same = (got == base) | (cp.isnan(got) & cp.isnan(base))
         assert bool(same.all()), f"{layout}: {int((~same).sum())} elements differ"
@@ -775,7 +776,8 @@ def test_the_prefills_attention_layouts_change_no_bit(heads, kv_heads, hd, n):
     positions = cp.arange(pos0, pos0 + n)
     base = flash_attention(q, kb, vb, positions, heads, layout=FlashLayout())
     assert int(cp.isnan(base).sum()) == hd
-    for layout in (*LAYOUTS[1:], dataclasses.replace(FLASH_LAYOUT, frags=2)):
+    for layout in (*LAYOUTS[1:], dataclasses.replace(FLASH_LAYOUT, frags=2),
+                   dataclasses.replace(FLASH_LAYOUT, frags=2, exp_ftz=True)):
         got = flash_attention(q, kb, vb, positions, heads, layout=layout)
         same = (got == base) | (cp.isnan(got) & cp.isnan(base))
         assert bool(same.all()), f"{layout}: {int((~same).sum())} elements differ"

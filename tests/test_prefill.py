@@ -404,3 +404,23 @@ def test_a_workspace_filled_before_these_prefill_kernels_builds_the_prefill_from
     common.write_text(common.read_text() + "\n// this workspace's own\n")
     with paths.use_kernels_dir(mine):
         assert "// this workspace's own" in flash_source(64)
+
+
+def test_the_softmax_exps_without_their_denormal_steps_keep_every_ex2():
+    """FlashLayout(exp_ftz=True), in both attention kernels at the layouts the prefill runs: the same MUFU.EX2
+    count, none of __expf's range checks against −126 (the compare and conditional multiplies that keep a denormal
+    result), and fewer instructions in all; without it, every ex2 keeps its check."""
+    from workbench.compiler.compile import disassemble, nvrtc_program
+    from workbench.run.prefill_gpu import FLASH_LAYOUT, PRECISIONS, WGMMA_FP32, flash_options, flash_source
+    for base, halves in ((dataclasses.replace(FLASH_LAYOUT, frags=2), PRECISIONS["bf16"]),
+                         (WGMMA_FP32, PRECISIONS["fp32"])):
+        built = {}
+        for ftz in (False, True):
+            layout = dataclasses.replace(base, exp_ftz=ftz)
+            options = [*flash_options(layout), *(() if layout.warpgroups else ("-arch=sm_90",))]
+            ok, log, _, cubin = nvrtc_program(flash_source(64, layout, halves), options)
+            assert ok, log
+            sass = disassemble(cubin)
+            built[ftz] = (sum(";" in ln for ln in sass.splitlines()), sass.count("MUFU.EX2"), sass.count("-126"))
+        (n0, ex0, checks0), (n1, ex1, checks1) = built[False], built[True]
+        assert ex0 == ex1 > 0 and checks0 == ex0 and checks1 == 0 and n1 + 2 * ex0 <= n0, (base, built)

@@ -20,6 +20,13 @@
 #define WB_PA_HALVES 2
 #endif
 static_assert(WB_PA_HALVES == 1 || WB_PA_HALVES == 2, "bf16 halves of the queries and probabilities: 1 or 2");
+// WB_PA_EXP_FTZ 1: the softmax's exps flush results below 2⁻¹²⁶ to zero (wb_exp_ftz). Each such probability is
+// ≥ 2¹²⁶ times smaller than the row's largest, which is 1, so neither the row's sum (≥ 1) nor its output moves by
+// it at fp32's precision: the same bits in all but contrived rows, for about a third of the softmax's instructions.
+#ifndef WB_PA_EXP_FTZ
+#define WB_PA_EXP_FTZ 0
+#endif
+__device__ __forceinline__ float pa_exp(float x) { return WB_PA_EXP_FTZ ? wb_exp_ftz(x) : wb_exp(x); }
 
 // x ≈ hi + lo, both bf16 (|x − hi − lo| ≤ 2⁻¹⁷|x|), for a pair of operand elements: hi rounded, lo the rounded
 // rest (x − hi is exact in fp32). With one half, hi alone (lo is never read, and the compiler drops it).
@@ -29,13 +36,14 @@ __device__ __forceinline__ void pa_split(float x0, float x1, u32& hi, u32& lo) {
 }
 
 // One key tile's scores s (NT groups of 8 keys from j0) of the lane's rows a and b (positions pa, pb) into the
-// running softmax: the causal mask where the tile reaches past the warp's first row position `first` (`keys` keys a
-// tile), each row's new max over the four lanes that hold it, the sums (la, lb: this lane's part) rescaled to it,
-// s turned into the unnormalised probabilities, and the factors (ca, cb) that rescale the rows' output to the new
-// max (pa_rescale): apart, so that a kernel can take them while a product still adds into the output.
+// running softmax, in three steps that pa_softmax_tile takes in this order and a kernel with a product still adding
+// into the output o takes apart (pa_softmax_scores, then pa_rescale once the product has landed):
+// pa_softmax_max: the causal mask where the tile reaches past the warp's first row position `first` (`keys` keys a
+// tile), each row's new max over the four lanes that hold it, the factors (ca, cb) from the old max to it, and the
+// sums (la, lb: this lane's part) rescaled by them;
 template <int NT>
-__device__ __forceinline__ void pa_softmax_scores(float* s, int j0, int keys, int first, int pa, int pb, int t,
-                                                  float& ma, float& mb, float& la, float& lb, float& ca, float& cb) {
+__device__ __forceinline__ void pa_softmax_max(float* s, int j0, int keys, int first, int pa, int pb, int t,
+                                               float& ma, float& mb, float& la, float& lb, float& ca, float& cb) {
     if (j0 + keys - 1 > first) {
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
@@ -56,22 +64,15 @@ __device__ __forceinline__ void pa_softmax_scores(float* s, int j0, int keys, in
     xa = wb_fmaxf(xa, wb_shfl_xor(xa, 1)); xa = wb_fmaxf(xa, wb_shfl_xor(xa, 2));
     xb = wb_fmaxf(xb, wb_shfl_xor(xb, 1)); xb = wb_fmaxf(xb, wb_shfl_xor(xb, 2));
     // key 0 is in every row's first tile, so the max is finite from then on; before it nothing is rescaled
-    ca = ma == -WB_INF ? 0.f : wb_exp(ma - xa);
-    cb = mb == -WB_INF ? 0.f : wb_exp(mb - xb);
+    ca = ma == -WB_INF ? 0.f : pa_exp(ma - xa);
+    cb = mb == -WB_INF ? 0.f : pa_exp(mb - xb);
     ma = xa;
     mb = xb;
     la *= ca;
     lb *= cb;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        s[4 * nt] = wb_exp(s[4 * nt] - ma); s[4 * nt + 1] = wb_exp(s[4 * nt + 1] - ma);
-        s[4 * nt + 2] = wb_exp(s[4 * nt + 2] - mb); s[4 * nt + 3] = wb_exp(s[4 * nt + 3] - mb);
-        la += s[4 * nt] + s[4 * nt + 1];
-        lb += s[4 * nt + 2] + s[4 * nt + 3];
-    }
 }
 
-// The output o (OT groups of 8 columns) of rows a and b rescaled to their new max
+// pa_rescale: the output o (OT groups of 8 columns) of rows a and b rescaled to their new max;
 template <int OT>
 __device__ __forceinline__ void pa_rescale(float* o, float ca, float cb) {
 #pragma unroll
@@ -81,13 +82,33 @@ __device__ __forceinline__ void pa_rescale(float* o, float ca, float cb) {
     }
 }
 
-// Both: the tile's scores into the running softmax and the output rescaled, before the tile's P·V adds into it
+// pa_softmax_exp: s turned into the unnormalised probabilities, added to the sums.
+template <int NT>
+__device__ __forceinline__ void pa_softmax_exp(float* s, float ma, float mb, float& la, float& lb) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        s[4 * nt] = pa_exp(s[4 * nt] - ma); s[4 * nt + 1] = pa_exp(s[4 * nt + 1] - ma);
+        s[4 * nt + 2] = pa_exp(s[4 * nt + 2] - mb); s[4 * nt + 3] = pa_exp(s[4 * nt + 3] - mb);
+        la += s[4 * nt] + s[4 * nt + 1];
+        lb += s[4 * nt + 2] + s[4 * nt + 3];
+    }
+}
+
 template <int NT, int OT>
 __device__ __forceinline__ void pa_softmax_tile(float* s, float* o, int j0, int keys, int first, int pa, int pb,
                                                 int t, float& ma, float& mb, float& la, float& lb) {
     float ca, cb;
-    pa_softmax_scores<NT>(s, j0, keys, first, pa, pb, t, ma, mb, la, lb, ca, cb);
+    pa_softmax_max<NT>(s, j0, keys, first, pa, pb, t, ma, mb, la, lb, ca, cb);
     pa_rescale<OT>(o, ca, cb);
+    pa_softmax_exp<NT>(s, ma, mb, la, lb);
+}
+
+// The scores' steps without the output's: its factors (ca, cb) are left for pa_rescale
+template <int NT>
+__device__ __forceinline__ void pa_softmax_scores(float* s, int j0, int keys, int first, int pa, int pb, int t,
+                                                  float& ma, float& mb, float& la, float& lb, float& ca, float& cb) {
+    pa_softmax_max<NT>(s, j0, keys, first, pa, pb, t, ma, mb, la, lb, ca, cb);
+    pa_softmax_exp<NT>(s, ma, mb, la, lb);
 }
 
 // The rows' outputs (OT groups of 8 columns) divided by their sums over the four lanes, written where a row exists

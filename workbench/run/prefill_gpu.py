@@ -65,7 +65,9 @@ class FlashLayout:
     (the warpgroups take one GQA group's heads over the same 64 rows, not 64 rows each of one head), and
     heavy_first and min_blocks as above; `overlap`: a tile's softmax runs while the last tile's P·V is in flight
     (FA3's pipelining within a warpgroup; 3 stages or more, the same bits). The same math; at 64 keys a tile the
-    same bits as attention.cuh (measured on an H100), at 128 another order of sums, which agrees to rounding."""
+    same bits as attention.cuh (measured on an H100), at 128 another order of sums, which agrees to rounding.
+    exp_ftz (either kernel): the softmax's exps flush results below 2⁻¹²⁶ to zero, the same bits in all but
+    contrived rows (attention_common.cuh argues it), with fewer instructions a score."""
     gqa_rows: bool = False
     k_ldmatrix: bool = False
     heavy_first: bool = False
@@ -76,6 +78,7 @@ class FlashLayout:
     stages: int = 0
     heads: bool = False
     overlap: bool = False
+    exp_ftz: bool = False
 
     def __post_init__(self):
         if self.warpgroups not in (0, 1, 2, 4):
@@ -152,7 +155,8 @@ WGMMA_LAYOUTS = (*(FlashLayout(heavy_first=True, warpgroups=wg, keys=keys, stage
                  *(FlashLayout(heavy_first=True, warpgroups=wg, keys=64, stages=stages, heads=True)
                    for wg, stages in ((2, 2), (4, 2), (4, 3))),
                  *(FlashLayout(heavy_first=True, warpgroups=wg, keys=64, stages=stages, heads=heads, overlap=True)
-                   for wg, stages, heads in ((2, 3, False), (2, 4, False), (1, 4, False), (2, 3, True))))
+                   for wg, stages, heads in ((2, 3, False), (2, 4, False), (1, 4, False), (2, 3, True))),
+                 FlashLayout(heavy_first=True, warpgroups=2, keys=64, stages=4, exp_ftz=True))
 
 
 def layout_runs(layout: FlashLayout, n_heads: int, n_kv: int, head_dim: int, halves: int, smem_most: int) -> bool:
@@ -194,6 +198,7 @@ def flash_source(head_dim: int, layout: FlashLayout | None = None, halves: int =
     k, layout = _kernels_dir(), layout or FLASH_LAYOUT
     head = (f"#define WB_HD {head_dim}\n#define WB_THREADS {layout.threads}\n#define WB_PA_ROWS {layout.rows}\n"
             f"#define WB_PA_HEAVY_FIRST {int(layout.heavy_first)}\n#define WB_PA_HALVES {halves}\n"
+            f"#define WB_PA_EXP_FTZ {int(layout.exp_ftz)}\n"
             + (f"#define WB_PA_MIN_BLOCKS {layout.min_blocks}\n" if layout.min_blocks else ""))
     if layout.warpgroups:
         return (head + f"#define WB_PW_WARPGROUPS {layout.warpgroups}\n#define WB_PW_KEYS {layout.tile_keys}\n"
