@@ -716,6 +716,7 @@ def test_the_wgmma_attention_kernel_is_the_references_attention(heads, kv_heads,
 
     from workbench.model import stage_math as S
     from workbench.run.prefill_gpu import FLASH_LAYOUT, WGMMA_FP32, WGMMA_LAYOUTS, flash_attention, layout_runs
+    assert WGMMA_FP32 in WGMMA_LAYOUTS
     if cp.cuda.Device().compute_capability != "90":
         pytest.skip("the wgmma kernel is sm_90a's (H100, H200)")
     q, kb, vb, k, v, positions = _attention_inputs(heads, kv_heads, hd, n, pos0)
@@ -743,7 +744,7 @@ def test_the_wgmma_attention_kernel_is_the_references_attention(heads, kv_heads,
     if hd <= 64:      # attention.cuh's 64-key tiles: the same sums in the same order, so the same bits
         for halves in (2, 1):
             base = flash_attention(q, kb, vb, positions, heads, layout=FLASH_LAYOUT, halves=halves)
-            for layout in [WGMMA_FP32] + [lay for lay in layouts if lay.tile_keys == 64]:
+            for layout in [lay for lay in layouts if lay.tile_keys == 64]:         # WGMMA_FP32 too
                 got = flash_attention(q, kb, vb, positions, heads, layout=layout, halves=halves)
                 assert bool((got == base).all()), (layout, halves)
     bad_q = q.copy()

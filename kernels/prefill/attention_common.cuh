@@ -20,9 +20,12 @@
 #define WB_PA_HALVES 2
 #endif
 static_assert(WB_PA_HALVES == 1 || WB_PA_HALVES == 2, "bf16 halves of the queries and probabilities: 1 or 2");
-// WB_PA_EXP_FTZ 1: the softmax's exps flush results below 2⁻¹²⁶ to zero (wb_exp_ftz). Each such probability is
-// ≥ 2¹²⁶ times smaller than the row's largest, which is 1, so neither the row's sum (≥ 1) nor its output moves by
-// it at fp32's precision: the same bits in all but contrived rows, for about a third of the softmax's instructions.
+// WB_PA_EXP_FTZ 1: the softmax's exps flush results below 2⁻¹²⁶ to zero (wb_exp_ftz); wherever __expf's result is
+// normal the two give the same bits. A flushed probability is ≥ 2¹²⁶ times smaller than the row's largest, which
+// is 1; a flushed rescale factor (ca, cb) zeroes what the row had summed before a max 87 or more above it, which is
+// as small against the new terms. Every term lost is below 2⁻¹²⁶ against a row sum that ends ≥ 1 (one lane's part
+// may be smaller, but the row's is what the output is divided by), so neither the sum nor the output moves at
+// fp32's precision: the same bits in all but contrived rows, for about a third of the softmax's instructions.
 #ifndef WB_PA_EXP_FTZ
 #define WB_PA_EXP_FTZ 0
 #endif

@@ -18,11 +18,13 @@
 //
 // At 64 keys a tile each row's sums are formed in attention.cuh's order (one H100 gave the same bits); at other
 // tile sizes the online softmax rescales at other keys, which agrees to rounding. The GPU tests hold every layout to
-// the fp64 math at attention.cuh's bounds, and the fp32 candidate (prefill_gpu.WGMMA_FP32) to attention.cuh's bits.
+// the fp64 math at attention.cuh's bounds, and every 64-key one (prefill_gpu.WGMMA_FP32, fp32's layout on sm_90,
+// among them) to attention.cuh's bits.
 //
 // Set by the launcher (workbench/run/prefill_gpu.py): WB_HD, WB_PW_WARPGROUPS, WB_PW_KEYS (PW_BN), WB_PW_STAGES,
-// WB_PW_HEADS, WB_PA_HALVES, WB_PA_HEAVY_FIRST, WB_PA_ROWS (the rows a block takes, as the grid counts them) and
-// WB_PA_MIN_BLOCKS; and the generated wb_wgmma_bf16 products for N = PW_BN and N = WB_HD.
+// WB_PW_HEADS, WB_PA_HALVES, WB_PA_HEAVY_FIRST, WB_PA_ROWS (the rows a block takes, as the grid counts them),
+// WB_PA_MIN_BLOCKS, WB_PW_OVERLAP and WB_PA_EXP_FTZ; and the generated wb_wgmma_bf16 products for N = PW_BN and
+// N = WB_HD.
 
 #define PW_WG WB_PW_WARPGROUPS
 #define PW_THREADS (4 * WB_WARP * PW_WG)
@@ -113,6 +115,15 @@ __device__ __forceinline__ void pw_issue_values(float* o, u32 (*ph)[4], u32 (*pl
     }
 }
 
+// A shared-memory store that needs `sum` (of every exp of the tile's softmax) and never happens: a sum of exps is
+// never negative, and a NaN compares false. Placed before the P·V's wait, it keeps the exps before it in the
+// machine code. Without it ptxas scheduled the wait above all 34 MUFU.EX2 of a tile, so that the softmax ran after
+// the P·V had landed and nothing overlapped (found by a review of round 33's build, which measured no gain).
+__device__ __forceinline__ void pw_softmax_before_wait(float sum, int* pin) {
+    asm volatile("{\n.reg .pred p;\nsetp.lt.f32 p, %0, 0f00000000;\n@p st.shared.u32 [%1], 0;\n}"
+                 :: "f"(sum), "r"(wb_smem_addr(pin)) : "memory");
+}
+
 template <int N>
 __device__ __forceinline__ void pw_fence_frags(u32 (*f)[4]) {
 #pragma unroll
@@ -186,6 +197,7 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
     u32 ph[PW_BN / 16][4], pl[PW_BN / 16][4];
 #if WB_PW_OVERLAP
     const int my_tiles = my_last / PW_BN + 1;               // the tiles this warpgroup's rows reach
+    __shared__ int pw_pin;                                  // pw_softmax_before_wait's, never written
     // FA3's pipelining within a warpgroup: tile j's Q·Kᵀ and tile j − 1's P·V are in flight together, and tile j's
     // softmax runs while the P·V is, so the tensor cores work through the exps. The output takes the same
     // operations in the same order as below (P·V of tile j − 1 added, then the rescale to tile j's max, then tile
@@ -217,6 +229,7 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
             wb_wgmma_wait<1>();                            // the groups land in order: S first
             pw_fence_regs<PW_BN / 2>(s);
             pa_softmax_scores<PW_BN / 8>(s, tile * PW_BN, PW_BN, first, pa, pb, t, ma, mb, la, lb, ca, cb);
+            pw_softmax_before_wait(la + lb, &pw_pin);
             wb_wgmma_wait<0>();
             pw_fence_regs<WB_HD / 2>(o);
             pw_fence_frags<PW_BN / 16>(ph);                // read by the P·V until here: not reused before

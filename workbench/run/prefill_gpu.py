@@ -54,7 +54,7 @@ def _kernels_dir():
 @dataclasses.dataclass(frozen=True)
 class FlashLayout:
     """How the attention kernel lays its work out; no choice changes a result, bit for bit (the GPU test holds
-    every combination to it), but `warpgroups`. gqa_rows: a block's 64 rows are (position, query head) pairs of one
+    every combination to it), but `warpgroups` at other than 64 keys a tile, and `exp_ftz` in contrived rows. gqa_rows: a block's 64 rows are (position, query head) pairs of one
     kv head, so each key and value tile serves the whole group; k_ldmatrix: the keys' fragments by ldmatrix;
     heavy_first: the row tiles with the most keys are dispatched first, every head's (the grid is (heads, row
     tiles)); min_blocks: the blocks an SM the kernel's registers are capped for (0: attention.cuh's default for
