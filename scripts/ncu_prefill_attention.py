@@ -25,9 +25,9 @@ from workbench.run import prefill_gpu as G  # noqa: E402
 from workbench.run.prefill import PREFILL_CHUNK  # noqa: E402
 
 LAYOUTS = {"frags2": dataclasses.replace(G.FLASH_LAYOUT, frags=2),
-           "wg2s4": G.FlashLayout(heavy_first=True, warpgroups=2, keys=64, stages=4),
-           "wg1s4": G.FlashLayout(heavy_first=True, warpgroups=1, keys=64, stages=4),
-           "wg4heads": G.FlashLayout(heavy_first=True, warpgroups=4, keys=64, stages=2, heads=True)}
+           "wg2s4": G.WGMMA_FP32,
+           "wg1s4": dataclasses.replace(G.WGMMA_FP32, warpgroups=1),
+           "wg4heads": dataclasses.replace(G.WGMMA_FP32, warpgroups=4, stages=2, heads=True)}
 
 
 def main():

@@ -54,8 +54,9 @@ def _kernels_dir():
 @dataclasses.dataclass(frozen=True)
 class FlashLayout:
     """How the attention kernel lays its work out; no choice changes a result, bit for bit (the GPU test holds
-    every combination to it), but `warpgroups` at other than 64 keys a tile, and `exp_ftz` in contrived rows. gqa_rows: a block's 64 rows are (position, query head) pairs of one
-    kv head, so each key and value tile serves the whole group; k_ldmatrix: the keys' fragments by ldmatrix;
+    every combination to it), but `warpgroups` at other than 64 keys a tile, and `exp_ftz` in contrived rows.
+    gqa_rows: a block's 64 rows are (position, query head) pairs of one kv head, so each key and value tile serves
+    the whole group; k_ldmatrix: the keys' fragments by ldmatrix;
     heavy_first: the row tiles with the most keys are dispatched first, every head's (the grid is (heads, row
     tiles)); min_blocks: the blocks an SM the kernel's registers are capped for (0: attention.cuh's default for
     the precision); frags: 16-row fragments a warp (2: 128 rows a block, each key and value fragment loaded once
@@ -148,30 +149,30 @@ class FlashLayout:
 
 # every layout, for the A/B and the tests that hold them to the same bits
 LAYOUTS = tuple(FlashLayout(*bits) for bits in itertools.product((False, True), repeat=3))
-# the wgmma kernel's layouts the A/B times beside them (another order of sums: not held to LAYOUTS' bits)
+# fp32's attention at head_dim ≤ 64 on sm_90: 0.44 against 0.50 ms a 1B layer at 4k and 20.9 against 25.0 at 32k,
+# the same bits as FLASH_LAYOUT (one H100, NOTES.md round 32; the GPU test holds it to them)
+WGMMA_FP32 = FlashLayout(heavy_first=True, warpgroups=2, keys=64, stages=4)
+# the wgmma kernel's layouts the A/B times beside them, variations of it (at 64 keys a tile held to LAYOUTS' bits)
 # (round 32, one H100: two warpgroups and 64 keys the best of four with two stages; one warpgroup at half its speed)
-WGMMA_LAYOUTS = (*(FlashLayout(heavy_first=True, warpgroups=wg, keys=keys, stages=stages)
+WGMMA_LAYOUTS = (*(dataclasses.replace(WGMMA_FP32, warpgroups=wg, keys=keys, stages=stages)
                    for wg, keys, stages in ((2, 64, 2), (2, 64, 4), (1, 64, 4), (2, 128, 2))),
-                 *(FlashLayout(heavy_first=True, warpgroups=wg, keys=64, stages=stages, heads=True)
+                 *(dataclasses.replace(WGMMA_FP32, warpgroups=wg, stages=stages, heads=True)
                    for wg, stages in ((2, 2), (4, 2), (4, 3))),
-                 *(FlashLayout(heavy_first=True, warpgroups=wg, keys=64, stages=stages, heads=heads, overlap=True)
+                 *(dataclasses.replace(WGMMA_FP32, warpgroups=wg, stages=stages, heads=heads, overlap=True)
                    for wg, stages, heads in ((2, 3, False), (2, 4, False), (1, 4, False), (2, 3, True))),
-                 FlashLayout(heavy_first=True, warpgroups=2, keys=64, stages=4, exp_ftz=True))
+                 dataclasses.replace(WGMMA_FP32, exp_ftz=True))
 
 
 def layout_runs(layout: FlashLayout, n_heads: int, n_kv: int, head_dim: int, halves: int, smem_most: int) -> bool:
     """Whether the attention kernel takes this layout for these shapes: a block's heads within one GQA group, and
     its shared memory within what the GPU gives a block (`smem_most` bytes)."""
     return layout.group_problem(n_heads, n_kv) is None and layout.shared_bytes(head_dim, halves) <= smem_most
+
+
 # measured on the H200 (scripts/ab_prefill_attention.py): the keys by ldmatrix 3-5% faster at 4k
 # and 32k; rows per kv head 1-15% slower (more blocks on the diagonal's long tail than tiles saved); the longest
 # row tiles first 2-3% faster at 32k (bf16 20.86 against 21.32 ms a layer, fp32 28.80 against 29.81)
 FLASH_LAYOUT = FlashLayout(k_ldmatrix=True, heavy_first=True)
-
-
-# fp32's attention at head_dim ≤ 64 on sm_90: 0.44 against 0.50 ms a 1B layer at 4k and 20.9 against 25.0 at 32k,
-# the same bits as FLASH_LAYOUT (one H100, NOTES.md round 32; the GPU test holds it to them)
-WGMMA_FP32 = FlashLayout(heavy_first=True, warpgroups=2, keys=64, stages=4)
 
 
 def flash_layout(head_dim: int, halves: int, compute_capability: str = "") -> FlashLayout:
