@@ -357,6 +357,26 @@ __device__ __forceinline__ void wb_fence_proxy_async() { asm volatile("fence.pro
 __device__ __forceinline__ u64 wb_wgmma_desc(const void* smem, u32 lead, u32 stride) {
     return (u64)((wb_smem_addr(smem) & 0x3ffff) >> 4) | ((u64)(lead >> 4) << 16) | ((u64)(stride >> 4) << 32);
 }
+// The same in the 128-byte swizzle (layout type 1 in bits 62-63), as the tensor memory accelerator writes it: rows
+// of 128 bytes, 16-byte chunk c of row r at chunk c ^ (r % 8), in atoms of 8 rows (1,024 bytes, aligned to 1,024).
+// K-major: `stride` bytes from one 8-row atom to the next along M or N (`lead` unused); MN-major: `lead` bytes from
+// one 64-element span of M or N to the next, `stride` from one 8-row atom to the next along K. A step along K
+// within a row moves the start address (32 bytes a 16-element step), as CUTLASS's descriptors do.
+__device__ __forceinline__ u64 wb_wgmma_desc_sw128(const void* smem, u32 lead, u32 stride) {
+    return wb_wgmma_desc(smem, lead, stride) | (1ull << 62);
+}
+// A tensor map: the 128 opaque bytes the driver encodes on the host (cuTensorMapEncodeTiled), passed to the kernel
+// by value as a __grid_constant__ parameter
+struct __align__(64) wb_tensor_map { u64 opaque[16]; };
+// One box of a rank-3 tensor map at coordinates (c0 innermost, c1, c2) into shared memory, by the tensor memory
+// accelerator: issued by one thread, completing on mbarrier `bar` (whose phase expects its bytes); a box reaching
+// past the tensor is filled with zeros there
+__device__ __forceinline__ void wb_tma_load_3d(void* dst, const wb_tensor_map* map, int c0, int c1, int c2,
+                                               u64* bar) {
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+                 :: "r"(wb_smem_addr(dst)), "l"((u64)map), "r"(c0), "r"(c1), "r"(c2), "r"(wb_smem_addr(bar))
+                 : "memory");
+}
 #endif
 
 // ---- vendor-neutral helpers built on the layer above ---------------------------------------------------------

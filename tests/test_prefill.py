@@ -350,14 +350,20 @@ def test_the_wgmma_attention_builds_for_sm90a_without_a_spill():
     half, P·V's with B transposed (the value tile is MN-major), twice where the products overlap (the steady
     tile's and the first or last tile's), never serialised by ptxas (C7519/C7520: a product whose registers another
     branch wrote, which would undo the overlap), and where they overlap, the steady tile's softmax (its 32 exps and
-    the two rescale factors') between S's wait and the P·V's, where ptxas had scheduled the second wait above them.
-    A layout the kernel does not take is refused."""
+    the two rescale factors') between S's wait and the P·V's, where ptxas had scheduled the second wait above them;
+    the tiles copied by every thread's cp.async, or with `tma` by the tensor memory accelerator alone. A layout the
+    kernel does not take is refused, and `tma` at a head_dim off its 64-column spans."""
     from workbench.compiler.compile import disassemble, nvrtc_program, resource_usage
     from workbench.model.config import PRESETS
     from workbench.run.prefill_gpu import WGMMA_LAYOUTS, FlashLayout, flash_options, flash_source
     dims = sorted({get_config(name).head_dim for name in PRESETS} | {80, 96})
     for hd in dims:
         for layout in WGMMA_LAYOUTS:
+            if layout.head_dim_problem(hd):                   # the accelerator's tiles: refused in one line
+                assert layout.tma and hd % 64
+                with pytest.raises(ValueError, match="multiple of 64"):
+                    flash_source(hd, layout, 2)
+                continue
             for halves in (1, 2):
                 ok, log, _, cubin = nvrtc_program(flash_source(hd, layout, halves), list(flash_options(layout)))
                 assert ok, (hd, layout, halves, log)
@@ -368,8 +374,11 @@ def test_the_wgmma_attention_builds_for_sm90a_without_a_spill():
                 # four warpgroups (512 threads) have 128 registers a thread: past head_dim 80 they spill 16-32 B
                 spills_ok = layout.warpgroups == 4 and hd > 80
                 assert (r.stack == 0 or spills_ok and r.stack <= 32) and r.registers <= 255, (hd, layout, halves, r)
+                # the tiles' copies: every thread's cp.async (LDGSTS), or the accelerator's (UTMALDG) and none
+                code = disassemble(cubin)
+                assert ("UTMALDG" in code, "LDGSTS" in code) == (layout.tma, not layout.tma), (hd, layout)
                 if hd == 64:
-                    sass = [ln for ln in disassemble(cubin).splitlines() if "HGMMA" in ln]
+                    sass = [ln for ln in code.splitlines() if "HGMMA" in ln]
                     pv, copies = [ln for ln in sass if "tnspB" in ln], 1 + layout.overlap
                     assert len(pv) == layout.tile_keys // 16 * halves * copies, (layout, halves, sass)
                     assert len(sass) - len(pv) == hd // 16 * halves * copies, (layout, halves, sass)
@@ -384,7 +393,7 @@ def test_the_wgmma_attention_builds_for_sm90a_without_a_spill():
     assert not ok and "wgmma" in log                          # plain sm_90 has no warpgroup products
     for bad in (dict(warpgroups=3), dict(warpgroups=1, frags=2), dict(warpgroups=1, keys=24), dict(keys=64),
                 dict(warpgroups=1, heads=True), dict(warpgroups=2, stages=5), dict(overlap=True),
-                dict(warpgroups=2, stages=2, overlap=True)):
+                dict(warpgroups=2, stages=2, overlap=True), dict(tma=True)):
         with pytest.raises(ValueError):
             FlashLayout(**bad)
 

@@ -23,8 +23,8 @@
 //
 // Set by the launcher (workbench/run/prefill_gpu.py): WB_HD, WB_PW_WARPGROUPS, WB_PW_KEYS (PW_BN), WB_PW_STAGES,
 // WB_PW_HEADS, WB_PA_HALVES, WB_PA_HEAVY_FIRST, WB_PA_ROWS (the rows a block takes, as the grid counts them),
-// WB_PA_MIN_BLOCKS, WB_PW_OVERLAP and WB_PA_EXP_FTZ; and the generated wb_wgmma_bf16 products for N = PW_BN and
-// N = WB_HD.
+// WB_PA_MIN_BLOCKS, WB_PW_OVERLAP, WB_PW_TMA and WB_PA_EXP_FTZ; and the generated wb_wgmma_bf16 products for
+// N = PW_BN and N = WB_HD.
 
 #define PW_WG WB_PW_WARPGROUPS
 #define PW_THREADS (4 * WB_WARP * PW_WG)
@@ -39,6 +39,19 @@
 #ifndef WB_PW_OVERLAP
 #define WB_PW_OVERLAP 0
 #endif
+// WB_PW_TMA 1: the key and value tiles copied by the tensor memory accelerator, one thread issuing a tile's boxes
+// onto its stage's mbarrier, which the warps wait on, in place of every thread's cp.async of 16-byte chunks and the
+// block barrier that published them (round 33's profile: ~30 instructions of address arithmetic a chunk, and the
+// copies' long-scoreboard, barrier and LDGSTS-queue stalls, 3.2 of ~8.5 stall cycles an instruction). The tiles lie
+// as the accelerator writes them in the 128-byte swizzle: each key's 64-column span one 128-byte row (a head_dim of
+// 128 is two boxes, the second span 64 keys' rows on), which the products read through swizzled descriptors.
+// The map's keys end at the launch's last position (prefill_gpu.flash_attention): the box's keys past it are zeros,
+// as the cp.async copy's past the block's last key are. Between the two ends lie keys of this launch's own rows,
+// which every row of this block masks (probability 0, exactly) and whose values enter its output as 0·v: the same
+// bits where they are finite, and where one is not, the launch's output at its own row is not finite either.
+#ifndef WB_PW_TMA
+#define WB_PW_TMA 0
+#endif
 #define PW_M (4 * 16)                              // wgmma's M: four warps' 16-row fragments
 #define PW_BM (WB_PW_HEADS ? PW_M : PW_M * PW_WG)
 #define PW_Q_BYTES (PW_M * WB_HD * 2)              // a warpgroup's queries, one bf16 half
@@ -48,6 +61,13 @@
 // L2 round trip at one warpgroup a block (which ran at half the two's speed, one H100)
 #define PW_STAGES WB_PW_STAGES
 #define PW_CHUNKS (PW_BN * WB_HD / 8)              // its 16-byte chunks
+#define PW_BOX_BYTES (PW_BN * 128)                 // a tile's 64-column span in the 128-byte swizzle (WB_PW_TMA)
+#if WB_PW_TMA
+static_assert(WB_HD % 64 == 0, "the tensor memory accelerator's tiles: 64-column spans of 128-byte rows");
+#define PW_TMA_PARAMS , const __grid_constant__ wb_tensor_map k_map, const __grid_constant__ wb_tensor_map v_map
+#else
+#define PW_TMA_PARAMS
+#endif
 
 #ifndef WB_PA_MIN_BLOCKS
 #define WB_PA_MIN_BLOCKS 1
@@ -76,6 +96,47 @@ __device__ __forceinline__ void pw_load_tile(u8* smem, const bf16* kb, const bf1
     wb_cp_async_commit();
 }
 
+// the same by the tensor memory accelerator: thread 0 issues the tile's boxes onto its stage's mbarrier `full`,
+// which expects their bytes (every box's, those past the map's keys filled with zeros); a tile past the block's last
+// key is not copied (no warp waits for it)
+__device__ __forceinline__ void pw_load_tile_tma(u8* smem, u64* full, const wb_tensor_map* km,
+                                                 const wb_tensor_map* vm, int kvh, int tile, int last_key) {
+    const int j0 = tile * PW_BN;
+    if (threadIdx.x != 0 || j0 > last_key) return;
+    u8* ks = smem + (tile % PW_STAGES) * 2 * PW_TILE_BYTES;
+    u64* bar = full + tile % PW_STAGES;
+    wb_mbar_expect_tx(bar, 2 * PW_TILE_BYTES);
+#pragma unroll
+    for (int b = 0; b < WB_HD / 64; ++b) {
+        wb_tma_load_3d(ks + b * PW_BOX_BYTES, km, 64 * b, j0, kvh, bar);
+        wb_tma_load_3d(ks + PW_TILE_BYTES + b * PW_BOX_BYTES, vm, 64 * b, j0, kvh, bar);
+    }
+}
+
+// until tile `tile`'s copy has landed (its stage's phase tile / STAGES completes; a stage is copied again only
+// after every warp is past its last tile, so the phase waited for is never one behind)
+__device__ __forceinline__ void pw_wait_tile_tma(u64* full, int tile) {
+    while (!wb_mbar_test(full + tile % PW_STAGES, (tile / PW_STAGES) & 1)) {}
+}
+
+// The descriptors of K (B of Q·Kᵀ, K-major: its 16-column step kk) and V (B of P·V, MN-major: its 16-key step kk)
+// in a stage: the cp.async copy's core matrices without a swizzle, or the accelerator's 128-byte swizzle (8-key
+// atoms of 1,024 bytes; a 16-column step 32 bytes on within a row, 64 columns a span apart)
+__device__ __forceinline__ u64 pw_k_desc(const u8* kt, int kk) {
+#if WB_PW_TMA
+    return wb_wgmma_desc_sw128(kt + (kk / 4) * PW_BOX_BYTES + (kk % 4) * 32, 16, 1024);
+#else
+    return wb_wgmma_desc(kt + kk * 256, 128, WB_HD * 16);
+#endif
+}
+__device__ __forceinline__ u64 pw_v_desc(const u8* vt, int kk) {
+#if WB_PW_TMA
+    return wb_wgmma_desc_sw128(vt + kk * 2048, PW_BOX_BYTES, 1024);
+#else
+    return wb_wgmma_desc(vt + kk * 2 * WB_HD * 16, WB_HD * 16, 128);
+#endif
+}
+
 template <int N>
 __device__ __forceinline__ void pw_fence_regs(float* d) {
 #pragma unroll
@@ -87,7 +148,7 @@ __device__ __forceinline__ void pw_fence_regs(float* d) {
 __device__ __forceinline__ void pw_issue_scores(float* s, const u8* qs, const u8* kt) {
 #pragma unroll
     for (int kk = 0; kk < WB_HD / 16; ++kk) {
-        const u64 desc = wb_wgmma_desc(kt + kk * 256, 128, WB_HD * 16);
+        const u64 desc = pw_k_desc(kt, kk);
         wb_wgmma_bf16_ss<PW_BN>(s, wb_wgmma_desc(qs + kk * 256, 128, WB_HD * 16), desc, kk > 0);
         if (WB_PA_HALVES == 2)
             wb_wgmma_bf16_ss<PW_BN>(s, wb_wgmma_desc(qs + PW_Q_BYTES + kk * 256, 128, WB_HD * 16), desc, 1);
@@ -109,7 +170,7 @@ __device__ __forceinline__ void pw_split_probabilities(const float* s, u32 (*ph)
 __device__ __forceinline__ void pw_issue_values(float* o, u32 (*ph)[4], u32 (*pl)[4], const u8* vt) {
 #pragma unroll
     for (int kk = 0; kk < PW_BN / 16; ++kk) {
-        const u64 desc = wb_wgmma_desc(vt + kk * 2 * WB_HD * 16, WB_HD * 16, 128);
+        const u64 desc = pw_v_desc(vt, kk);
         wb_wgmma_bf16<WB_HD, 1>(o, ph[kk], desc, 1);
         if (WB_PA_HALVES == 2) wb_wgmma_bf16<WB_HD, 1>(o, pl[kk], desc, 1);
     }
@@ -133,10 +194,17 @@ __device__ __forceinline__ void pw_fence_frags(u32 (*f)[4]) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefill_attention(PA_PARAMS)
+extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefill_attention(PA_PARAMS PW_TMA_PARAMS)
 {
-    // [PW_STAGES][the key tile, the value tile], then each warpgroup's queries [halves][64 × hd]
-    extern __shared__ __align__(128) u8 pw_smem[];
+    // [PW_STAGES][the key tile, the value tile], then each warpgroup's queries [halves][64 × hd]; the accelerator's
+    // swizzled tiles start on 1,024 bytes (the launcher gives the kernel as many more)
+    extern __shared__ __align__(128) u8 pw_dynamic[];
+#if WB_PW_TMA
+    u8* pw_smem = (u8*)(((unsigned long long)pw_dynamic + 1023) & ~1023ull);
+    __shared__ u64 pw_full[PW_STAGES];                       // a stage's copy landed, a phase a tile
+#else
+    u8* pw_smem = pw_dynamic;
+#endif
     __shared__ int last_key, wg_last[PW_WG];
     const int wg = threadIdx.x / (4 * WB_WARP), warp = (threadIdx.x / WB_WARP) % 4, lane = threadIdx.x % WB_WARP;
     const int g = lane >> 2, t = lane & 3;
@@ -154,6 +222,12 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
     const int pa = ra < n ? (int)pos[ra] : 0, pb = rb < n ? (int)pos[rb] : 0;
     if (threadIdx.x == 0) last_key = 0;
     if (threadIdx.x < PW_WG) wg_last[threadIdx.x] = 0;
+#if WB_PW_TMA
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < PW_STAGES; ++s) wb_mbar_init(pw_full + s, 1);   // the issuer's one arrival a phase
+        wb_mbar_init_fence();
+    }
+#endif
     __syncthreads();
     atomicMax(&last_key, max(pa, pb));
     atomicMax(&wg_last[wg], max(pa, pb));
@@ -195,6 +269,15 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
     const bf16* kb = k + (long long)kvh * kv_stride * WB_HD;
     const bf16* vb = v + (long long)kvh * kv_stride * WB_HD;
     u32 ph[PW_BN / 16][4], pl[PW_BN / 16][4];
+    // a tile's copy issued, and the wait until it has landed with `ahead` more tiles' copies in flight behind it
+#if WB_PW_TMA
+#define PW_LOAD_TILE(tile) pw_load_tile_tma(pw_smem, pw_full, &k_map, &v_map, kvh, (tile), last_key)
+#define PW_WAIT_TILE(tile, ahead) pw_wait_tile_tma(pw_full, (tile))
+#else
+#define PW_LOAD_TILE(tile) pw_load_tile(pw_smem, kb, vb, (tile), last_key)
+    // this thread's copies made visible to the products' reads, and every thread's landed
+#define PW_WAIT_TILE(tile, ahead) (wb_cp_async_wait<(ahead)>(), wb_fence_proxy_async(), __syncthreads())
+#endif
 #if WB_PW_OVERLAP
     const int my_tiles = my_last / PW_BN + 1;               // the tiles this warpgroup's rows reach
     __shared__ int pw_pin;                                  // pw_softmax_before_wait's, never written
@@ -204,15 +287,13 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
     // j's P·V), so the same bits. A tile's stage is read until the next tile's P·V lands: STAGES − 2 tiles are in
     // flight ahead of the one the products read.
 #pragma unroll
-    for (int tile = 0; tile < PW_STAGES - 2; ++tile) pw_load_tile(pw_smem, kb, vb, tile, last_key);
+    for (int tile = 0; tile < PW_STAGES - 2; ++tile) PW_LOAD_TILE(tile);
     for (int tile = 0; tile <= tiles; ++tile) {
         if (tile < tiles) {
             // tile + STAGES − 2's copy, into the stage of tile − 2 (whose P·V landed before the barrier that ended
             // the last iteration); then this tile's group, the oldest of the STAGES − 1 in flight, has landed
-            pw_load_tile(pw_smem, kb, vb, tile + PW_STAGES - 2, last_key);
-            wb_cp_async_wait<PW_STAGES - 2>();
-            wb_fence_proxy_async();
-            __syncthreads();
+            PW_LOAD_TILE(tile + PW_STAGES - 2);
+            PW_WAIT_TILE(tile, PW_STAGES - 2);
         }
         // tiles wholly past the warpgroup's last row are skipped, the same for all its warps. Each case fences,
         // issues and waits within its own branch: ptxas serialises every product (C7520) where a wgmma's registers
@@ -257,16 +338,14 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
     }
 #else
 #pragma unroll
-    for (int tile = 0; tile < PW_STAGES - 1; ++tile) pw_load_tile(pw_smem, kb, vb, tile, last_key);
+    for (int tile = 0; tile < PW_STAGES - 1; ++tile) PW_LOAD_TILE(tile);
 
     for (int tile = 0; tile < tiles; ++tile) {
         const int j0 = tile * PW_BN;
         // tile + STAGES − 1's copy, into the stage tile − 1 used (every thread is past it: the barrier below);
         // then this tile's group, the oldest of the STAGES in flight, has landed
-        pw_load_tile(pw_smem, kb, vb, tile + PW_STAGES - 1, last_key);
-        wb_cp_async_wait<PW_STAGES - 1>();
-        wb_fence_proxy_async();                       // this thread's copies, visible to the products' reads
-        __syncthreads();                              // every thread's copies of this tile have landed
+        PW_LOAD_TILE(tile + PW_STAGES - 1);
+        PW_WAIT_TILE(tile, PW_STAGES - 1);
         const u8* kt = pw_smem + (tile % PW_STAGES) * 2 * PW_TILE_BYTES;
         // a tile wholly past the warpgroup's last row changes none of its rows (every weight would be 0): skipped,
         // the same for all its warps, which issue the products together

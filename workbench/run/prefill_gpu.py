@@ -65,8 +65,11 @@ class FlashLayout:
     warps, 1, 2 or 4 a block), which takes `keys` keys a tile (0: 64), `stages` tiles in flight (0: 2), `heads`
     (the warpgroups take one GQA group's heads over the same 64 rows, not 64 rows each of one head), and
     heavy_first and min_blocks as above; `overlap`: a tile's softmax runs while the last tile's P·V is in flight
-    (FA3's pipelining within a warpgroup; 3 stages or more, the same bits). The same math; at 64 keys a tile the
-    same bits as attention.cuh (measured on an H100), at 128 another order of sums, which agrees to rounding.
+    (FA3's pipelining within a warpgroup; 3 stages or more, the same bits); `tma`: the key and value tiles copied
+    by the tensor memory accelerator into the 128-byte swizzle, one thread issuing a tile onto an mbarrier, not by
+    every thread's cp.async (head_dim a multiple of 64; the same bits where the cache is finite:
+    attention_wgmma.cuh argues it). The same math; at 64 keys a tile the same bits as attention.cuh (measured on an
+    H100), at 128 another order of sums, which agrees to rounding.
     exp_ftz (either kernel): the softmax's exps flush results below 2⁻¹²⁶ to zero, the same bits in all but
     contrived rows (attention_common.cuh argues it), with fewer instructions a score."""
     gqa_rows: bool = False
@@ -80,6 +83,7 @@ class FlashLayout:
     heads: bool = False
     overlap: bool = False
     exp_ftz: bool = False
+    tma: bool = False
 
     def __post_init__(self):
         if self.warpgroups not in (0, 1, 2, 4):
@@ -93,6 +97,8 @@ class FlashLayout:
             raise ValueError("heads: the wgmma kernel's warpgroups take a GQA group's heads (warpgroups 2 to 4)")
         if self.stages and not (self.warpgroups and 2 <= self.stages <= 4):
             raise ValueError(f"stages={self.stages}: tiles in flight in the wgmma kernel (warpgroups), 2 to 4")
+        if self.tma and not self.warpgroups:
+            raise ValueError("tma: the wgmma kernel's tile copies (warpgroups)")
         if self.overlap and not (self.warpgroups and self.tile_stages >= 3):
             raise ValueError("overlap: the wgmma kernel (warpgroups) with 3 stages or more (a tile's stage is read "
                              "until the next tile's P·V lands)")
@@ -120,10 +126,17 @@ class FlashLayout:
 
     def shared_bytes(self, head_dim: int, halves: int) -> int:
         """Dynamic shared memory a block takes: the wgmma kernel's stages of a key and a value tile, and its
-        warpgroups' queries in `halves` bf16 halves."""
+        warpgroups' queries in `halves` bf16 halves (and with `tma`, 1,024 bytes more to align the swizzled tiles)."""
         if not self.warpgroups:
             return 0
-        return self.tile_stages * 2 * self.tile_keys * head_dim * 2 + halves * 64 * self.warpgroups * head_dim * 2
+        return (self.tile_stages * 2 * self.tile_keys * head_dim * 2 + halves * 64 * self.warpgroups * head_dim * 2
+                + 1024 * self.tma)
+
+    def head_dim_problem(self, head_dim: int) -> str | None:
+        """Why this layout cannot take this head_dim (None: it can): `tma` copies 64-column spans."""
+        if self.tma and head_dim % 64:
+            return f"tma: the accelerator's tiles are 64-column spans; head_dim {head_dim} is not a multiple of 64"
+        return None
 
     def group_problem(self, n_heads: int, n_kv: int) -> str | None:
         """Why this layout cannot take a model of these heads (None: it can): `heads` wants its warpgroups to
@@ -160,13 +173,18 @@ WGMMA_LAYOUTS = (*(dataclasses.replace(WGMMA_FP32, warpgroups=wg, keys=keys, sta
                    for wg, stages in ((2, 2), (4, 2), (4, 3))),
                  *(dataclasses.replace(WGMMA_FP32, warpgroups=wg, stages=stages, heads=heads, overlap=True)
                    for wg, stages, heads in ((2, 3, False), (2, 4, False), (1, 4, False), (2, 3, True))),
-                 dataclasses.replace(WGMMA_FP32, exp_ftz=True))
+                 dataclasses.replace(WGMMA_FP32, exp_ftz=True),
+                 # the tiles by the tensor memory accelerator (round 34)
+                 *(dataclasses.replace(WGMMA_FP32, warpgroups=wg, stages=stages, overlap=overlap, exp_ftz=ftz, tma=True)
+                   for wg, stages, overlap, ftz in ((2, 4, False, False), (2, 4, False, True), (2, 2, False, False),
+                                                    (2, 4, True, False), (1, 4, False, False))))
 
 
 def layout_runs(layout: FlashLayout, n_heads: int, n_kv: int, head_dim: int, halves: int, smem_most: int) -> bool:
     """Whether the attention kernel takes this layout for these shapes: a block's heads within one GQA group, and
     its shared memory within what the GPU gives a block (`smem_most` bytes)."""
-    return layout.group_problem(n_heads, n_kv) is None and layout.shared_bytes(head_dim, halves) <= smem_most
+    return (layout.group_problem(n_heads, n_kv) is None and layout.head_dim_problem(head_dim) is None
+            and layout.shared_bytes(head_dim, halves) <= smem_most)
 
 
 # measured on the H200 (scripts/ab_prefill_attention.py): the keys by ldmatrix 3-5% faster at 4k
@@ -197,6 +215,8 @@ def flash_source(head_dim: int, layout: FlashLayout | None = None, halves: int =
     if halves not in PRECISIONS.values():
         raise ValueError(f"halves={halves}: the attention kernel takes {sorted(set(PRECISIONS.values()))}")
     k, layout = _kernels_dir(), layout or FLASH_LAYOUT
+    if problem := layout.head_dim_problem(head_dim):
+        raise ValueError(problem)
     head = (f"#define WB_HD {head_dim}\n#define WB_THREADS {layout.threads}\n#define WB_PA_ROWS {layout.rows}\n"
             f"#define WB_PA_HEAVY_FIRST {int(layout.heavy_first)}\n#define WB_PA_HALVES {halves}\n"
             f"#define WB_PA_EXP_FTZ {int(layout.exp_ftz)}\n"
@@ -204,7 +224,7 @@ def flash_source(head_dim: int, layout: FlashLayout | None = None, halves: int =
     if layout.warpgroups:
         return (head + f"#define WB_PW_WARPGROUPS {layout.warpgroups}\n#define WB_PW_KEYS {layout.tile_keys}\n"
                 f"#define WB_PW_STAGES {layout.tile_stages}\n#define WB_PW_HEADS {int(layout.heads)}\n"
-                f"#define WB_PW_OVERLAP {int(layout.overlap)}\n"
+                f"#define WB_PW_OVERLAP {int(layout.overlap)}\n#define WB_PW_TMA {int(layout.tma)}\n"
                 + (k / "portability.cuh").read_text() + wgmma_products({layout.tile_keys, head_dim})
                 + (k / "prefill" / "attention_common.cuh").read_text()
                 + (k / "prefill" / "attention_wgmma.cuh").read_text())
@@ -334,10 +354,46 @@ def flash_attention(q, k_layer, v_layer, positions, n_heads: int, kernel=None, l
         return out
     layout = layout or FLASH_LAYOUT
     kernel = kernel or flash_kernel(hd, layout, halves)
+    # the accelerator's maps of the keys and values end at the last position: past it a tile's keys are zeros
+    maps = tuple(tile_map(c, hi + 1, layout.tile_keys) for c in (k_layer, v_layer)) if layout.tma else ()
     kernel(layout.grid(n, n_heads, n_kv), (layout.threads,),
            (q, k_layer, v_layer, pos, out, np.int32(n), np.int32(n_ctx), np.int32(n_heads), np.int32(n_heads // n_kv),
-            np.float32(hd ** -0.5)), shared_mem=layout.shared_bytes(hd, halves))
+            np.float32(hd ** -0.5), *maps), shared_mem=layout.shared_bytes(hd, halves))
     return out
+
+
+# CUtensorMap, passed by value (CuPy takes a structured numpy value as the struct of the same bytes)
+TENSOR_MAP = np.dtype({"names": ["opaque"], "formats": [(np.uint64, 16)]})
+
+
+def tile_map(cache_layer, keys: int, box_keys: int):
+    """The tensor map (attention_wgmma.cuh's WB_PW_TMA) of one layer's keys or values [Hkv, n_ctx, hd] (bf16 bits):
+    its first `keys` positions of each kv head, in boxes of 64 columns × box_keys keys laid out in the 128-byte
+    swizzle. Encoded by the driver and kept for the next launch over the same cache and keys."""
+    n_kv, n_ctx, hd = cache_layer.shape
+    if hd % 64 or not 0 < keys <= n_ctx or cache_layer.data.ptr % 16:
+        raise ValueError(f"a tensor map of {keys} keys over a cache [{n_kv}, {n_ctx}, {hd}] at "
+                         f"{cache_layer.data.ptr:#x}: head_dim a multiple of 64, 16-byte aligned")
+    return _tile_map(cache_layer.data.ptr, n_kv, n_ctx, hd, keys, box_keys)
+
+
+@functools.lru_cache(maxsize=256)
+def _tile_map(ptr: int, n_kv: int, n_ctx: int, hd: int, keys: int, box_keys: int):
+    import ctypes
+    encode = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    encode.restype = ctypes.c_int
+    raw = (ctypes.c_uint8 * (TENSOR_MAP.itemsize + 64))()           # the driver writes a 64-byte aligned map
+    at = -ctypes.addressof(raw) % 64
+    u64s, u32s = ctypes.c_uint64 * 3, ctypes.c_uint32 * 3
+    # uint16 elements (bf16 bits; the copy moves bytes), dims innermost first, strides of the outer two in bytes,
+    # no interleave, the 128-byte swizzle (3), L2 promotion of 128 bytes (2), zeros past the tensor (0)
+    rc = encode(ctypes.c_void_p(ctypes.addressof(raw) + at), ctypes.c_int(1), ctypes.c_uint32(3),
+                ctypes.c_void_p(ptr), u64s(hd, keys, n_kv), (ctypes.c_uint64 * 2)(hd * 2, n_ctx * hd * 2),
+                u32s(64, box_keys, 1), u32s(1, 1, 1), ctypes.c_int(0), ctypes.c_int(3), ctypes.c_int(2),
+                ctypes.c_int(0))
+    if rc:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed ({rc}) for a [{n_kv}, {n_ctx}, {hd}] cache, {keys} keys")
+    return np.frombuffer(bytes(raw)[at:at + TENSOR_MAP.itemsize], dtype=TENSOR_MAP)
 
 
 # ---- products ---------------------------------------------------------------------------------------------------
