@@ -27,7 +27,11 @@
 // N = PW_BN and N = WB_HD.
 
 #define PW_WG WB_PW_WARPGROUPS
-#define PW_THREADS (4 * WB_WARP * PW_WG)
+#ifndef WB_PW_PRODUCER
+#define WB_PW_PRODUCER 0
+#endif
+// the warpgroups' threads, and a producer warp's after them (WB_PW_PRODUCER)
+#define PW_THREADS (4 * WB_WARP * PW_WG + WB_WARP * WB_PW_PRODUCER)
 // WB_PW_HEADS 0: the warpgroups take consecutive 64-row tiles of one query head (PW_BM = 64·warpgroups rows a
 // block); 1: they take the same 64 rows of as many query heads of one kv head (a GQA group), so each key and value
 // tile copied serves all of them. The copies are what bounds the first: ~2 TB/s of tiles from L2 at 32k on an H100
@@ -49,6 +53,9 @@
 // as the cp.async copy's past the block's last key are. Between the two ends lie keys of this launch's own rows,
 // which every row of this block masks (probability 0, exactly) and whose values enter its output as 0·v: the same
 // bits where they are finite, and where one is not, the launch's output at its own row is not finite either.
+// WB_PW_PRODUCER 1 (with WB_PW_TMA): the copies are issued by a warp of their own, which waits for a stage to be
+// free (an mbarrier each warp arrives on once its products have read the stage) and runs ahead by as many tiles as
+// there are stages, so no block barrier is left in the key loop and the warpgroups run apart, as FA3's do.
 #ifndef WB_PW_TMA
 #define WB_PW_TMA 0
 #endif
@@ -77,7 +84,8 @@ static_assert(PW_BN % 16 == 0 && PW_BN >= 16 && PW_BN <= 256, "keys a tile: P·V
 static_assert(PW_WG == 1 || PW_WG == 2 || PW_WG == 4, "one, two or four warpgroups a block");
 static_assert(PW_STAGES >= 2 + WB_PW_OVERLAP && PW_STAGES <= 4,
               "two to four stages of the key and value tiles, three or more where the products overlap");
-static_assert(WB_THREADS == PW_THREADS, "the launcher's block is four warps a warpgroup");
+static_assert(WB_THREADS == PW_THREADS, "the launcher's block is four warps a warpgroup, and the producer's");
+static_assert(!WB_PW_PRODUCER || WB_PW_TMA, "the producer warp issues the accelerator's copies");
 static_assert(WB_PA_ROWS == PW_BM, "the launcher's grid counts rows in this tile's");
 
 // tile `tile`'s keys and values into its stage, as one commit group (an empty one past the last tile, so that
@@ -96,13 +104,13 @@ __device__ __forceinline__ void pw_load_tile(u8* smem, const bf16* kb, const bf1
     wb_cp_async_commit();
 }
 
-// the same by the tensor memory accelerator: thread 0 issues the tile's boxes onto its stage's mbarrier `full`,
-// which expects their bytes (every box's, those past the map's keys filled with zeros); a tile past the block's last
-// key is not copied (no warp waits for it)
+// the same by the tensor memory accelerator, issued by one thread: the tile's boxes onto its stage's mbarrier
+// `full`, which expects their bytes (every box's, those past the map's keys filled with zeros); a tile past the
+// block's last key is not copied (no warp waits for it)
 __device__ __forceinline__ void pw_load_tile_tma(u8* smem, u64* full, const wb_tensor_map* km,
                                                  const wb_tensor_map* vm, int kvh, int tile, int last_key) {
     const int j0 = tile * PW_BN;
-    if (threadIdx.x != 0 || j0 > last_key) return;
+    if (j0 > last_key) return;
     u8* ks = smem + (tile % PW_STAGES) * 2 * PW_TILE_BYTES;
     u64* bar = full + tile % PW_STAGES;
     wb_mbar_expect_tx(bar, 2 * PW_TILE_BYTES);
@@ -117,6 +125,17 @@ __device__ __forceinline__ void pw_load_tile_tma(u8* smem, u64* full, const wb_t
 // after every warp is past its last tile, so the phase waited for is never one behind)
 __device__ __forceinline__ void pw_wait_tile_tma(u64* full, int tile) {
     while (!wb_mbar_test(full + tile % PW_STAGES, (tile / PW_STAGES) & 1)) {}
+}
+
+// WB_PW_PRODUCER: tile `tile`'s stage read by this warp's products (each warp arrives once, after the wait that
+// follows its last product to read it), and the producer's wait until every warp has, before it copies tile `tile`
+// (STAGES tiles after the stage's last)
+__device__ __forceinline__ void pw_free_stage(u64* empty, int tile) {
+    __syncwarp();
+    if (threadIdx.x % WB_WARP == 0) wb_mbar_arrive(empty + tile % PW_STAGES);
+}
+__device__ __forceinline__ void pw_wait_stage_free(u64* empty, int tile) {
+    while (!wb_mbar_test(empty + tile % PW_STAGES, (tile / PW_STAGES + 1) & 1)) {}
 }
 
 // The descriptors of K (B of Q·Kᵀ, K-major: its 16-column step kk) and V (B of P·V, MN-major: its 16-key step kk)
@@ -194,7 +213,14 @@ __device__ __forceinline__ void pw_fence_frags(u32 (*f)[4]) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefill_attention(PA_PARAMS PW_TMA_PARAMS)
+// With the producer warp, the registers a thread are capped so that WB_PA_MIN_BLOCKS blocks of nine or seventeen
+// warps fit an SM's 64K (ptxas, asked for the blocks, gave 96 and serialised the products)
+#if WB_PW_PRODUCER
+#define PW_BOUNDS __maxnreg__(65536 / (WB_PA_MIN_BLOCKS * PW_THREADS) / 8 * 8)
+#else
+#define PW_BOUNDS __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS)
+#endif
+extern "C" __global__ void PW_BOUNDS prefill_attention(PA_PARAMS PW_TMA_PARAMS)
 {
     // [PW_STAGES][the key tile, the value tile], then each warpgroup's queries [halves][64 × hd]; the accelerator's
     // swizzled tiles start on 1,024 bytes (the launcher gives the kernel as many more)
@@ -202,11 +228,17 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
 #if WB_PW_TMA
     u8* pw_smem = (u8*)(((unsigned long long)pw_dynamic + 1023) & ~1023ull);
     __shared__ u64 pw_full[PW_STAGES];                       // a stage's copy landed, a phase a tile
+#if WB_PW_PRODUCER
+    __shared__ u64 pw_empty[PW_STAGES];                      // a stage read by every warp, a phase a tile
+#endif
 #else
     u8* pw_smem = pw_dynamic;
 #endif
     __shared__ int last_key, wg_last[PW_WG];
-    const int wg = threadIdx.x / (4 * WB_WARP), warp = (threadIdx.x / WB_WARP) % 4, lane = threadIdx.x % WB_WARP;
+    // the producer warp (WB_PW_PRODUCER) takes the last warpgroup's indices: the same kv head and key range
+    const bool producer = WB_PW_PRODUCER && threadIdx.x >= 4 * WB_WARP * PW_WG;
+    const int wg = producer ? PW_WG - 1 : threadIdx.x / (4 * WB_WARP), warp = (threadIdx.x / WB_WARP) % 4;
+    const int lane = threadIdx.x % WB_WARP;
     const int g = lane >> 2, t = lane & 3;
     const long long stride = (long long)n_heads * WB_HD;
 #if WB_PA_HEAVY_FIRST
@@ -225,6 +257,9 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
 #if WB_PW_TMA
     if (threadIdx.x == 0) {
         for (int s = 0; s < PW_STAGES; ++s) wb_mbar_init(pw_full + s, 1);   // the issuer's one arrival a phase
+#if WB_PW_PRODUCER
+        for (int s = 0; s < PW_STAGES; ++s) wb_mbar_init(pw_empty + s, 4 * PW_WG);     // each consumer warp's
+#endif
         wb_mbar_init_fence();
     }
 #endif
@@ -241,7 +276,7 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
     // loop-invariant fragments' registers to P's inside the key loop (the SASS read P as Q from the second tile).
     u8* qs = pw_smem + PW_STAGES * 2 * PW_TILE_BYTES + wg * WB_PA_HALVES * PW_Q_BYTES;
 #pragma unroll
-    for (int kk = 0; kk < WB_HD / 16; ++kk) {
+    for (int kk = 0; kk < WB_HD / 16 && !producer; ++kk) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int row = (i & 1) ? rb : ra, col = kk * 16 + 2 * t + ((i & 2) ? 8 : 0);
@@ -269,14 +304,30 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
     const bf16* kb = k + (long long)kvh * kv_stride * WB_HD;
     const bf16* vb = v + (long long)kvh * kv_stride * WB_HD;
     u32 ph[PW_BN / 16][4], pl[PW_BN / 16][4];
-    // a tile's copy issued, and the wait until it has landed with `ahead` more tiles' copies in flight behind it
-#if WB_PW_TMA
-#define PW_LOAD_TILE(tile) pw_load_tile_tma(pw_smem, pw_full, &k_map, &v_map, kvh, (tile), last_key)
+    // a tile's copy issued, the wait until it has landed with `ahead` more tiles' copies in flight behind it, and
+    // the tile's stage free once this thread's products have read it (a block barrier: every thread's have)
+#if WB_PW_PRODUCER
+    if (producer) {                                   // every tile's copy, as soon as its stage is free
+        if (lane == 0) {
+            for (int tile = 0; tile < tiles; ++tile) {
+                if (tile >= PW_STAGES) pw_wait_stage_free(pw_empty, tile);
+                pw_load_tile_tma(pw_smem, pw_full, &k_map, &v_map, kvh, tile, last_key);
+            }
+        }
+        return;
+    }
+#define PW_LOAD_TILE(tile)
 #define PW_WAIT_TILE(tile, ahead) pw_wait_tile_tma(pw_full, (tile))
+#define PW_FREE_STAGE(tile) pw_free_stage(pw_empty, (tile))
+#elif WB_PW_TMA
+#define PW_LOAD_TILE(tile) if (threadIdx.x == 0) pw_load_tile_tma(pw_smem, pw_full, &k_map, &v_map, kvh, (tile), last_key)
+#define PW_WAIT_TILE(tile, ahead) pw_wait_tile_tma(pw_full, (tile))
+#define PW_FREE_STAGE(tile) __syncthreads()
 #else
 #define PW_LOAD_TILE(tile) pw_load_tile(pw_smem, kb, vb, (tile), last_key)
     // this thread's copies made visible to the products' reads, and every thread's landed
 #define PW_WAIT_TILE(tile, ahead) (wb_cp_async_wait<(ahead)>(), wb_fence_proxy_async(), __syncthreads())
+#define PW_FREE_STAGE(tile) __syncthreads()
 #endif
 #if WB_PW_OVERLAP
     const int my_tiles = my_last / PW_BN + 1;               // the tiles this warpgroup's rows reach
@@ -334,7 +385,7 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
             wb_wgmma_wait<0>();
             pw_fence_regs<WB_HD / 2>(o);
         }
-        __syncthreads();                              // tile − 1's stage read by every warpgroup's P·V
+        if (tile > 0) PW_FREE_STAGE(tile - 1);        // tile − 1's stage read by the P·V (every warpgroup's)
     }
 #else
 #pragma unroll
@@ -364,7 +415,7 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
             wb_wgmma_wait<0>();
             pw_fence_regs<WB_HD / 2>(o);
         }
-        __syncthreads();                              // before the next tile's copy overwrites this stage
+        PW_FREE_STAGE(tile);                          // before the next tile's copy overwrites this stage
     }
 #endif
     pa_write_rows<WB_HD / 8>(out, o, qa, qb, ra < n, rb < n, t, la, lb);

@@ -68,7 +68,8 @@ class FlashLayout:
     (FA3's pipelining within a warpgroup; 3 stages or more, the same bits); `tma`: the key and value tiles copied
     by the tensor memory accelerator into the 128-byte swizzle, one thread issuing a tile onto an mbarrier, not by
     every thread's cp.async (head_dim a multiple of 64; the same bits where the cache is finite:
-    attention_wgmma.cuh argues it). The same math; at 64 keys a tile the same bits as attention.cuh (measured on an
+    attention_wgmma.cuh argues it); `producer` (with tma): a warp of its own issues the copies as stages come free,
+    so the key loop has no block barrier. The same math; at 64 keys a tile the same bits as attention.cuh (measured on an
     H100), at 128 another order of sums, which agrees to rounding.
     exp_ftz (either kernel): the softmax's exps flush results below 2⁻¹²⁶ to zero, the same bits in all but
     contrived rows (attention_common.cuh argues it), with fewer instructions a score."""
@@ -84,6 +85,7 @@ class FlashLayout:
     overlap: bool = False
     exp_ftz: bool = False
     tma: bool = False
+    producer: bool = False
 
     def __post_init__(self):
         if self.warpgroups not in (0, 1, 2, 4):
@@ -99,6 +101,8 @@ class FlashLayout:
             raise ValueError(f"stages={self.stages}: tiles in flight in the wgmma kernel (warpgroups), 2 to 4")
         if self.tma and not self.warpgroups:
             raise ValueError("tma: the wgmma kernel's tile copies (warpgroups)")
+        if self.producer and not self.tma:
+            raise ValueError("producer: a warp that issues the accelerator's copies (tma)")
         if self.overlap and not (self.warpgroups and self.tile_stages >= 3):
             raise ValueError("overlap: the wgmma kernel (warpgroups) with 3 stages or more (a tile's stage is read "
                              "until the next tile's P·V lands)")
@@ -112,7 +116,7 @@ class FlashLayout:
 
     @property
     def threads(self) -> int:
-        return 128 * self.warpgroups if self.warpgroups else ATTN_THREADS
+        return 128 * self.warpgroups + 32 * self.producer if self.warpgroups else ATTN_THREADS
 
     @property
     def tile_keys(self) -> int:
@@ -177,7 +181,10 @@ WGMMA_LAYOUTS = (*(dataclasses.replace(WGMMA_FP32, warpgroups=wg, keys=keys, sta
                  # the tiles by the tensor memory accelerator (round 34)
                  *(dataclasses.replace(WGMMA_FP32, warpgroups=wg, stages=stages, overlap=overlap, exp_ftz=ftz, tma=True)
                    for wg, stages, overlap, ftz in ((2, 4, False, False), (2, 4, False, True), (2, 2, False, False),
-                                                    (2, 4, True, False), (1, 4, False, False))))
+                                                    (2, 4, True, False), (1, 4, False, False))),
+                 # and issued by a warp of their own, two blocks an SM (the 9th warp's registers at ≤ 113 a thread)
+                 *(dataclasses.replace(WGMMA_FP32, stages=stages, overlap=overlap, tma=True, producer=True,
+                                       min_blocks=2) for stages, overlap in ((4, False), (4, True), (3, False))))
 
 
 def layout_runs(layout: FlashLayout, n_heads: int, n_kv: int, head_dim: int, halves: int, smem_most: int) -> bool:
@@ -225,6 +232,7 @@ def flash_source(head_dim: int, layout: FlashLayout | None = None, halves: int =
         return (head + f"#define WB_PW_WARPGROUPS {layout.warpgroups}\n#define WB_PW_KEYS {layout.tile_keys}\n"
                 f"#define WB_PW_STAGES {layout.tile_stages}\n#define WB_PW_HEADS {int(layout.heads)}\n"
                 f"#define WB_PW_OVERLAP {int(layout.overlap)}\n#define WB_PW_TMA {int(layout.tma)}\n"
+                f"#define WB_PW_PRODUCER {int(layout.producer)}\n"
                 + (k / "portability.cuh").read_text() + wgmma_products({layout.tile_keys, head_dim})
                 + (k / "prefill" / "attention_common.cuh").read_text()
                 + (k / "prefill" / "attention_wgmma.cuh").read_text())
