@@ -164,11 +164,12 @@ def test_the_first_step_after_a_prefill_is_split_into_host_and_kernel():
     not a number that looks measured."""
     from types import SimpleNamespace
     from workbench.measure.bench import first_step_split
-    res = SimpleNamespace(host_ms={"prepared": 0.4, "launched": 0.45, "first token": 1.7, "collected": 1.9},
-                          kernel_ms=1.1)
+    res = SimpleNamespace(host_ms={"checked": 0.1, "prepared": 0.4, "launched": 0.45, "first token": 1.7,
+                                   "collected": 1.9, "status read": 2.2}, kernel_ms=1.1)
     s = first_step_split(0.0250, 0.0225, res)
     assert s["first step"] == pytest.approx(2.5) and s["host prepare"] == 0.4 and s["kernel"] == 1.1
-    assert s["rest"] == pytest.approx(1.0)
+    assert s["rest"] == pytest.approx(1.0) and s["checks"] == 0.1
     assert (s["launch call"], s["to the token seen"], s["read back"]) == pytest.approx((0.05, 1.25, 0.2))
+    assert (s["status read"], s["outside the call"]) == pytest.approx((0.3, 0.3))
     s = first_step_split(0.0250, 0.0225, SimpleNamespace(host_ms={}, kernel_ms=1.1))
     assert math.isnan(s["host prepare"]) and math.isnan(s["rest"]) and math.isnan(s["read back"])

@@ -103,18 +103,23 @@ def ttft_monokernel(mk, prompt: list[int], precision: str = "fp32", **generate_k
 
 def first_step_split(secs: float, prefill_s: float, res) -> dict:
     """Where a time to first token went after the prefill, ms: the whole first step (the call's wall time after
-    the prefill's), the host's preparation before the launch (inputs, resets, poisoning, one synchronisation), the
-    kernel (CUDA events, launch to end) and the rest (the launch call, the watch that sees the token, the read
-    back); and the rest's host marks (Result.host_ms): the launch call, from its return to the token seen (the
-    kernel's step inside it), from then to the results read back."""
+    the prefill's), the host's preparation before the launch (the arguments' checks, inputs, resets, poisoning, one
+    synchronisation), the kernel (CUDA events, launch to end) and the rest (the launch call, the watch that sees
+    the token, the read back, the status read, and what lies outside the call); and the host marks
+    (Result.host_ms): the checks, the launch call, from its return to the token seen (the kernel's step inside it),
+    from then to the results read back, the status words read, and the step's time outside the call (after the
+    prefill's timer, before and after generate's)."""
     nan = float("nan")
     mark = res.host_ms
     step = 1e3 * (secs - prefill_s)
     prep, kernel = mark.get("prepared", nan), res.kernel_ms
     return {"first step": step, "host prepare": prep, "kernel": kernel, "rest": step - prep - kernel,
+            "checks": mark.get("checked", nan),
             "launch call": mark.get("launched", nan) - prep,
             "to the token seen": mark.get("first token", nan) - mark.get("launched", nan),
-            "read back": mark.get("collected", nan) - mark.get("first token", nan)}
+            "read back": mark.get("collected", nan) - mark.get("first token", nan),
+            "status read": mark.get("status read", nan) - mark.get("collected", nan),
+            "outside the call": step - mark.get("status read", nan)}
 
 
 def measure_ttft(mk, prompt: list[int], repeats: int, precision: str = "fp32",

@@ -137,10 +137,11 @@ class Result:
     prompt: list[int] = dataclasses.field(default_factory=list)
     max_new: int = 0
     eos: list[int] = dataclasses.field(default_factory=list)
-    # the host's side of the call, ms from its start (time.perf_counter): "prepared" (inputs on the device, the
-    # GPU synchronised), "launched" (the launch call returned), "first token" (the host saw the first token
-    # published), "collected" (the results read back). The time to first token's split between the host and the
-    # kernel's first step, which CUDA's events (kernel_ms) cannot tell.
+    # the host's side of the call, ms from its start (time.perf_counter): "checked" (the arguments), "prepared"
+    # (inputs on the device, the GPU synchronised), "launched" (the launch call returned), "first token" (the host
+    # saw the first token published), "collected" (the results read back), "status read" (the kernel's status
+    # words, an error raised). The time to first token's split between the host and the kernel's first step, which
+    # CUDA's events (kernel_ms) cannot tell.
     host_ms: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -505,14 +506,15 @@ class Monokernel:
         that each of the kernel's stop rules can be the one that ends a run (workbench.check.stops).
         `stop_requested`: the host's abort word is set before the launch (as `request_stop` sets it during a run),
         so the kernel ends at the first step that reads it, with KernelAborted."""
-        req = self._check_request(prompt, max_new, sampling, pos0=pos0, eos=eos, record=record, n_draws=n_draws,
-                                  timing_steps=timing_steps, tap_steps=tap_steps, kernel_limits=kernel_limits,
-                                  timeout_s=timeout_s, poison_kv=poison_kv, stop_requested=stop_requested)
         t0 = time.perf_counter()
         host_ms = {}
 
         def mark(phase):
             host_ms[phase] = 1e3 * (time.perf_counter() - t0)
+        req = self._check_request(prompt, max_new, sampling, pos0=pos0, eos=eos, record=record, n_draws=n_draws,
+                                  timing_steps=timing_steps, tap_steps=tap_steps, kernel_limits=kernel_limits,
+                                  timeout_s=timeout_s, poison_kv=poison_kv, stop_requested=stop_requested)
+        mark("checked")
         self._fit_buffers(req)
         self._prepare(req)
         mark("prepared")
@@ -528,6 +530,8 @@ class Monokernel:
         except KernelError as e:
             e.result = self.last        # what ran before the stop (its taps say which stage went wrong first)
             raise
+        finally:
+            mark("status read")
         return self.last
 
     def _check_request(self, prompt, max_new: int, sampling: Sampling, *, pos0: int, eos, record, n_draws: int,
