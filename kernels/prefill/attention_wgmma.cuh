@@ -214,9 +214,11 @@ __device__ __forceinline__ void pw_fence_frags(u32 (*f)[4]) {
 }
 
 // With the producer warp, the registers a thread are capped so that WB_PA_MIN_BLOCKS blocks of nine or seventeen
-// warps fit an SM's 64K (ptxas, asked for the blocks, gave 96 and serialised the products)
+// warps fit an SM: its registers are four sub-partitions of 16K, each holding a quarter of the warps, rounded up
+// (two blocks of nine warps put five on one: 96 a thread, where the products serialise; one block takes 224)
 #if WB_PW_PRODUCER
-#define PW_BOUNDS __maxnreg__(65536 / (WB_PA_MIN_BLOCKS * PW_THREADS) / 8 * 8)
+#define PW_WARPS_A_QUARTER ((WB_PA_MIN_BLOCKS * PW_THREADS / WB_WARP + 3) / 4)
+#define PW_BOUNDS __maxnreg__((16384 / (PW_WARPS_A_QUARTER * WB_WARP) / 8 * 8) < 255 ? 16384 / (PW_WARPS_A_QUARTER * WB_WARP) / 8 * 8 : 255)
 #else
 #define PW_BOUNDS __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS)
 #endif

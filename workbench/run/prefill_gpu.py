@@ -182,9 +182,10 @@ WGMMA_LAYOUTS = (*(dataclasses.replace(WGMMA_FP32, warpgroups=wg, keys=keys, sta
                  *(dataclasses.replace(WGMMA_FP32, warpgroups=wg, stages=stages, overlap=overlap, exp_ftz=ftz, tma=True)
                    for wg, stages, overlap, ftz in ((2, 4, False, False), (2, 4, False, True), (2, 2, False, False),
                                                     (2, 4, True, False), (1, 4, False, False))),
-                 # and issued by a warp of their own, two blocks an SM (the 9th warp's registers at ≤ 113 a thread)
-                 *(dataclasses.replace(WGMMA_FP32, stages=stages, overlap=overlap, tma=True, producer=True,
-                                       min_blocks=2) for stages, overlap in ((4, False), (4, True), (3, False))))
+                 # and issued by a warp of their own: one block an SM (two would leave 96 registers a thread, where
+                 # ptxas serialises the products)
+                 *(dataclasses.replace(WGMMA_FP32, stages=stages, overlap=overlap, tma=True, producer=True)
+                   for stages, overlap in ((4, False), (4, True))))
 
 
 def layout_runs(layout: FlashLayout, n_heads: int, n_kv: int, head_dim: int, halves: int, smem_most: int) -> bool:
@@ -362,7 +363,11 @@ def flash_attention(q, k_layer, v_layer, positions, n_heads: int, kernel=None, l
         return out
     layout = layout or FLASH_LAYOUT
     kernel = kernel or flash_kernel(hd, layout, halves)
-    # the accelerator's maps of the keys and values end at the last position: past it a tile's keys are zeros
+    # the accelerator's maps of the keys and values end at the last position: past it a tile's keys are zeros, and
+    # before it the keys of this launch's rows, which the kernel takes as written (attention_wgmma.cuh): the rows'
+    # positions must be lo..hi, each once, as the prefill's are
+    if layout.tma and hi - lo + 1 != n:
+        raise ValueError(f"{layout}: the rows' positions must be consecutive ({n} rows over positions {lo}..{hi})")
     maps = tuple(tile_map(c, hi + 1, layout.tile_keys) for c in (k_layer, v_layer)) if layout.tma else ()
     kernel(layout.grid(n, n_heads, n_kv), (layout.threads,),
            (q, k_layer, v_layer, pos, out, np.int32(n), np.int32(n_ctx), np.int32(n_heads), np.int32(n_heads // n_kv),
