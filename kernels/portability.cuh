@@ -365,6 +365,15 @@ __device__ __forceinline__ u64 wb_wgmma_desc(const void* smem, u32 lead, u32 str
 __device__ __forceinline__ u64 wb_wgmma_desc_sw128(const void* smem, u32 lead, u32 stride) {
     return wb_wgmma_desc(smem, lead, stride) | (1ull << 62);
 }
+// A warpgroup's registers a thread set to N (a multiple of 8, 24 to 256), every thread of the warpgroup executing
+// it: dec gives registers back to the block's pool, inc waits until the pool has them (sm_90a; FA3's producer and
+// consumer warpgroups). ptxas allocates the code after it within N.
+template <int N> __device__ __forceinline__ void wb_setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" :: "n"(N));
+}
+template <int N> __device__ __forceinline__ void wb_setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(N));
+}
 // A tensor map: the 128 opaque bytes the driver encodes on the host (cuTensorMapEncodeTiled), passed to the kernel
 // by value as a __grid_constant__ parameter
 struct __align__(64) wb_tensor_map { u64 opaque[16]; };

@@ -360,19 +360,20 @@ def test_the_wgmma_attention_builds_for_sm90a_without_a_spill():
     for hd in dims:
         for layout in WGMMA_LAYOUTS:
             if layout.head_dim_problem(hd):                   # the accelerator's tiles: refused in one line
-                assert layout.tma and hd % 64
-                with pytest.raises(ValueError, match="multiple of 64"):
+                assert layout.tma and hd % 64 or layout.producer and hd > 64
+                with pytest.raises(ValueError, match="head_dim"):
                     flash_source(hd, layout, 2)
                 continue
             for halves in (1, 2):
                 ok, log, _, cubin = nvrtc_program(flash_source(hd, layout, halves), list(flash_options(layout)))
                 assert ok, (hd, layout, halves, log)
-                # ptxas serialises the products (C75xx) only where four warpgroups' 128 registers a thread are too
-                # few for head_dim past 64 (C7512)
-                assert "C75" not in log or layout.warpgroups == 4 and hd > 64 and "C7512" in log, (hd, layout, log)
+                # ptxas serialises the products (C75xx) only where four warpgroups' registers a thread are too few
+                # (C7512): 128 past head_dim 64, or the 112 a producer leaves them in fp32
+                short = layout.warpgroups == 4 and (hd > 64 or layout.producer and halves == 2)
+                assert "C75" not in log or short and "C7512" in log, (hd, layout, log)
                 (r,) = [r for r in resource_usage(cubin) if r.kernel == "prefill_attention"]
                 # four warpgroups (512 threads) have 128 registers a thread: past head_dim 80 they spill 16-32 B
-                spills_ok = layout.warpgroups == 4 and hd > 80
+                spills_ok = layout.warpgroups == 4 and (hd > 80 or layout.producer and halves == 2)
                 assert (r.stack == 0 or spills_ok and r.stack <= 32) and r.registers <= 255, (hd, layout, halves, r)
                 # the tiles' copies: every thread's cp.async (LDGSTS), or the accelerator's (UTMALDG) and none
                 code = disassemble(cubin)

@@ -30,8 +30,8 @@
 #ifndef WB_PW_PRODUCER
 #define WB_PW_PRODUCER 0
 #endif
-// the warpgroups' threads, and a producer warp's after them (WB_PW_PRODUCER)
-#define PW_THREADS (4 * WB_WARP * PW_WG + WB_WARP * WB_PW_PRODUCER)
+// the warpgroups' threads, and the producer warpgroup's after them (WB_PW_PRODUCER)
+#define PW_THREADS (4 * WB_WARP * (PW_WG + WB_PW_PRODUCER))
 // WB_PW_HEADS 0: the warpgroups take consecutive 64-row tiles of one query head (PW_BM = 64·warpgroups rows a
 // block); 1: they take the same 64 rows of as many query heads of one kv head (a GQA group), so each key and value
 // tile copied serves all of them. The copies are what bounds the first: ~2 TB/s of tiles from L2 at 32k on an H100
@@ -53,9 +53,12 @@
 // as the cp.async copy's past the block's last key are. Between the two ends lie keys of this launch's own rows,
 // which every row of this block masks (probability 0, exactly) and whose values enter its output as 0·v: the same
 // bits where they are finite, and where one is not, the launch's output at its own row is not finite either.
-// WB_PW_PRODUCER 1 (with WB_PW_TMA): the copies are issued by a warp of their own, which waits for a stage to be
-// free (an mbarrier each warp arrives on once its products have read the stage) and runs ahead by as many tiles as
-// there are stages, so no block barrier is left in the key loop and the warpgroups run apart, as FA3's do.
+// WB_PW_PRODUCER 1 (with WB_PW_TMA): the copies are issued by a warpgroup of their own (one thread of it), which
+// waits for a stage to be free (an mbarrier each consumer warp arrives on once its products have read the stage)
+// and runs ahead by as many tiles as there are stages, so no block barrier is left in the key loop and the
+// warpgroups run apart, as FA3's do. The producer gives its registers back (setmaxnreg) to the consumers: a
+// warp of its own could not, and two blocks of nine warps an SM left 96 registers a thread, where ptxas serialised
+// the products.
 #ifndef WB_PW_TMA
 #define WB_PW_TMA 0
 #endif
@@ -81,7 +84,8 @@ static_assert(WB_HD % 64 == 0, "the tensor memory accelerator's tiles: 64-column
 #endif
 static_assert(WB_HD % 16 == 0 && WB_HD <= 256, "head_dim: a multiple of 16 (P·V's N, and Q·Kᵀ's 16-wide steps)");
 static_assert(PW_BN % 16 == 0 && PW_BN >= 16 && PW_BN <= 256, "keys a tile: P·V's 16-key steps, Q·Kᵀ's N ≤ 256");
-static_assert(PW_WG == 1 || PW_WG == 2 || PW_WG == 4, "one, two or four warpgroups a block");
+static_assert(PW_WG >= 1 && PW_WG <= 4 && (PW_WG != 3 || WB_PW_PRODUCER), "one to four warpgroups a block "
+              "(three beside a producer)");
 static_assert(PW_STAGES >= 2 + WB_PW_OVERLAP && PW_STAGES <= 4,
               "two to four stages of the key and value tiles, three or more where the products overlap");
 static_assert(WB_THREADS == PW_THREADS, "the launcher's block is four warps a warpgroup, and the producer's");
@@ -213,12 +217,17 @@ __device__ __forceinline__ void pw_fence_frags(u32 (*f)[4]) {
     }
 }
 
-// With the producer warp, the registers a thread are capped so that WB_PA_MIN_BLOCKS blocks of nine or seventeen
-// warps fit an SM: its registers are four sub-partitions of 16K, each holding a quarter of the warps, rounded up
-// (two blocks of nine warps put five on one: 96 a thread, where the products serialise; one block takes 224)
+// With the producer warpgroup, the registers a thread at the launch are what WB_PA_MIN_BLOCKS blocks an SM leave
+// (an SM's registers are four sub-partitions of 16K, each holding a quarter of the warps, rounded up); then the
+// producer keeps 24 and the consumers share the rest (PW_CONSUMER_REGS, at most 256)
 #if WB_PW_PRODUCER
 #define PW_WARPS_A_QUARTER ((WB_PA_MIN_BLOCKS * PW_THREADS / WB_WARP + 3) / 4)
-#define PW_BOUNDS __maxnreg__((16384 / (PW_WARPS_A_QUARTER * WB_WARP) / 8 * 8) < 255 ? 16384 / (PW_WARPS_A_QUARTER * WB_WARP) / 8 * 8 : 255)
+#define PW_LAUNCH_REGS_ (16384 / (PW_WARPS_A_QUARTER * WB_WARP) / 8 * 8)
+#define PW_LAUNCH_REGS (PW_LAUNCH_REGS_ < 248 ? PW_LAUNCH_REGS_ : 248)
+#define PW_PRODUCER_REGS 24
+#define PW_CONSUMER_REGS_ ((PW_LAUNCH_REGS * PW_THREADS - PW_PRODUCER_REGS * 4 * WB_WARP) / (4 * WB_WARP * PW_WG) / 8 * 8)
+#define PW_CONSUMER_REGS (PW_CONSUMER_REGS_ < 256 ? PW_CONSUMER_REGS_ : 256)
+#define PW_BOUNDS __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS)
 #else
 #define PW_BOUNDS __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS)
 #endif
@@ -237,7 +246,7 @@ extern "C" __global__ void PW_BOUNDS prefill_attention(PA_PARAMS PW_TMA_PARAMS)
     u8* pw_smem = pw_dynamic;
 #endif
     __shared__ int last_key, wg_last[PW_WG];
-    // the producer warp (WB_PW_PRODUCER) takes the last warpgroup's indices: the same kv head and key range
+    // the producer warpgroup (WB_PW_PRODUCER) takes the last warpgroup's indices: the same kv head and key range
     const bool producer = WB_PW_PRODUCER && threadIdx.x >= 4 * WB_WARP * PW_WG;
     const int wg = producer ? PW_WG - 1 : threadIdx.x / (4 * WB_WARP), warp = (threadIdx.x / WB_WARP) % 4;
     const int lane = threadIdx.x % WB_WARP;
@@ -310,7 +319,8 @@ extern "C" __global__ void PW_BOUNDS prefill_attention(PA_PARAMS PW_TMA_PARAMS)
     // the tile's stage free once this thread's products have read it (a block barrier: every thread's have)
 #if WB_PW_PRODUCER
     if (producer) {                                   // every tile's copy, as soon as its stage is free
-        if (lane == 0) {
+        wb_setmaxnreg_dec<PW_PRODUCER_REGS>();
+        if (threadIdx.x == 4 * WB_WARP * PW_WG) {
             for (int tile = 0; tile < tiles; ++tile) {
                 if (tile >= PW_STAGES) pw_wait_stage_free(pw_empty, tile);
                 pw_load_tile_tma(pw_smem, pw_full, &k_map, &v_map, kvh, tile, last_key);
@@ -318,6 +328,7 @@ extern "C" __global__ void PW_BOUNDS prefill_attention(PA_PARAMS PW_TMA_PARAMS)
         }
         return;
     }
+    wb_setmaxnreg_inc<PW_CONSUMER_REGS>();
 #define PW_LOAD_TILE(tile)
 #define PW_WAIT_TILE(tile, ahead) pw_wait_tile_tma(pw_full, (tile))
 #define PW_FREE_STAGE(tile) pw_free_stage(pw_empty, (tile))

@@ -68,8 +68,8 @@ class FlashLayout:
     (FA3's pipelining within a warpgroup; 3 stages or more, the same bits); `tma`: the key and value tiles copied
     by the tensor memory accelerator into the 128-byte swizzle, one thread issuing a tile onto an mbarrier, not by
     every thread's cp.async (head_dim a multiple of 64; the same bits where the cache is finite:
-    attention_wgmma.cuh argues it); `producer` (with tma): a warp of its own issues the copies as stages come free,
-    so the key loop has no block barrier. The same math; at 64 keys a tile the same bits as attention.cuh (measured on an
+    attention_wgmma.cuh argues it); `producer` (with tma): a warpgroup of its own issues the copies as stages come
+    free, so the key loop has no block barrier, and gives its registers to the others (setmaxnreg). The same math; at 64 keys a tile the same bits as attention.cuh (measured on an
     H100), at 128 another order of sums, which agrees to rounding.
     exp_ftz (either kernel): the softmax's exps flush results below 2⁻¹²⁶ to zero, the same bits in all but
     contrived rows (attention_common.cuh argues it), with fewer instructions a score."""
@@ -88,8 +88,9 @@ class FlashLayout:
     producer: bool = False
 
     def __post_init__(self):
-        if self.warpgroups not in (0, 1, 2, 4):
-            raise ValueError(f"warpgroups={self.warpgroups}: 0 (the mma.sync kernel), 1, 2 or 4")
+        if self.warpgroups not in (0, 1, 2, 4) and not (self.warpgroups == 3 and self.producer):
+            raise ValueError(f"warpgroups={self.warpgroups}: 0 (the mma.sync kernel), 1, 2 or 4 (3 beside a "
+                             f"producer)")
         if self.warpgroups and (self.gqa_rows or self.k_ldmatrix or self.frags != 1):
             raise ValueError("the wgmma kernel (warpgroups) has no gqa_rows, k_ldmatrix or frags: they lay out "
                              "attention.cuh's mma.sync fragments")
@@ -116,7 +117,7 @@ class FlashLayout:
 
     @property
     def threads(self) -> int:
-        return 128 * self.warpgroups + 32 * self.producer if self.warpgroups else ATTN_THREADS
+        return 128 * (self.warpgroups + self.producer) if self.warpgroups else ATTN_THREADS
 
     @property
     def tile_keys(self) -> int:
@@ -137,9 +138,13 @@ class FlashLayout:
                 + 1024 * self.tma)
 
     def head_dim_problem(self, head_dim: int) -> str | None:
-        """Why this layout cannot take this head_dim (None: it can): `tma` copies 64-column spans."""
+        """Why this layout cannot take this head_dim (None: it can): `tma` copies 64-column spans; `producer`'s
+        consumers hold their products' accumulators in what the producer gives back up to head_dim 64."""
         if self.tma and head_dim % 64:
             return f"tma: the accelerator's tiles are 64-column spans; head_dim {head_dim} is not a multiple of 64"
+        if self.producer and head_dim > 64:
+            return (f"producer: its consumer warpgroups' registers hold the accumulators of head_dim 64 at most, "
+                    f"not {head_dim}")
         return None
 
     def group_problem(self, n_heads: int, n_kv: int) -> str | None:
@@ -182,10 +187,12 @@ WGMMA_LAYOUTS = (*(dataclasses.replace(WGMMA_FP32, warpgroups=wg, keys=keys, sta
                  *(dataclasses.replace(WGMMA_FP32, warpgroups=wg, stages=stages, overlap=overlap, exp_ftz=ftz, tma=True)
                    for wg, stages, overlap, ftz in ((2, 4, False, False), (2, 4, False, True), (2, 2, False, False),
                                                     (2, 4, True, False), (1, 4, False, False))),
-                 # and issued by a warp of their own: one block an SM (two would leave 96 registers a thread, where
-                 # ptxas serialises the products)
-                 *(dataclasses.replace(WGMMA_FP32, stages=stages, overlap=overlap, tma=True, producer=True)
-                   for stages, overlap in ((4, False), (4, True))))
+                 # and issued by a warpgroup of their own, FA3's way: two consumer warpgroups and two blocks an SM
+                 # (104 registers a consumer thread), or one block of three or four (160, 112)
+                 *(dataclasses.replace(WGMMA_FP32, warpgroups=wg, min_blocks=blocks, stages=stages, overlap=overlap,
+                                       tma=True, producer=True)
+                   for wg, blocks, stages, overlap in ((2, 2, 4, False), (3, 1, 4, False), (3, 1, 4, True),
+                                                       (4, 1, 4, False))))
 
 
 def layout_runs(layout: FlashLayout, n_heads: int, n_kv: int, head_dim: int, halves: int, smem_most: int) -> bool:
