@@ -71,9 +71,12 @@
 // L2 round trip at one warpgroup a block (which ran at half the two's speed, one H100)
 #define PW_STAGES WB_PW_STAGES
 #define PW_CHUNKS (PW_BN * WB_HD / 8)              // its 16-byte chunks
-#define PW_BOX_BYTES (PW_BN * 128)                 // a tile's 64-column span in the 128-byte swizzle (WB_PW_TMA)
+// WB_PW_TMA: a tile's rows in the 128-byte swizzle hold PW_SPAN columns (bf16), a box of the accelerator's;
+// PW_BOX_BYTES a span of the tile's keys
+#define PW_SPAN (128 / 2)
+#define PW_BOX_BYTES (PW_BN * 128)
 #if WB_PW_TMA
-static_assert(WB_HD % 64 == 0, "the tensor memory accelerator's tiles: 64-column spans of 128-byte rows");
+static_assert(WB_HD % PW_SPAN == 0, "the tensor memory accelerator's tiles: spans of 128-byte rows");
 #define PW_TMA_PARAMS , const __grid_constant__ wb_tensor_map k_map, const __grid_constant__ wb_tensor_map v_map
 #else
 #define PW_TMA_PARAMS
@@ -119,9 +122,9 @@ __device__ __forceinline__ void pw_load_tile_tma(u8* smem, u64* full, const wb_t
     u64* bar = full + tile % PW_STAGES;
     wb_mbar_expect_tx(bar, 2 * PW_TILE_BYTES);
 #pragma unroll
-    for (int b = 0; b < WB_HD / 64; ++b) {
-        wb_tma_load_3d(ks + b * PW_BOX_BYTES, km, 64 * b, j0, kvh, bar);
-        wb_tma_load_3d(ks + PW_TILE_BYTES + b * PW_BOX_BYTES, vm, 64 * b, j0, kvh, bar);
+    for (int b = 0; b < WB_HD / PW_SPAN; ++b) {
+        wb_tma_load_3d(ks + b * PW_BOX_BYTES, km, PW_SPAN * b, j0, kvh, bar);
+        wb_tma_load_3d(ks + PW_TILE_BYTES + b * PW_BOX_BYTES, vm, PW_SPAN * b, j0, kvh, bar);
     }
 }
 
@@ -147,14 +150,14 @@ __device__ __forceinline__ void pw_wait_stage_free(u64* empty, int tile) {
 // atoms of 1,024 bytes; a 16-column step 32 bytes on within a row, 64 columns a span apart)
 __device__ __forceinline__ u64 pw_k_desc(const u8* kt, int kk) {
 #if WB_PW_TMA
-    return wb_wgmma_desc_sw128(kt + (kk / 4) * PW_BOX_BYTES + (kk % 4) * 32, 16, 1024);
+    return wb_wgmma_desc_sw128(kt + (kk / 4) * PW_BOX_BYTES + (kk % 4) * 16 * 2, 16, 1024);
 #else
     return wb_wgmma_desc(kt + kk * 256, 128, WB_HD * 16);
 #endif
 }
 __device__ __forceinline__ u64 pw_v_desc(const u8* vt, int kk) {
 #if WB_PW_TMA
-    return wb_wgmma_desc_sw128(vt + kk * 2048, PW_BOX_BYTES, 1024);
+    return wb_wgmma_desc_sw128(vt + kk * 2 * 1024, PW_BOX_BYTES, 1024);       // 16 keys: two atoms
 #else
     return wb_wgmma_desc(vt + kk * 2 * WB_HD * 16, WB_HD * 16, 128);
 #endif
