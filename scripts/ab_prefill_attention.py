@@ -5,7 +5,8 @@ to the same precision's per-head output bit for bit, with its relative error aga
 bf16 precision: one bf16 half of the queries and probabilities, half the products). On an H100 or H200 the wgmma
 kernel's layouts (prefill_gpu.WGMMA_LAYOUTS) run too.
 
-    python scripts/ab_prefill_attention.py --model llama-3.2-1b --prompt 4096 32768 [--match NAME ...] [--json FILE]
+    python scripts/ab_prefill_attention.py --model llama-3.2-1b --prompt 4096 32768 [--match NAME ...]
+        [--precision fp32 bf16] [--json FILE]
 
 The table gives ms per layer and for all layers (× n_layers), and the tensor-core rate counted as the work a
 bf16 attention does (4·rows·keys·hd per head, causal), so a layout that does the same work faster shows higher;
@@ -44,25 +45,25 @@ def wgmma_layouts():
     return G.WGMMA_LAYOUTS if cp.cuda.Device().compute_capability == "90" else ()
 
 
-def runs(match=()) -> dict:
-    """(layout, halves) a row times: every layout at each precision (or those whose name holds one of `match`), the
-    per-head layout first (the others' bits are compared with the first of their precision, and every row's error
-    with the fp32 per-head output)."""
+def runs(match=(), precisions=tuple(G.PRECISIONS)) -> dict:
+    """(layout, halves) a row times: every layout at each of `precisions` (or those whose name holds one of
+    `match`), the per-head layout first (the others' bits are compared with the first of their precision, and every
+    row's error with the first precision's per-head output: fp32's, unless only bf16 runs)."""
     return {f"{precision}, {layout_name(layout)}": (layout, halves)
-            for precision, halves in G.PRECISIONS.items()
+            for precision, halves in G.PRECISIONS.items() if precision in precisions
             for layout in (*G.LAYOUTS, dataclasses.replace(G.FLASH_LAYOUT, min_blocks=4),
                            dataclasses.replace(G.FLASH_LAYOUT, frags=2),
                            dataclasses.replace(G.FLASH_LAYOUT, frags=2, exp_ftz=True), *wgmma_layouts())
             if layout == G.LAYOUTS[0] or not match or any(m in layout_name(layout) for m in match)}
 
 
-def one_prompt(cfg, n: int, chunk: int, repeats: int, rng, match=()) -> dict:
+def one_prompt(cfg, n: int, chunk: int, repeats: int, rng, match=(), precisions=tuple(G.PRECISIONS)) -> dict:
     hd, hq, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     q = cp.asarray(rng.standard_normal((n, hq * hd)) * 1.5, dtype=cp.float32)
     kb, vb = (to_bf16(cp.asarray(rng.standard_normal((hkv, n, hd)), dtype=cp.float32), cp) for _ in range(2))
     chunks = [(c, min(c + chunk, n)) for c in range(0, n, chunk)]
     base, base_halves, ref, rows = None, None, None, {}
-    for name, (layout, halves) in runs(match).items():
+    for name, (layout, halves) in runs(match, precisions).items():
         kernel = G.flash_kernel(hd, layout, halves)
 
         def run():                                                     # no read back between launches
@@ -76,7 +77,7 @@ def one_prompt(cfg, n: int, chunk: int, repeats: int, rng, match=()) -> dict:
             continue
         if base is None or halves != base_halves:
             base, base_halves = out, halves
-        ref = out if ref is None else ref                              # the fp32 per-head layout's
+        ref = out if ref is None else ref                              # the first precision's per-head layout's
         same = bool(((out == base) | (cp.isnan(out) & cp.isnan(base))).all())
         rel = float(cp.linalg.norm(out - ref) / cp.linalg.norm(ref))
         times = []
@@ -104,6 +105,8 @@ def main():
     ap.add_argument("--json", type=output_file)
     ap.add_argument("--match", nargs="*", default=(),
                     help="only the layouts whose name holds one of these (e.g. warpgroups frags=2), and the per-head")
+    ap.add_argument("--precision", nargs="*", choices=list(G.PRECISIONS), default=list(G.PRECISIONS),
+                    help="the precisions timed (default: all; the error column is against the first one's per-head)")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     report = {"device": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "chunk": a.chunk, "rows": []}
@@ -112,7 +115,7 @@ def main():
     for m in a.model:
         cfg = get_config(m)
         for n in a.prompt:
-            for name, r in one_prompt(cfg, n, a.chunk, a.repeats, rng, a.match).items():
+            for name, r in one_prompt(cfg, n, a.chunk, a.repeats, rng, a.match, tuple(a.precision)).items():
                 report["rows"].append({"model": m, "prompt": n, "layout": name, **r})
                 print(f"| {m} | {n:,} | {name} | {r['ms_layer']:.2f} | {r['ms_all_layers']:.1f} | "
                       f"{r['tflops_bf16_work']:.0f} | {'yes' if r['bit_identical_to_per_head'] else 'no'} | "
