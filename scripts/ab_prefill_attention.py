@@ -63,7 +63,12 @@ def one_prompt(cfg, n: int, chunk: int, repeats: int, rng, match=(), precisions=
     kb, vb = (to_bf16(cp.asarray(rng.standard_normal((hkv, n, hd)), dtype=cp.float32), cp) for _ in range(2))
     chunks = [(c, min(c + chunk, n)) for c in range(0, n, chunk)]
     base, base_halves, ref, rows = None, None, None, {}
-    for name, (layout, halves) in runs(match, precisions).items():
+    todo = runs(match, precisions)
+    try:                          # in parallel; a failure there is met again, and reported, where it is built
+        G.compile_ahead([(hd, layout, halves) for layout, halves in todo.values()])
+    except Exception as e:          # noqa: BLE001 (the A/B goes on one build at a time)
+        print(f"compiling ahead failed, building one at a time: {type(e).__name__}: {e}", flush=True)
+    for name, (layout, halves) in todo.items():
         kernel = G.flash_kernel(hd, layout, halves)
 
         def run():                                                     # no read back between launches

@@ -715,7 +715,8 @@ def test_the_wgmma_attention_kernel_is_the_references_attention(heads, kv_heads,
     import cupy as cp
 
     from workbench.model import stage_math as S
-    from workbench.run.prefill_gpu import FLASH_LAYOUT, WGMMA_FP32, WGMMA_LAYOUTS, flash_attention, layout_runs
+    from workbench.run.prefill_gpu import (FLASH_LAYOUT, WGMMA_FP32, WGMMA_LAYOUTS, compile_ahead, flash_attention,
+                                           layout_runs)
     assert WGMMA_FP32 in WGMMA_LAYOUTS
     if cp.cuda.Device().compute_capability != "90":
         pytest.skip("the wgmma kernel is sm_90a's (H100, H200)")
@@ -726,6 +727,7 @@ def test_the_wgmma_attention_kernel_is_the_references_attention(heads, kv_heads,
     most = cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
     layouts = [lay for lay in WGMMA_LAYOUTS if layout_runs(lay, heads, kv_heads, hd, 2, most)]
     assert layouts
+    compile_ahead([(hd, lay, halves) for lay in (*layouts, FLASH_LAYOUT) for halves in (2, 1)])
     for layout in set(WGMMA_LAYOUTS) - set(layouts):          # refused in one line, not launched
         with pytest.raises(ValueError, match="GQA group|shared memory|head_dim"):
             flash_attention(q, kb, vb, positions, heads, layout=layout, halves=2)

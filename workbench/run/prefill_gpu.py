@@ -308,6 +308,25 @@ def flash_kernel(head_dim: int, layout: FlashLayout | None = None, halves: int =
     return fn
 
 
+def compile_ahead(builds, workers: int = 8) -> None:
+    """Each (head_dim, layout, halves) build's attention kernel compiled in parallel threads (NVRTC runs without
+    the GIL) into CuPy's on-disk cache, from which flash_kernel then loads it without compiling: an A/B or a test of
+    twenty layouts at four head_dims waited minutes on one NVRTC compile after another. A build the layout refuses
+    is skipped (flash_kernel says why when it is asked for)."""
+    import concurrent.futures
+
+    import cupy
+
+    def build(b):
+        hd, layout, halves = b
+        if layout.head_dim_problem(hd) is None:
+            cupy.RawModule(code=flash_source(hd, layout, halves),
+                           options=flash_options(layout)).get_function("prefill_attention")
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        for f in [pool.submit(build, b) for b in dict.fromkeys(builds)]:
+            f.result()
+
+
 def layer_source() -> str:
     k = _kernels_dir()
     return (f"#define WB_THREADS {LAYER_THREADS}\n" + (k / "portability.cuh").read_text()
