@@ -151,6 +151,8 @@ def test_time_to_first_token_is_reported_apart_from_decode(wb):
     fs = ft.first_step
     assert fs["host prepare"] > 0 and fs["kernel"] > 0 and fs["rest"] >= 0, fs
     assert fs["host prepare"] + fs["kernel"] <= fs["first step"] < ft.ms, (fs, ft.runs)
+    # the host's marks in their order, each after the last, and the call inside the step
+    assert 0 < fs["checks"] < fs["host prepare"] and fs["status read"] >= 0 and fs["outside the call"] >= 0, fs
     with pytest.raises(ValueError, match="from 2"):
         wb.time_to_first_token(wb.cfg.max_seq + 1)
     rec = wb.reload(trigger="manual")
