@@ -92,7 +92,7 @@ static_assert(PW_WG >= 1 && PW_WG <= 4 && (PW_WG != 3 || WB_PW_PRODUCER), "one t
 static_assert(PW_STAGES >= 2 + WB_PW_OVERLAP && PW_STAGES <= 4,
               "two to four stages of the key and value tiles, three or more where the products overlap");
 static_assert(WB_THREADS == PW_THREADS, "the launcher's block is four warps a warpgroup, and the producer's");
-static_assert(!WB_PW_PRODUCER || WB_PW_TMA, "the producer warp issues the accelerator's copies");
+static_assert(!WB_PW_PRODUCER || WB_PW_TMA, "the producer warpgroup issues the accelerator's copies");
 static_assert(WB_PA_ROWS == PW_BM, "the launcher's grid counts rows in this tile's");
 
 // tile `tile`'s keys and values into its stage, as one commit group (an empty one past the last tile, so that
@@ -230,11 +230,8 @@ __device__ __forceinline__ void pw_fence_frags(u32 (*f)[4]) {
 #define PW_PRODUCER_REGS 24
 #define PW_CONSUMER_REGS_ ((PW_LAUNCH_REGS * PW_THREADS - PW_PRODUCER_REGS * 4 * WB_WARP) / (4 * WB_WARP * PW_WG) / 8 * 8)
 #define PW_CONSUMER_REGS (PW_CONSUMER_REGS_ < 256 ? PW_CONSUMER_REGS_ : 256)
-#define PW_BOUNDS __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS)
-#else
-#define PW_BOUNDS __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS)
 #endif
-extern "C" __global__ void PW_BOUNDS prefill_attention(PA_PARAMS PW_TMA_PARAMS)
+extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefill_attention(PA_PARAMS PW_TMA_PARAMS)
 {
     // [PW_STAGES][the key tile, the value tile], then each warpgroup's queries [halves][64 × hd]; the accelerator's
     // swizzled tiles start on 1,024 bytes (the launcher gives the kernel as many more)
@@ -315,8 +312,10 @@ extern "C" __global__ void PW_BOUNDS prefill_attention(PA_PARAMS PW_TMA_PARAMS)
     float ma = -WB_INF, mb = -WB_INF, la = 0.f, lb = 0.f;     // running max and (this lane's part of) sum
     __syncthreads();
     const int tiles = last_key / PW_BN + 1, my_last = wg_last[wg];
+#if !WB_PW_TMA
     const bf16* kb = k + (long long)kvh * kv_stride * WB_HD;
     const bf16* vb = v + (long long)kvh * kv_stride * WB_HD;
+#endif
     u32 ph[PW_BN / 16][4], pl[PW_BN / 16][4];
     // a tile's copy issued, the wait until it has landed with `ahead` more tiles' copies in flight behind it, and
     // the tile's stage free once this thread's products have read it (a block barrier: every thread's have)

@@ -69,8 +69,9 @@ class FlashLayout:
     by the tensor memory accelerator into the 128-byte swizzle, one thread issuing a tile onto an mbarrier, not by
     every thread's cp.async (head_dim a multiple of 64; the same bits where the cache is finite:
     attention_wgmma.cuh argues it); `producer` (with tma): a warpgroup of its own issues the copies as stages come
-    free, so the key loop has no block barrier, and gives its registers to the others (setmaxnreg). The same math; at 64 keys a tile the same bits as attention.cuh (measured on an
-    H100), at 128 another order of sums, which agrees to rounding.
+    free, so the key loop has no block barrier, and gives its registers to the others (setmaxnreg). The same math;
+    at 64 keys a tile the same bits as attention.cuh (measured on an H100), at 128 another order of sums, which
+    agrees to rounding.
     exp_ftz (either kernel): the softmax's exps flush results below 2⁻¹²⁶ to zero, the same bits in all but
     contrived rows (attention_common.cuh argues it), with fewer instructions a score."""
     gqa_rows: bool = False
@@ -103,7 +104,7 @@ class FlashLayout:
         if self.tma and not self.warpgroups:
             raise ValueError("tma: the wgmma kernel's tile copies (warpgroups)")
         if self.producer and not self.tma:
-            raise ValueError("producer: a warp that issues the accelerator's copies (tma)")
+            raise ValueError("producer: a warpgroup that issues the accelerator's copies (tma)")
         if self.overlap and not (self.warpgroups and self.tile_stages >= 3):
             raise ValueError("overlap: the wgmma kernel (warpgroups) with 3 stages or more (a tile's stage is read "
                              "until the next tile's P·V lands)")
@@ -416,11 +417,19 @@ def tile_map(cache_layer, keys: int, box_keys: int):
     return _tile_map(cache_layer.data.ptr, n_kv, n_ctx, hd, keys, box_keys)
 
 
-@functools.lru_cache(maxsize=256)
-def _tile_map(ptr: int, n_kv: int, n_ctx: int, hd: int, keys: int, box_keys: int):
+@functools.cache
+def _encode_tiled():
+    """The driver's cuTensorMapEncodeTiled (its library is the one CuPy has loaded)."""
     import ctypes
     encode = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
     encode.restype = ctypes.c_int
+    return encode
+
+
+@functools.lru_cache(maxsize=256)
+def _tile_map(ptr: int, n_kv: int, n_ctx: int, hd: int, keys: int, box_keys: int):
+    import ctypes
+    encode = _encode_tiled()
     raw = (ctypes.c_uint8 * (TENSOR_MAP.itemsize + 64))()           # the driver writes a 64-byte aligned map
     at = -ctypes.addressof(raw) % 64
     u64s, u32s = ctypes.c_uint64 * 3, ctypes.c_uint32 * 3
