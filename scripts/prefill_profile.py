@@ -160,8 +160,8 @@ def main():
     for n in a.prompt:
         prompt = rng.integers(0, cfg.vocab, n).tolist()
         for precision, chunk in itertools.product(a.precision, a.chunk):
-            def ours():
-                mk.prefill(prompt[:-1], precision=precision, chunk=chunk)
+            def ours():                                  # to the first token, as HF's (its last logits, argmax)
+                mk.prefill(prompt, precision=precision, chunk=chunk, logits=False, token=True)
             ms = wall(ours, a.reps)
             k = profile(ours, a.reps)
             lines += table(f"ours, {precision}, prompt {n}, chunks of {chunk}", k, ms)

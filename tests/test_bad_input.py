@@ -704,9 +704,11 @@ def test_the_sanitize_bar_counts_the_streamed_tokens(text, n):
 
 
 def test_generate_prefills_the_prompt_and_continues_after_it(capsys, monkeypatch, tiny_hf_checkpoint, gpu_present):
-    """By default (no --prefill given), all but the prompt's last token go through the batched prefill (the real
-    one, on the CPU's copy of the weights), and the kernel is fed the last token at the position after them;
-    --check-prefill compares the cache with the fp64 math. The kernel is a stand-in that holds the cache (no GPU
+    """By default (no --prefill given, greedy), the whole prompt goes through the batched prefill (the real one, on
+    the CPU's copy of the weights), whose last logits' first largest is the first token, printed before the kernel
+    runs; the kernel is fed that token at the position after the prompt. With --first-token kernel (sampling's
+    way), all but the prompt's last token are prefilled and the kernel is fed the last. --check-prefill compares
+    the cache, the logits and the token with the fp64 math. The kernel is a stand-in that holds the cache (no GPU
     here)."""
     import types
 
@@ -721,38 +723,64 @@ def test_generate_prefills_the_prompt_and_continues_after_it(capsys, monkeypatch
         shape = (cfg.n_layers, cfg.n_kv_heads, cfg.max_seq, cfg.head_dim)
         k_cache, v_cache = np.zeros(shape, np.uint16), np.zeros(shape, np.uint16)
 
-        def prefill(self, tokens, precision, logits=True):
+        def prefill(self, tokens, precision, logits=True, token=False):
             seen["precision"] = precision
             seen.setdefault("prefilled", []).append(list(tokens))
-            seen.setdefault("logits", []).append(logits)
-            return prefill(p, tokens, self.k_cache, self.v_cache, chunk=5, precision=precision, logits=logits)
+            seen.setdefault("logits", []).append((logits, token))
+            pre = prefill(p, tokens, self.k_cache, self.v_cache, chunk=5, precision=precision, logits=logits,
+                          token=token)
+            seen["token"] = pre.token
+            return pre
 
         def stream_tokens(self, prompt, max_new, sampling, pos0=0, **kw):
-            seen.update(prompt=prompt, pos0=pos0, cached=int((self.k_cache[0, 0, :, 0] != 0).sum()))
-            yield from [3, 4]
-            self.last = types.SimpleNamespace(tokens=[3, 4], steps=2, kernel_ms=1.0, tok_per_s=2000.0)
+            seen.setdefault("streams", []).append((list(prompt), max_new, pos0))
+            seen.update(cached=int((self.k_cache[0, 0, :, 0] != 0).sum()))
+            yield from [3, 4][:max_new]
+            self.last = types.SimpleNamespace(tokens=[3, 4][:max_new], steps=max_new, kernel_ms=1.0, tok_per_s=2000.0)
 
     monkeypatch.setattr(cli, "_load", lambda args: p)
     monkeypatch.setattr(cli, "_kernel", lambda args, p, **kw: Kernel())
-    assert main(["generate", "--in-process", "--model", str(tiny_hf_checkpoint), "--prompt-random", "23",
-                 "--tokens", "2", "--check-prefill"]) == 0
+    checkpoint = ["generate", "--in-process", "--model", str(tiny_hf_checkpoint), "--prompt-random", "23"]
+    assert main([*checkpoint, "--tokens", "3", "--check-prefill"]) == 0
     out = capsys.readouterr().out
     ids = np.random.default_rng(0).integers(0, cfg.vocab, 23).tolist()
-    assert seen["prompt"] == ids[-1:] and seen["pos0"] == 22 and seen["cached"] >= 20 and seen["precision"] == "fp32"
-    assert "22 prompt tokens prefilled (fp32 products) in" in out and "(5 chunks)" in out
-    # a warm-up prefill of the prompt's first chunk (here all 22: fewer than a chunk), untimed, and said so
-    assert seen["prefilled"] == [ids[:22], ids[:22]]
-    assert "time to first token" in out and "an untimed warm-up prefill of its first 22 tokens and one kernel step" \
-        in out
-    assert "prefill passed" in out and seen["logits"] == [True, True]      # --check-prefill compares the logits
+    # a warm-up prefill of the prompt's first chunk (here all 23: fewer than a chunk) and one kernel step at 0,
+    # untimed and said so; then the timed prefill, and the kernel from its token after the prompt for the other 2
+    assert seen["prefilled"] == [ids, ids] and seen["precision"] == "fp32" and seen["cached"] >= 21
+    assert seen["streams"] == [(ids[:1], 1, 0), ([seen["token"]], 2, 23)]
+    assert out.split()[0] == str(seen["token"]) and f"{seen['token']} 3 4" in out
+    assert "23 prompt tokens prefilled (fp32 products) in" in out and "(5 chunks)" in out
+    assert "the first token their last logits' first largest" in out
+    assert "an untimed warm-up prefill of its first 23 tokens and one kernel step" in out
+    assert "prefill passed" in out and f"first token {seen['token']}, fp64's" in out
+    assert seen["logits"] == [(True, True), (True, True)]               # --check-prefill compares the logits
+    assert "2 tokens after the first, 2 decode steps" in out
     seen.clear()
-    assert main(["generate", "--in-process", "--model", str(tiny_hf_checkpoint), "--prompt-random", "23",
-                 "--tokens", "2"]) == 0
-    # without the check, the prefill leaves the last row's logits to the kernel's first step
-    assert seen["logits"] == [False, False] and "prefill passed" not in capsys.readouterr().out
+    assert main([*checkpoint, "--tokens", "1"]) == 0                    # the prefill's token alone: no kernel run
+    out = capsys.readouterr().out
+    assert seen["logits"] == [(False, True), (False, True)] and seen["streams"] == [(ids[:1], 1, 0)]
+    assert out.split()[0] == str(seen["token"]) and "prefill passed" not in out and "decode steps" not in out
+    seen.clear()
+    assert main([*checkpoint, "--tokens", "2", "--first-token", "kernel"]) == 0
+    # the kernel's first step chooses: all but the last token prefilled, the last fed at the position after them,
+    # and the prefill leaves the last row's logits to it
+    assert seen["prefilled"] == [ids[:22], ids[:22]] and seen["logits"] == [(False, False), (False, False)]
+    assert seen["streams"][1] == (ids[-1:], 2, 22) and "22 prompt tokens prefilled" in capsys.readouterr().out
     assert_error(capsys, ["generate", "--model", str(tiny_hf_checkpoint), "--check-prefill", "--no-prefill",
                           "--prompt-ids", "5,6"],
                  "--check-prefill checks a prefill: leave out --no-prefill")
+    assert_error(capsys, ["generate", "--model", str(tiny_hf_checkpoint), "--first-token", "prefill",
+                          "--temperature", "0.8", "--prompt-ids", "5,6"],
+                 "--first-token prefill chooses greedily (its last logits' first largest); a sampled first token is "
+                 "the kernel's own draw: leave out --first-token, or give --temperature 0")
+    assert_error(capsys, ["generate", "--model", str(tiny_hf_checkpoint), "--first-token", "kernel", "--no-prefill",
+                          "--prompt-ids", "5,6"],
+                 "--first-token kernel has no effect: nothing is prefilled")
+
+
+def test_bench_first_token_needs_ttft(capsys):
+    assert_error(capsys, ["bench", "--model", "tiny", "--first-token", "kernel"],
+                 "--first-token kernel has no effect without --ttft")
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -790,8 +818,9 @@ def test_verify_holds_the_decode_after_a_prefill_to_its_precisions_bound(monkeyp
         seen["end_to_end"] = rtol
         return ok
 
-    def after_prefill(mk, rtol, precision, **k):
+    def after_prefill(mk, rtol, precision, first, **k):
         seen[precision] = rtol
+        seen.setdefault("first", []).append(first)
         return ok, ok
     monkeypatch.setattr(cli, "verify", end_to_end)
     monkeypatch.setattr(cli, "verify_after_prefill", after_prefill)
@@ -802,3 +831,4 @@ def test_verify_holds_the_decode_after_a_prefill_to_its_precisions_bound(monkeyp
         assert cli.cmd_verify(args) == 0
         assert seen[precision] == after[precision]
     assert seen["end_to_end"] == (float(extra[1]) if extra else DEFAULT_RTOL)
+    assert seen["first"] == ["prefill", "kernel"] * 2           # both ways to the first token, each precision

@@ -867,26 +867,31 @@ def test_the_bf16_prefill_is_within_its_bound_and_is_the_one_product_path(model)
     assert differ > 0.01 and worst["bf16"] < PREFILL_RTOL["bf16"] * 0.6, (worst, differ)
 
 
-def test_a_bf16_prefilled_prompt_continues_within_its_bound(tiny):
+@pytest.mark.parametrize("first", ["prefill", "kernel"])
+def test_a_bf16_prefilled_prompt_continues_within_its_bound(tiny, first):
     """The decode after a bf16 prefill reads the cache it wrote: end to end against the reference teacher-forced
-    over the whole sequence, at the bf16 bound (verify_after_prefill's default for the precision)."""
+    over the whole sequence, at the bf16 bound (verify_after_prefill's default for the precision), from the
+    prefill's first token after the prompt or from the prompt's last token."""
     from workbench.check.prefill import PREFILL_RTOL, verify_after_prefill
-    pc, rep = verify_after_prefill(tiny, prompt_len=1500, max_new=6, seed=fresh_seed(), precision="bf16")
+    pc, rep = verify_after_prefill(tiny, prompt_len=1500, max_new=6, seed=fresh_seed(), precision="bf16", first=first)
     print(pc.summary())
     print(rep.summary())
     assert pc.passed and pc.rtol == PREFILL_RTOL["bf16"], pc.summary()
-    assert rep.passed and rep.rtol == PREFILL_RTOL["bf16"] and rep.steps[0].position == 1499, rep.summary()
+    assert (pc.token is not None) == (first == "prefill"), pc.summary()
+    assert rep.passed and rep.rtol == PREFILL_RTOL["bf16"], rep.summary()
+    assert rep.steps[0].position == (1500 if first == "prefill" else 1499), rep.summary()
 
 
 def test_a_prefilled_prompt_continues_as_the_reference_does(tiny):
-    """3,000 prompt tokens through the batched prefill into the kernel's cache, then the kernel from the last one:
-    the cache and the prefill's last logits match the fp64 math, the kernel's logits after it match the reference
-    teacher-forced over the whole sequence, and its greedy tokens are those of the prompt fed step by step."""
+    """3,000 prompt tokens through the batched prefill into the kernel's cache, then the kernel: the cache and the
+    prefill's last logits match the fp64 math, the kernel's logits after it match the reference teacher-forced
+    over the whole sequence, and the greedy tokens are those of the prompt fed step by step; both ways to the
+    first token (the prefill's last logits, or the kernel's first step from the prompt's last token)."""
     from workbench.check.prefill import verify_after_prefill
     seed = fresh_seed()
     prompt = np.random.default_rng(seed).integers(0, tiny.cfg.vocab, 3000).tolist()   # verify_after_prefill's
-    replayed = tiny.generate(prompt, 6, eos=[])                       # through the decode path, step by step
-    pc, rep = verify_after_prefill(tiny, prompt_len=3000, max_new=6, seed=seed, chunk=700)
+    replayed = tiny.generate(prompt, 7, eos=[])                       # through the decode path, step by step
+    pc, rep = verify_after_prefill(tiny, prompt_len=3000, max_new=6, seed=seed, chunk=700, first="kernel")
     print(pc.summary())
     print(rep.summary())
     assert pc.passed, pc.summary()
@@ -894,3 +899,14 @@ def test_a_prefilled_prompt_continues_as_the_reference_does(tiny):
     prefilled = tiny.generate(prompt[-1:], 6, eos=[], pos0=2999)      # the cache holds the prefill's 0..2998
     judged = [s.token_ok is not None for s in rep.steps]
     assert all(a == b for a, b, ok in zip(prefilled.tokens, replayed.tokens, judged) if ok)
+    # the prefill's own first token, then the kernel from it after the prompt
+    pc, rep = verify_after_prefill(tiny, prompt_len=3000, max_new=6, seed=seed, chunk=700, first="prefill")
+    print(pc.summary())
+    print(rep.summary())
+    assert pc.passed and pc.token is not None, pc.summary()
+    assert rep.passed and rep.steps[0].position == 3000, rep.summary()
+    if pc.token_ok is not None:                                       # not a near tie: the replay's first token
+        assert pc.token == replayed.tokens[0], pc.summary()
+        judged = [s.token_ok is not None for s in rep.steps]
+        after = tiny.generate([pc.token], 6, eos=[], pos0=3000)       # the cache holds the prefill's 0..2999
+        assert all(a == b for a, b, ok in zip(after.tokens, replayed.tokens[1:], judged) if ok)

@@ -137,12 +137,18 @@ def test_the_verdict_comes_while_the_timed_build_compiles(wb):
 
 
 def test_time_to_first_token_is_reported_apart_from_decode(wb):
-    """Workbench.time_to_first_token: the batched prefill into the timed build's cache and its first step, run in
-    the worker, apart from decode tok/s, with the prefill's time by stage; a prompt longer than the context is
-    refused in one line, and the loop goes on."""
-    ft = wb.time_to_first_token(1500, repeats=2)
+    """Workbench.time_to_first_token: the batched prefill into the timed build's cache and its first token (or the
+    kernel's first step), run in the worker, apart from decode tok/s, with the prefill's time by stage; a prompt
+    longer than the context is refused in one line, and the loop goes on."""
+    by_prefill = wb.time_to_first_token(1500, repeats=2)
+    print(by_prefill)
+    assert by_prefill.first == "prefill" and by_prefill.first_step == {} and len(by_prefill.runs) == 2
+    # the whole prompt's stages and the token ones: the prefill's last logits choose the first token
+    assert {"qkv_rope_append", "attention_decode", "lm_head", "sampling"} <= set(by_prefill.stages)
+    assert 0 < by_prefill.prefill_ms <= max(by_prefill.runs)
+    ft = wb.time_to_first_token(1500, repeats=2, first="kernel")
     print(ft)
-    assert ft.prompt == 1500 and ft.ms > 0 and ft.prefill_ms > 0 and len(ft.runs) == 2
+    assert ft.prompt == 1500 and ft.ms > 0 and ft.prefill_ms > 0 and len(ft.runs) == 2 and ft.first == "kernel"
     # the prefill's stages but the token ones: the kernel's first step computes the first token
     assert {"qkv_rope_append", "attention_decode"} <= set(ft.stages) and "lm_head" not in ft.stages
     assert all(v > 0 for v in ft.stages.values())

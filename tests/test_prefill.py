@@ -10,7 +10,7 @@ import pytest
 
 from workbench.check.prefill import check_prefill
 from workbench.model.config import get_config
-from workbench.model.weights import prepare, random_weights, to_f32
+from workbench.model.weights import prepare, random_weights, to_bf16, to_f32
 from workbench.reference import KVCache, forward
 from workbench.run.prefill import prefill, prefill_bytes
 
@@ -69,6 +69,38 @@ def test_a_prefill_without_its_logits_writes_the_same_cache_and_runs_no_token_st
         check_prefill(p, toks, without, k1, v1)
 
 
+def test_the_prefill_chooses_the_greedy_first_token_from_its_last_logits(p):
+    """prefill(..., token=True), the time to first token's default: the sampler's greedy choice (the first largest)
+    of the same last logits a logits=True prefill returns, with the same cache, the logits left unread unless
+    asked for too; and the same token wherever the prompt's chunks fall."""
+    cfg = p.cfg
+    toks = tokens(cfg, 41, seed=4)
+    k, v = caches(cfg)
+    k1, v1 = caches(cfg)
+    full = prefill(p, toks, k, v, chunk=16, dtype=np.float64)
+    stages: dict = {}
+    first = prefill(p, toks, k1, v1, chunk=16, dtype=np.float64, logits=False, token=True, timings=stages)
+    assert first.logits is None and full.token is None
+    assert first.token == int(np.argmax(full.logits))
+    assert np.array_equal(k, k1) and np.array_equal(v, v1)
+    assert "lm_head" in stages and "sampling" in stages
+    both = prefill(p, toks, *caches(cfg), chunk=7, dtype=np.float64, token=True)
+    assert both.token == first.token
+    np.testing.assert_allclose(both.logits, full.logits, rtol=1e-6, atol=1e-6)
+
+
+def test_no_first_token_is_chosen_from_nan_logits(p):
+    """A NaN in the LM head's weights makes the last logits NaN: the prefill names it in one line (a UserError,
+    the command line's one-line report) rather than hand the kernel a token argmax took from NaN."""
+    from workbench.errors import NonFiniteError, UserError
+    cfg = p.cfg
+    bad = dataclasses.replace(p, lm_head=p.lm_head.copy())
+    bad.lm_head[3, :] = 0x7FC0                         # bf16 bits of a NaN: one vocabulary row
+    with pytest.raises(NonFiniteError, match="not finite") as e:
+        prefill(bad, tokens(cfg, 9), *caches(cfg), dtype=np.float64, logits=False, token=True)
+    assert isinstance(e.value, UserError)
+
+
 def test_a_prefill_continues_a_cached_context(p):
     cfg = p.cfg
     toks = tokens(cfg, 50, seed=1)
@@ -100,6 +132,20 @@ def test_check_prefill_passes_a_right_one_and_fails_wrong_ones(p):
     nan[0, 0, 0, 0] = 0x7FC0
     c = check_prefill(p, toks, pre, nan, v)
     assert not c.passed and "NaN" in c.summary()
+    # the first token the prefill chose, judged against fp64's first largest: a random model's top logits are a
+    # near tie at this tolerance (not judged), so one vocabulary row is made the clear winner, four times the best
+    best = int(np.argmax(pre.logits))
+    lm = to_f32(p.lm_head).copy()
+    lm[5] = 4 * lm[best]
+    clear = dataclasses.replace(p, lm_head=to_bf16(lm))
+    tie = check_prefill(p, toks, prefill(p, toks, *caches(cfg), chunk=8, token=True), k, v)
+    assert tie.passed and tie.token_ok in (None, True) and tie.token == best, tie.summary()
+    chosen = prefill(clear, toks, *caches(cfg), chunk=8, token=True)
+    c = check_prefill(clear, toks, chosen, k, v)
+    assert c.passed and chosen.token == c.want == 5 and c.token_ok, c.summary()
+    assert "first token 5, fp64's 5" in c.summary()
+    c = check_prefill(clear, toks, dataclasses.replace(chosen, token=best), k, v)
+    assert c.token_ok is False and not c.passed and "WRONG" in c.summary(), c.summary()
     off = dataclasses.replace(pre, logits=pre.logits * (1 + 1e-2))
     assert not check_prefill(p, toks, off, k, v).passed
     # the bf16 precision's looser bound (PREFILL_RTOL) is chosen by the prefill's own precision: the same 1e-2 passes
@@ -292,7 +338,7 @@ def test_the_residual_survives_its_chunks_updated_in_place_or_not(mode):
         np.testing.assert_array_equal(rows, start + before, err_msg=f"layer {l}")
         before += (l + 1) * per_layer[l]
     assert before > 0
-    np.testing.assert_array_equal(got, start[-1] + before)
+    np.testing.assert_array_equal(got["logits"][0], start[-1] + before)
 
 
 def test_two_fragments_a_warp_load_each_key_and_value_fragment_once_for_both():

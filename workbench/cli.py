@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import math
 import os
 import re
@@ -44,7 +45,7 @@ from .nbclean import main as nbclean_main
 from .model.config import DEFAULT_MODEL, PRESETS, ModelConfig, get_config, local_folder
 from .paths import ROOT, write_problem
 from .plan import Launch
-from .run.prefill import PREFILL_CHUNK
+from .run.prefill import FIRST_TOKEN, PREFILL_CHUNK
 from .run.prefill_gpu import PRECISIONS
 from .run.runtime import WORKER_CONTEXT, KernelError, Monokernel, RegisteredMapped, Sampling
 from .run.worker import Worker, WorkerFailure, phase_setter
@@ -385,6 +386,12 @@ def _check_generate(args):
         raise UsageError(f"--prefill-precision {args.prefill_precision} has no effect: "
                          + ("--no-prefill is given" if len(ids) >= 2 else f"{given} has 1 token, nothing to prefill"))
     args.prefill_precision = args.prefill_precision or "fp32"
+    if args.first_token is not None and not args.prefill:
+        raise UsageError(f"--first-token {args.first_token} has no effect: nothing is prefilled")
+    if args.first_token == "prefill" and args.temperature > 0:
+        raise UsageError("--first-token prefill chooses greedily (its last logits' first largest); a sampled first "
+                         "token is the kernel's own draw: leave out --first-token, or give --temperature 0")
+    args.first_token = args.first_token or ("prefill" if args.temperature == 0 else "kernel")
     if args.temperature == 0:
         # greedy decoding takes the argmax: these would change nothing, and the run would not say so
         for given_, off in ((f"--top-k {args.top_k}", args.top_k == 0), (f"--top-p {args.top_p}", args.top_p == 1),
@@ -470,8 +477,11 @@ def _check_bench(args):
             raise UsageError("--ttft: a prompt of at least 2 tokens (the last one is the kernel's)")
         if max(args.ttft) + 8 > limit:
             raise UsageError(f"--ttft {max(args.ttft)}: past the {limit} of max_position_embeddings of {cfg.name}")
+    elif args.first_token is not None:
+        raise UsageError(f"--first-token {' '.join(args.first_token)} has no effect without --ttft")
     else:
         args.ttft = ()
+    args.first_token = tuple(dict.fromkeys(args.first_token or ("prefill",)))      # in the order given, once each
     args.cache_positions = cache_positions(positions, args.tokens, args.ttft)   # what run_bench's kernel runs to
 
 
@@ -615,12 +625,19 @@ def cmd_generate(args) -> int:
         tok = _tokenizer(args)                             # in the worker: opened again (it does not travel)
     p = _load(args)
     prefilled = args.prefill and len(ids) > 1
-    fed = ids[-1:] if prefilled else ids                    # what the kernel itself feeds, from pos0
+    # the first new token chosen by the prefill (greedy: its last logits' first largest) or by the kernel's first step
+    by_prefill = prefilled and args.first_token == "prefill"
+    prefix = ids if by_prefill else ids[:-1]               # what the prefill takes
+    fed = ids[-1:] if prefilled else ids                    # what the kernel itself feeds, from pos0 (by_prefill: the
+    #                                                         first token, known only after the prefill)
+    wanted = args.tokens - by_prefill                       # tokens the kernel generates
     # the steps whose logits choose a generated token: from the prompt's last on
-    record = list(range(len(fed) - 1, len(fed) - 1 + args.tokens)) if args.logits_out else []
+    record = list(range(len(fed) - 1, len(fed) - 1 + wanted)) if args.logits_out else []
     mk = _kernel(args, p, max_steps=len(fed) + args.tokens, max_record=max(64, len(record)))
     s = Sampling(args.temperature, args.top_k, args.top_p, args.seed or 0)
     timeout = getattr(args, "timeout", 5.0)
+    eos = None if args.stop_on_eos else []
+    keep_logits = bool(args.check_prefill) or (by_prefill and bool(args.logits_out))
     warm = None
     if prefilled:
         # the first prefill of a process loads its kernels, creates cuBLAS's handle and workspace, has cuBLAS choose
@@ -630,20 +647,26 @@ def cmd_generate(args) -> int:
         # (one H100), the pool and the products' shapes still to come.
         # A fresh machine's first process also paid ~270 ms in the kernel's first step (one H100: first token 294.9
         # ms after a 22.3 ms prefill, 25.9 ms in the next process), the first launch's one-time work (CuPy's own
-        # small kernels compiled for the launch's resets and poisoning, the module loaded): one step at position 0
-        # pays it here too, and the timed prefill writes that position again.
-        warm_n = min(len(ids) - 1, PREFILL_CHUNK)
+        # small kernels for the launch's resets and poisoning, the module loaded): one step at position 0 pays it
+        # here too, and the timed prefill writes that position again.
+        warm_n = min(len(prefix), PREFILL_CHUNK)
         t0 = time.perf_counter()
-        mk.prefill(ids[:warm_n], precision=args.prefill_precision, logits=bool(args.check_prefill))
+        mk.prefill(prefix[:warm_n], precision=args.prefill_precision, logits=keep_logits, token=by_prefill)
         for _ in mk.stream_tokens(ids[:1], 1, s, pos0=0, eos=[], timeout_s=timeout):
             pass
         warm = time.perf_counter() - t0
-    # the last row's logits only where --check-prefill compares them: the kernel's first step computes the first token
-    pre = (mk.prefill(ids[:-1], precision=args.prefill_precision, logits=bool(args.check_prefill))
+    # the last row's logits only where they are checked or saved
+    pre = (mk.prefill(prefix, precision=args.prefill_precision, logits=keep_logits, token=by_prefill)
            if prefilled else None)
-    tokens = mk.stream_tokens(fed, args.tokens, s, pos0=len(ids) - len(fed), eos=None if args.stop_on_eos else [],
-                              timeout_s=timeout, host_timeout_s=max(20.0, 4 * timeout), record=record)
     first = []
+    if by_prefill:
+        first.append(pre.seconds)                           # the token is on the host: the prefill read it back
+        fed = [pre.token]                                   # the kernel goes on from it, after the prompt
+        if args.stop_on_eos and pre.token in set(p.cfg.eos_token_ids):
+            wanted = 0
+    pos0 = len(ids) if by_prefill else len(ids) - len(fed)
+    tokens = (mk.stream_tokens(fed, wanted, s, pos0=pos0, eos=eos, timeout_s=timeout,
+                               host_timeout_s=max(20.0, 4 * timeout), record=record) if wanted else iter(()))
 
     def timed(stream):
         # the kernel launches when the stream is first asked for a token (after the text decoder has read the
@@ -653,32 +676,39 @@ def cmd_generate(args) -> int:
             if not first:
                 first.append(time.perf_counter() - t0 + (pre.seconds if pre else 0.0))
             yield t
+    head = [pre.token] if by_prefill else []               # shown at once, before the kernel's launch
     if tok is not None:
-        for piece in stream_text(tok, timed(tokens), prompt=ids):
+        for piece in stream_text(tok, itertools.chain(head, timed(tokens)), prompt=ids):
             print(piece, end="", flush=True)
     else:
-        for t in timed(tokens):
+        for t in itertools.chain(head, timed(tokens)):
             print(t, end=" ", flush=True)
-    res = mk.last
+    res = mk.last if wanted else None
     print()
     if first:
         how = (f"{pre.n} prompt tokens prefilled ({pre.precision} products) in {1e3 * pre.seconds:.1f} ms "
-               f"({pre.chunks} chunk{'s' if pre.chunks != 1 else ''}), then the kernel" if pre
-               else f"the kernel fed the {len(ids)}-token prompt step by step and")
+               f"({pre.chunks} chunk{'s' if pre.chunks != 1 else ''}), " + (
+                   "the first token their last logits' first largest" if by_prefill else "then the kernel generated")
+               if pre else f"the kernel fed the {len(ids)}-token prompt step by step and generated")
         after = (f"; an untimed warm-up prefill of its first {warm_n} tokens and one kernel step came first "
                  f"({1e3 * warm:.0f} ms: the kernels loaded, cuBLAS and the memory pool set up)"
                  if warm is not None else "")
-        print(f"time to first token {1e3 * first[0]:.1f} ms: {how} generated{after}")
+        print(f"time to first token {1e3 * first[0]:.1f} ms: {how}{after}")
     if args.check_prefill and pre is not None:
-        c = check_prefill(p, ids[:-1], pre, mk.k_cache, mk.v_cache)
+        c = check_prefill(p, prefix, pre, mk.k_cache, mk.v_cache)
         print(c.summary())
         if not c.passed:
             return 1
     if args.logits_out:
         import numpy as np
-        np.savez(args.logits_out, tokens=np.asarray(res.tokens, np.int64), logits=res.logits[:len(res.tokens)])
-    print(f"{len(res.tokens)} tokens, {res.steps} decode steps in {res.kernel_ms:.1f} ms: "
-          f"{res.tok_per_s:.0f} tok/s ({p.cfg.weight_bytes_per_token() * res.tok_per_s / 1e12:.2f} TB/s of weights)")
+        got = res.logits[:len(res.tokens)] if res is not None else np.zeros((0, p.cfg.vocab), np.float32)
+        toks = head + (list(res.tokens) if res is not None else [])
+        np.savez(args.logits_out, tokens=np.asarray(toks, np.int64),
+                 logits=np.concatenate([pre.logits[None], got]) if by_prefill else got)
+    if res is not None:
+        print(f"{len(res.tokens)} tokens{' after the first' if by_prefill else ''}, {res.steps} decode steps in "
+              f"{res.kernel_ms:.1f} ms: {res.tok_per_s:.0f} tok/s "
+              f"({p.cfg.weight_bytes_per_token() * res.tok_per_s / 1e12:.2f} TB/s of weights)")
     return 0
 
 
@@ -710,11 +740,13 @@ def cmd_verify(args) -> int:
     if args.prefill_len:
         # the decode after reads the cache the prefill wrote: the prefill precision's bound, unless --rtol says
         # otherwise (it held the decode after a bf16 prefill to fp32's 5e-3 while the bound argued is 2e-2)
-        pc, rep = verify_after_prefill(mk, prompt_len=args.prefill_len, max_new=args.tokens, seed=args.seeds[0],
-                                       rtol=args.rtol, precision=args.prefill_precision)
-        print(pc.summary())
-        print(rep.summary())
-        ok &= pc.passed and rep.passed
+        # both ways to the first token: the prefill's (greedy's default) and the kernel's first step (sampling's)
+        for first in FIRST_TOKEN:
+            pc, rep = verify_after_prefill(mk, prompt_len=args.prefill_len, max_new=args.tokens, seed=args.seeds[0],
+                                           rtol=args.rtol, precision=args.prefill_precision, first=first)
+            print(f"first token by the {first}: {pc.summary()}")
+            print(rep.summary())
+            ok &= pc.passed and rep.passed
     if args.sampling:
         # the stage-local check's modes, with seeds of their own (draws independent of the ones it checked)
         for i, mode in enumerate(SAMPLER_MODES):
@@ -787,7 +819,7 @@ def cmd_build(args) -> int:
 
 def cmd_bench(args) -> int:
     return bench_main(args.model, args.tokens, args.repeats, args.json, args.no_torch, args.no_hf, args.positions,
-                      args.ttft, args.no_compile, options=args.set)
+                      args.ttft, args.no_compile, options=args.set, first_token=args.first_token)
 
 
 def cmd_simulate(args) -> int:
@@ -851,6 +883,10 @@ def _parser(prog: str = "python -m workbench") -> argparse.ArgumentParser:
                         "(the default for a prompt of 2 tokens or more); --no-prefill feeds it to the kernel one "
                         "decode step per token")
     _prefill_precision_arg(g)
+    g.add_argument("--first-token", choices=FIRST_TOKEN, default=None,
+                   help="who chooses the first new token after a prefill: prefill (the whole prompt prefilled, "
+                        "its last logits' first largest; the default when greedy) or kernel (the prompt's last token "
+                        "left to the kernel's first step; the default, and the only way, when sampling)")
     g.add_argument("--check-prefill", action="store_true",
                    help="compare the prefill's cache and last logits with an fp64 run (exits 1 on failure)")
     g.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy")
@@ -949,6 +985,9 @@ def _parser(prog: str = "python -m workbench") -> argparse.ArgumentParser:
     be.add_argument("--ttft", type=positive_int, nargs="*", metavar="N",
                     help="also time to first token for N-token prompts (the batched prefill against HF "
                          "transformers' prefill; default 1k, 4k, 16k and 32k for llama-3.2-1b, 4k otherwise)")
+    be.add_argument("--first-token", choices=FIRST_TOKEN, nargs="+", default=None,
+                    help="with --ttft: the ways to the first token timed, each in the same run (default prefill: "
+                         "the prefill's last logits; kernel: the kernel's first step from the prompt's last token)")
     be.add_argument("--set", type=build_option, action="append", default=[], metavar="FIELD=VALUE",
                     help="a BuildOptions or launch field of the kernel benched, e.g. --set early=o_proj_residual "
                          "(repeatable)")

@@ -44,3 +44,8 @@ class SourceError(UserError):
     def __init__(self, message: str, *, path=None, kept=None):
         super().__init__(message)
         self.path, self.kept = path, kept
+
+
+class NonFiniteError(UserError):
+    """NaN or inf where a choice would be made from it (a prefill's last logits, whose first largest is the first
+    token): nothing is chosen. The usual cause is in what was given: weights holding NaN, or an edited stage."""

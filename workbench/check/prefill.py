@@ -1,6 +1,7 @@
-"""The batched prefill (workbench.run.prefill) checked: what it wrote into the kernel's cache and its last logits
-against one unchunked fp64 run of the same math on the same weights (`check_prefill`), and the kernel continued
-from its cache end to end against the reference over the whole sequence (`verify_after_prefill`)."""
+"""The batched prefill (workbench.run.prefill) checked: what it wrote into the kernel's cache, its last logits and
+the first token it chose from them against one unchunked fp64 run of the same math on the same weights
+(`check_prefill`), and the kernel continued from its cache end to end against the reference over the whole
+sequence (`verify_after_prefill`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +11,7 @@ import numpy as np
 
 from ..model.weights import Prepared, to_f32
 from ..reference import KVCache, forward
-from ..run.prefill import Prefilled
+from ..run.prefill import FIRST_TOKEN, Prefilled
 from ..run.runtime import Monokernel, Result, Sampling
 from .verify import DEFAULT_RTOL, VerifyReport, end_to_end, recorded_steps
 
@@ -29,18 +30,25 @@ class PrefillCheck:
     logits_rel: float
     finite: bool
     rtol: float
+    token: int | None = None           # the prefill's first token (Prefilled.token), where it chose one
+    want: int | None = None            # the fp64 logits' first largest
+    token_ok: bool | None = None       # None where the fp64 margin is too small to judge (end_to_end's rule)
 
     @property
     def passed(self) -> bool:
-        return self.finite and max(self.k_rel + self.v_rel + [self.logits_rel]) <= self.rtol
+        return (self.finite and max(self.k_rel + self.v_rel + [self.logits_rel]) <= self.rtol
+                and self.token_ok is not False)
 
     def summary(self) -> str:
         if not self.finite:
             return "prefill: FAILED: NaN or inf in the cache or the logits"
         lk, lv = int(np.argmax(self.k_rel)), int(np.argmax(self.v_rel))
         verdict = "passed" if self.passed else "FAILED"
+        chose = "" if self.token is None else (
+            f"; first token {self.token}, fp64's {self.want}" + (" (a near tie, not judged)" if self.token_ok is None
+                                                                 else "" if self.token_ok else ": WRONG"))
         return (f"prefill {verdict}: worst rel err keys {self.k_rel[lk]:.1e} (layer {lk}), values {self.v_rel[lv]:.1e} "
-                f"(layer {lv}), last logits {self.logits_rel:.1e} (tol {self.rtol:.0e})")
+                f"(layer {lv}), last logits {self.logits_rel:.1e} (tol {self.rtol:.0e}){chose}")
 
 
 def check_prefill(p: Prepared, tokens, pre: Prefilled, k_cache, v_cache, rtol: float | None = None) -> PrefillCheck:
@@ -72,24 +80,38 @@ def check_prefill(p: Prepared, tokens, pre: Prefilled, k_cache, v_cache, rtol: f
     v_rel = [rel(v[l], ref.v[l]) if finite else math.inf for l in range(cfg.n_layers)]
     want = want.get() if hasattr(want, "get") else np.asarray(want)
     logits_rel = rel(np.asarray(pre.logits), want, np) if finite else math.inf
-    return PrefillCheck(k_rel, v_rel, logits_rel, finite, rtol)
+    best, token_ok = int(np.argmax(want)), None
+    if pre.token is not None:
+        # the token the prefill chose, judged as end_to_end judges a greedy step: against fp64's first largest
+        # wherever fp64's top two are further apart than the tolerance lets the logits move
+        top2 = np.sort(want.astype(np.float64))[-2:]
+        if top2[1] - top2[0] > 2 * rtol * float(np.abs(want).max()):
+            token_ok = pre.token == best
+    return PrefillCheck(k_rel, v_rel, logits_rel, finite, rtol, pre.token, best, token_ok)
 
 
 def verify_after_prefill(mk: Monokernel, *, prompt_len: int, max_new: int = 16, seed: int = 0,
-                         rtol: float | None = None, chunk: int | None = None, precision: str = "fp32"):
-    """A random prompt's first prompt_len − 1 tokens prefilled into the kernel's cache (run.prefill) in
-    `precision`, checked against the fp64 math; then the kernel from the last prompt token at the position after
-    them, greedy, its recorded logits against the reference teacher-forced over the whole sequence →
-    (PrefillCheck, VerifyReport). The decode reads the cache the prefill wrote, so its tolerance is the
-    precision's bound unless `rtol` is given."""
+                         rtol: float | None = None, chunk: int | None = None, precision: str = "fp32",
+                         first: str = "prefill"):
+    """A random prompt prefilled into the kernel's cache (run.prefill) in `precision`, checked against the fp64
+    math; then the kernel, greedy, its recorded logits against the reference teacher-forced over the whole
+    sequence → (PrefillCheck, VerifyReport). `first` (run.prefill.FIRST_TOKEN): "prefill", the whole prompt
+    prefilled and its first token checked against fp64's too, the kernel going on from that token after the
+    prompt; "kernel", all but the last token prefilled and the kernel going on from the last. The decode reads
+    the cache the prefill wrote, so its tolerance is the precision's bound unless `rtol` is given."""
     if prompt_len < 2:
-        raise ValueError("a prefill needs a prompt of at least 2 tokens (the last is the kernel's)")
+        raise ValueError("a prefill needs a prompt of at least 2 tokens (the last may be the kernel's)")
+    if first not in FIRST_TOKEN:
+        raise ValueError(f"first token by {first!r}: one of {', '.join(FIRST_TOKEN)}")
     rtol = PREFILL_RTOL[precision] if rtol is None else rtol
     cfg = mk.cfg
     prompt = np.random.default_rng(seed).integers(0, cfg.vocab, prompt_len).tolist()
-    pre = mk.prefill(prompt[:-1], chunk=chunk, precision=precision)
-    pc = check_prefill(mk.p, prompt[:-1], pre, mk.k_cache, mk.v_cache)
+    by_prefill = first == "prefill"
+    prefix = prompt if by_prefill else prompt[:-1]
+    pre = mk.prefill(prefix, chunk=chunk, precision=precision, token=by_prefill)
+    pc = check_prefill(mk.p, prefix, pre, mk.k_cache, mk.v_cache)
     record = recorded_steps(max_new, mk.max_record)
-    res: Result = mk.generate(prompt[-1:], max_new, Sampling(), eos=[], pos0=prompt_len - 1, record=record)
-    checks = end_to_end(mk.p, res, 1, rtol, context=prompt[:-1])
+    fed = [pre.token] if by_prefill else prompt[-1:]
+    res: Result = mk.generate(fed, max_new, Sampling(), eos=[], pos0=len(prefix), record=record)
+    checks = end_to_end(mk.p, res, 1, rtol, context=prefix)
     return pc, VerifyReport(cfg.name, seed, prompt_len, len(res.tokens), rtol, checks, res.tok_per_s)

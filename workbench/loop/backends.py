@@ -56,15 +56,18 @@ class Verdict:
 
 @dataclasses.dataclass
 class FirstToken:
-    """Time to first token of a random prompt: the batched prefill of all but its last token into the timed
-    build's cache, then the kernel's first step (measure.bench.measure_ttft), median of `runs`; and one more
-    prefill synchronised after each stage, its milliseconds by stage."""
+    """Time to first token of a random prompt (measure.bench.measure_ttft), median of `runs`: the batched prefill
+    into the timed build's cache and its last logits' first largest, or (first="kernel") the prefill of all but
+    the last token, then the kernel's first step; and one more prefill synchronised after each stage, its
+    milliseconds by stage."""
     prompt: int
     ms: float
     runs: list
     prefill_ms: float                   # the last run's prefill alone
     stages: dict
-    first_step: dict = dataclasses.field(default_factory=dict)   # the median run's (measure.bench.first_step_split)
+    first_step: dict = dataclasses.field(default_factory=dict)   # the median run's (measure.bench.first_step_split;
+    #                                                               empty where the prefill chose the token)
+    first: str = "prefill"              # who chose the first token (run.prefill.FIRST_TOKEN)
 
 
 @dataclasses.dataclass
@@ -213,7 +216,7 @@ class CpuBackend:
     def time(self, steps: int, prompt=None) -> Timing | None:
         return None
 
-    def ttft(self, prompt_len: int, repeats: int = 3) -> FirstToken | None:
+    def ttft(self, prompt_len: int, repeats: int = 3, first: str = "prefill") -> FirstToken | None:
         return None
 
     def ab(self, a: dict, b: dict, overrides: dict, **kw) -> dict:
@@ -424,7 +427,7 @@ class GpuBackend:
         rows = stage_table(self.cfg, res.timing, 0) if res.timing is not None and res.timing.shape[0] > 1 else None
         return Timing(res.tok_per_s, rows, list(res.tokens), time.perf_counter() - t0, res.timing)
 
-    def ttft(self, prompt_len: int, repeats: int = 3) -> FirstToken:
+    def ttft(self, prompt_len: int, repeats: int = 3, first: str = "prefill") -> FirstToken:
         """Time to first token of a random prompt of prompt_len tokens through the timed build (FirstToken)."""
         if not 2 <= prompt_len <= self.cfg.max_seq:
             raise ValueError(f"a prompt of {prompt_len} tokens: from 2 (the last is the kernel's) to the context's "
@@ -433,10 +436,10 @@ class GpuBackend:
         mk = self.kernels["timed"]
         prompt = np.random.default_rng(self.verify_seed).integers(0, self.cfg.vocab, prompt_len).tolist()
         with self._ctx():
-            secs, pre, stages, first = measure_ttft(mk, prompt, repeats, timeout_s=self.timeout_s)
+            secs, pre, stages, step = measure_ttft(mk, prompt, repeats, first=first, timeout_s=self.timeout_s)
         ms = [1e3 * s for s in secs]
         return FirstToken(prompt_len, float(np.median(ms)), ms, 1e3 * pre.seconds,
-                          {k: 1e3 * v for k, v in stages.items()}, first)
+                          {k: 1e3 * v for k, v in stages.items()}, step, first)
 
     def ab(self, a: dict, b: dict, overrides: dict, *, tokens: int = 128, repeats: int = 5,
            verify: bool = True) -> dict:
@@ -668,8 +671,8 @@ class WorkerBackend:
     def time(self, steps: int, prompt=None) -> Timing:
         return self._call("time", steps, prompt)
 
-    def ttft(self, prompt_len: int, repeats: int = 3) -> FirstToken:
-        return self._call("ttft", prompt_len, repeats)
+    def ttft(self, prompt_len: int, repeats: int = 3, first: str = "prefill") -> FirstToken:
+        return self._call("ttft", prompt_len, repeats, first)
 
     def ab(self, a: dict, b: dict, overrides: dict, **kw) -> dict:
         return self._call("ab", a, b, overrides, **kw)

@@ -358,12 +358,13 @@ class Workbench:
         with self._lock:
             return self.backend.time(steps or self.time_steps, prompt)
 
-    def time_to_first_token(self, prompt_len: int = 4096, repeats: int = 3):
+    def time_to_first_token(self, prompt_len: int = 4096, repeats: int = 3, first: str = "prefill"):
         """Time to first token of a random prompt of `prompt_len` tokens, reported apart from decode tok/s: the
-        batched prefill (workbench.run.prefill) into the timed build's cache, then its first step; the median of
+        batched prefill (workbench.run.prefill) into the timed build's cache and its last logits' first largest,
+        or with first="kernel" the timed build's first step from the prompt's last token; the median of
         `repeats` runs and the prefill's milliseconds by stage (backends.FirstToken). None without a GPU."""
         with self._lock:
-            return self.backend.ttft(prompt_len, repeats)
+            return self.backend.ttft(prompt_len, repeats, first)
 
     def _time_into(self, rec: ReloadRecord, v):
         t0 = time.perf_counter()

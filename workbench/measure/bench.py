@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import json
 import time
 
@@ -24,6 +25,7 @@ from ..check.verify import verify
 from ..compiler.assemble import with_fields
 from ..model.config import get_config
 from ..model.weights import prepare, random_weights
+from ..run.prefill import FIRST_TOKEN
 from ..run.prefill_gpu import PRECISIONS
 from ..run.runtime import Monokernel
 from .timing import signed
@@ -68,6 +70,11 @@ TTFT_MONOKERNEL = "monokernel, prefill in"         # then the precision of its p
 TTFT_HF = "HF transformers prefill (sdpa)"
 
 
+def ttft_path(precision: str, first: str) -> str:
+    """A time to first token row's path: the products' precision, and who chose the token where not the prefill."""
+    return f"{TTFT_MONOKERNEL} {precision}" + ("" if first == "prefill" else f", first token by the {first}")
+
+
 @dataclasses.dataclass
 class TtftRow:
     path: str
@@ -87,13 +94,20 @@ def ttft_speedups(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def ttft_monokernel(mk, prompt: list[int], precision: str = "fp32", **generate_kw) -> tuple[float, object, dict]:
-    """Seconds from the prompt to the first new token: the prompt but its last token prefilled (batched, its
-    products in `precision`), then the kernel's first step from that token (one launch, its first token
-    published). `generate_kw`: generate's (e.g. timeout_s). → (seconds, the prefill's Prefilled, first_step_split
-    of the step)."""
+def ttft_monokernel(mk, prompt: list[int], precision: str = "fp32", first: str = "prefill",
+                    **generate_kw) -> tuple[float, object, dict]:
+    """Seconds from the prompt to the first new token (greedy), as `first` (prefill.FIRST_TOKEN) chooses it:
+    "prefill", the whole prompt prefilled (batched, its products in `precision`) and the first token its last
+    logits' first largest, read back; "kernel", the prompt but its last token prefilled, then the kernel's first
+    step from that token (one launch, its first token published). `generate_kw`: generate's (e.g. timeout_s). →
+    (seconds, the prefill's Prefilled, first_step_split of the kernel's step; {} where the prefill chose)."""
     import cupy as cp
+    if first not in FIRST_TOKEN:
+        raise ValueError(f"first token by {first!r}: one of {', '.join(FIRST_TOKEN)}")
     t0 = time.perf_counter()
+    if first == "prefill":
+        pre = mk.prefill(prompt, precision=precision, logits=False, token=True)     # its token read back
+        return time.perf_counter() - t0, pre, {}
     pre = mk.prefill(prompt[:-1], precision=precision, logits=False)    # the kernel's first step computes them
     res = mk.generate(prompt[-1:], 1, eos=[], pos0=len(prompt) - 1, **generate_kw)
     cp.cuda.Device().synchronize()
@@ -122,15 +136,17 @@ def first_step_split(secs: float, prefill_s: float, res) -> dict:
             "outside the call": step - mark.get("status read", nan)}
 
 
-def measure_ttft(mk, prompt: list[int], repeats: int, precision: str = "fp32",
+def measure_ttft(mk, prompt: list[int], repeats: int, precision: str = "fp32", first: str = "prefill",
                  **generate_kw) -> tuple[list, object, dict, dict]:
     """ttft_monokernel `repeats` times after one warm-up run (CuPy's kernels, cuBLAS) → (seconds of each run, the
     last run's Prefilled, the seconds by stage of one more prefill synchronised after each stage, the median run's
     first_step_split)."""
-    ttft_monokernel(mk, prompt, precision, **generate_kw)
-    runs = [ttft_monokernel(mk, prompt, precision, **generate_kw) for _ in range(max(1, repeats))]
+    ttft_monokernel(mk, prompt, precision, first, **generate_kw)
+    runs = [ttft_monokernel(mk, prompt, precision, first, **generate_kw) for _ in range(max(1, repeats))]
     stages: dict = {}
-    mk.prefill(prompt[:-1], timings=stages, precision=precision, logits=False)     # what the timed runs ran
+    by_prefill = first == "prefill"                     # what the timed runs ran: with the token stages or without
+    mk.prefill(prompt if by_prefill else prompt[:-1], timings=stages, precision=precision, logits=False,
+               token=by_prefill)
     median = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
     return [r[0] for r in runs], runs[-1][1], dict(sorted(stages.items(), key=lambda kv: -kv[1])), median[2]
 
@@ -155,9 +171,10 @@ def ttft_hf(model, prompt_ids) -> float:
 
 def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 5, positions=None,
               torch_paths: bool = True, hf: bool = True, verify_first: bool = True, seed: int = 0,
-              ttft=(), compiled: bool = True, options=(), log=print) -> dict:
+              ttft=(), compiled: bool = True, options=(), first_token=("prefill",), log=print) -> dict:
     """`options`: (field, value) pairs of the kernel's options, a BuildOptions field or a launch's (with_fields; e.g.
-    ("early", "o_proj_residual"))."""
+    ("early", "o_proj_residual")). `first_token`: the ways to the first token each `ttft` prompt is timed
+    (prefill.FIRST_TOKEN)."""
     import cupy as cp
 
     cfg = get_config(model)
@@ -212,15 +229,18 @@ def run_bench(model: str = "llama-3.2-1b", *, tokens: int = 128, repeats: int = 
     rng = np.random.default_rng(seed + 2)
     prompts = {n: rng.integers(0, cfg.vocab, n).tolist() for n in ttft}
     for n, prompt in prompts.items():
-        for precision in PRECISIONS:                  # each precision of the products, in the same run
-            secs, pre, stages, first = measure_ttft(mk, prompt, max(2, repeats // 2), precision)
-            add_ttft(f"{TTFT_MONOKERNEL} {precision}", n, secs,
-                     f"prefill {1e3 * pre.seconds:.1f} ms in {pre.chunks} chunks, then the first step "
-                     + ", ".join(f"{k} {v:.2f}" for k, v in first.items()) + " ms")
-            out.setdefault("ttft_stages", {}).setdefault(str(n), {})[precision] = {k: 1e3 * v
-                                                                                   for k, v in stages.items()}
-            out.setdefault("ttft_first_step", {}).setdefault(str(n), {})[precision] = first
-            log(f"  prefill ({precision}) of {n - 1} tokens by stage (ms, synchronised): "
+        # each precision of the products and each way to the first token, in the same run
+        for precision, by in itertools.product(PRECISIONS, first_token):
+            secs, pre, stages, first = measure_ttft(mk, prompt, max(2, repeats // 2), precision, by)
+            add_ttft(ttft_path(precision, by), n, secs,
+                     f"prefill {1e3 * pre.seconds:.1f} ms in {pre.chunks} chunks" + (
+                         ", then the first step " + ", ".join(f"{k} {v:.2f}" for k, v in first.items()) + " ms"
+                         if first else ", its last logits' first largest read back"))
+            key = precision if by == "prefill" else f"{precision}, {by}"
+            out.setdefault("ttft_stages", {}).setdefault(str(n), {})[key] = {k: 1e3 * v for k, v in stages.items()}
+            if first:
+                out.setdefault("ttft_first_step", {}).setdefault(str(n), {})[key] = first
+            log(f"  prefill ({precision}) of {pre.n} tokens by stage (ms, synchronised): "
                 + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in stages.items()))
 
     if torch_paths:
@@ -359,9 +379,10 @@ def format_ab(results: dict, positions) -> str:
 
 
 def main(model: str, tokens: int, repeats: int, json_path: str | None, no_torch: bool, no_hf: bool,
-         positions=None, ttft=(), no_compile: bool = False, options=()) -> int:
+         positions=None, ttft=(), no_compile: bool = False, options=(), first_token=("prefill",)) -> int:
     out = run_bench(model, tokens=tokens, repeats=repeats, torch_paths=not no_torch, hf=not no_hf,
-                    positions=positions, ttft=ttft, compiled=not no_compile, options=options)
+                    positions=positions, ttft=ttft, compiled=not no_compile, options=options,
+                    first_token=first_token)
     print(format_rows(out))
     if json_path:
         with open(json_path, "w") as f:

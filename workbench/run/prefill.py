@@ -7,12 +7,20 @@ one row per token) on whatever array module holds the prepared weights. Rows go 
 the activations' memory for long prompts. The keys and values land in the monokernel's cache ([L, Hkv, max_seq,
 hd], bf16 bits), so the kernel continues at the position after the prompt and never replays it.
 
-    pre = prefill(p, prompt[:-1], k_cache, v_cache)     # positions 0 .. n-2 cached
+    pre = prefill(p, prompt, k_cache, v_cache, token=True, logits=False)   # positions 0 .. n-1 cached
+    mk.generate([pre.token], max_new - 1, pos0=len(prompt))                  # pre.token is the first new token
+
+or, with a sampler that draws (FIRST_TOKEN "kernel"), the last prompt token left to the kernel, whose first step
+samples the first new token with the kernel's own sampler and its own draws:
+
+    pre = prefill(p, prompt[:-1], k_cache, v_cache, logits=False)           # positions 0 .. n-2 cached
     mk.generate(prompt[-1:], max_new, pos0=len(prompt) - 1)
 
-The last prompt token is left to the kernel: its first step samples the first new token with the kernel's own
-sampler, so a prefilled run and a replayed one choose alike. workbench.check.prefill compares the cache and the
-last logits with an unchunked fp64 run of the same math on the same weights.
+The greedy first token is the first largest of the prefill's last logits, the sampler's greedy mode
+(stage_math.greedy) on the LM head's output for that row: the decode step's own math, at the prefill's precision.
+It saves the time to first token a whole kernel step and its launch (one H100, 4k prompt: 2.49 ms of 23.9) and
+is what HF's time to first token is too (its prefill's last logits, argmax). workbench.check.prefill compares
+the cache, the last logits and that token with an unchunked fp64 run of the same math on the same weights.
 """
 from __future__ import annotations
 
@@ -25,7 +33,7 @@ import time
 import numpy as np
 
 from .. import plan, schedule
-from ..errors import GpuMemoryError
+from ..errors import GpuMemoryError, NonFiniteError
 from ..model import stage_math as S
 from ..model.weights import Prepared, to_bf16, to_f32
 from ..reference import KVCache, run_stage, view
@@ -37,6 +45,10 @@ from . import prefill_gpu as G
 # bf16 (one H100, scripts/prefill_profile.py), 32k unchanged (449 ms both).
 PREFILL_CHUNK = 4096
 
+# Who chooses the first new token after a prefill: "prefill", its last logits' first largest (greedy only: the
+# kernel's draws are keyed by its own steps); "kernel", the kernel's first step from the prompt's last token.
+FIRST_TOKEN = ("prefill", "kernel")
+
 
 @dataclasses.dataclass
 class Prefilled:
@@ -47,6 +59,7 @@ class Prefilled:
     seconds: float             # wall time of the call, the GPU synchronised
     chunks: int
     precision: str = "fp32"    # of the products (prefill_gpu.PRECISIONS)
+    token: int | None = None   # the first largest of the last logits (prefill(..., token=True)): the greedy next token
 
 
 def prefill_bytes(cfg, n_ctx: int, chunk: int, dtype=np.float32, gpu: bool = False, rows: int | None = None) -> int:
@@ -123,7 +136,7 @@ def _sync(xp):
 
 def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int = PREFILL_CHUNK,
             dtype=np.float32, tf32: bool = True, gpu: bool = True, timings: dict | None = None,
-            precision: str = "fp32", logits: bool = True) -> Prefilled:
+            precision: str = "fp32", logits: bool = True, token: bool = False) -> Prefilled:
     """Feed `tokens` at positions pos0.. through every layer, chunk by chunk, writing their keys and values into
     k_cache / v_cache (the kernel's: bf16 bits [L, Hkv, max_seq, hd], positions < pos0 already filled). Returns the
     last token's logits. On an NVIDIA GPU the prefill's own path runs (prefill_gpu) unless gpu=False; otherwise
@@ -132,9 +145,11 @@ def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int 
     weights and of writing the cache), the GPU synchronised around each, which costs a little. `precision`: of the
     prefill's own path's products (prefill_gpu.PRECISIONS); "bf16" runs on that path only. `logits=False`: the
     LM head and the sampler are not run on the last row (Prefilled.logits None), for a caller whose kernel step
-    computes the first token itself (a time to first token; a check needs them). Raises ValueError
-    for an empty prompt, tokens outside the vocabulary, positions past the cache, or a precision the path taken
-    does not have."""
+    computes the first token itself (a time to first token; a check needs them). `token=True`: the token stages
+    run and Prefilled.token is the greedy next token, read back alone (the logits stay on the GPU unless `logits`).
+    Raises ValueError for an empty prompt, tokens outside the vocabulary, positions past the cache, or a precision
+    the path taken does not have; NonFiniteError where the token is asked for and the last logits are not finite
+    (no token is chosen from NaN)."""
     # from the call: the prompt's conversion to the GPU and the checks grow with its length (at 32k, 2 ms that a
     # time to first token had put on the kernel's first step)
     t0 = time.perf_counter()
@@ -174,18 +189,36 @@ def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int 
             raise GpuMemoryError(problem)
     positions = xp.arange(pos0, end, dtype=xp.int64)
     clock = _clock(xp, timings)
+    last_row = logits or token
     if gpu:
         G.check_tokens(tokens, cfg.vocab)
         out = _prefill_gpu(p, tokens, positions, k_cache, v_cache, chunk, clock, G.PRECISIONS[precision], pos0,
-                           logits)
+                           last_row)
     else:
         with _tf32(xp, tf32 and np.dtype(dtype) == np.float32):
-            out = _prefill_interpreted(p, tokens, positions, k_cache, v_cache, chunk, dtype, clock, logits)
+            out = _prefill_interpreted(p, tokens, positions, k_cache, v_cache, chunk, dtype, clock, last_row)
+    chosen = _first_token(xp, out) if token else None        # the read back waits for the whole prefill
     _sync(xp)
     seconds = time.perf_counter() - t0
-    if out is not None:
-        out = (out.get() if hasattr(out, "get") else np.asarray(out)).astype(np.float32)
-    return Prefilled(n, pos0, out, seconds, len(range(0, n, chunk)), precision)
+    host = None
+    if logits:
+        lg = out["logits"][0]
+        host = (lg.get() if hasattr(lg, "get") else np.asarray(lg)).astype(np.float32)
+    return Prefilled(n, pos0, host, seconds, len(range(0, n, chunk)), precision, chosen)
+
+
+def _first_token(xp, last: dict) -> int:
+    """The plan's sampler stage's choice for the last row (its reference: the greedy first largest), read back
+    with the logits' finiteness in one copy; NonFiniteError if any logit is NaN or infinite, as the kernel's
+    sampler stops on one."""
+    logits = last["logits"][0]
+    both = xp.stack([xp.asarray(last["sampled"]).reshape(-1)[0].astype(xp.int64),
+                     xp.isfinite(logits).all().astype(xp.int64)])
+    tok, finite = (int(v) for v in (both.get() if hasattr(both, "get") else both))
+    if not finite:
+        raise NonFiniteError("the prefill's last logits are not finite (NaN or inf): no first token is chosen "
+                                 "from them; check_prefill names the layer whose cache went wrong")
+    return tok
 
 
 def _clock(xp, timings):
@@ -202,25 +235,25 @@ def _clock(xp, timings):
     return clock
 
 
-def _layers(cfg, xp, n: int, chunk: int, run, clock, before_layer=None, logits: bool = True):
+def _layers(cfg, xp, n: int, chunk: int, run, clock, before_layer=None, last_row: bool = True):
     """The plan's stages layer by layer over every chunk of rows, so each layer's weights are read (or converted)
     once; within a layer the chunks go in order, so each chunk's attention finds every earlier chunk's keys and
     values of that layer cached. run(name, layer, state, a, b) runs one stage on rows a..b−1, updating state;
     only the residual outlives its chunk. After the layers, the token stages run on the last row alone. Returns
-    the last row's logits; with logits=False the token stages do not run and None is returned (the kernel's first
-    step computes the first token from the last row again)."""
+    the last row's state (its logits, the sampler's choice); with last_row=False the token stages do not run and
+    None is returned (the kernel's first step computes the first token from the last row again)."""
     bounds = [(a, min(n, a + chunk)) for a in range(0, n, chunk)]
     state: dict = {}
     for layer, stages in itertools.groupby(schedule.execution(cfg), key=lambda e: e[1]):
         names = [name for name, _ in stages if plan.stage(name).reference is not None]
         if layer < 0 and "x" in state:                  # after the layers: the LM head on the last row only
-            if not logits:
+            if not last_row:
                 return None
             last = {"x": state["x"][n - 1:]}
             for name in names:
                 with clock(name):
                     run(name, layer, last, n - 1, n)
-            return last["logits"][0]
+            return last
         if layer >= 0 and before_layer is not None:
             before_layer(layer)
         x_next = None
@@ -247,7 +280,7 @@ def _same(a, b) -> bool:
 
 
 def _prefill_gpu(p: Prepared, tokens, positions, k_cache, v_cache, chunk: int, clock, halves: int, pos0: int,
-                 logits: bool = True):
+                 last_row: bool = True):
     """The prefill's own path (prefill_gpu): each stage's implementation found through its math; a token stage
     without one (the sampler) runs its reference's math on the last row's logits."""
     layer_kernels = G.module(G.layer_source())
@@ -271,11 +304,11 @@ def _prefill_gpu(p: Prepared, tokens, positions, k_cache, v_cache, chunk: int, c
         if undeclared:                            # the plan says what a stage writes, on this path too
             raise RuntimeError(f"the prefill's {name} wrote {sorted(undeclared)}, which the plan's {name} does not")
         st.update(out)
-    return _layers(p.cfg, p.xp, int(tokens.size), chunk, run, clock, logits=logits)
+    return _layers(p.cfg, p.xp, int(tokens.size), chunk, run, clock, last_row=last_row)
 
 
 def _prefill_interpreted(p: Prepared, tokens, positions, k_cache, v_cache, chunk: int, dtype, clock,
-                         logits: bool = True):
+                         last_row: bool = True):
     """The plan's own stage math (run_stage) on a weight view in `dtype`, over its own cache of the context in
     `dtype` (bf16 values, as the kernel's are: run_stage rounds what it stores), written into the kernel's cache
     at the end."""
@@ -294,7 +327,7 @@ def _prefill_interpreted(p: Prepared, tokens, positions, k_cache, v_cache, chunk
 
     def run(name, layer, st, a, b):
         run_stage(w, name, layer, st, work, positions[a:b], tokens[a:b], True)
-    out = _layers(cfg, xp, int(tokens.size), chunk, run, clock, before_layer=convert, logits=logits)
+    out = _layers(cfg, xp, int(tokens.size), chunk, run, clock, before_layer=convert, last_row=last_row)
     with clock("(cache to bf16)"):
         for layer in range(cfg.n_layers):        # a layer at a time: the conversion's temporaries stay small
             k_cache[layer, :, pos0:end] = to_bf16(work.k[layer, :, pos0:end], xp)
