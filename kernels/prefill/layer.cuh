@@ -82,10 +82,14 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_silu_mul_split(
     }
 }
 
-// The q/k/v products' epilogue, one warp a head of one row: the bias (Qwen2), each head's RMSNorm with its gain
-// (Qwen3), RoPE on q and k; q out in HF order for attention, k and v rounded to bf16 into the kernel's cache at
-// the row's position. y's rows are wqkv's (workbench.model.weights.qkv_row_order): q heads, k heads, v heads, and
-// in q's and k's each rotate-half pair (i, i + hd/2) side by side, so a lane takes whole pairs.
+// The q/k/v products' epilogue, one block a row and one warp a head, each warp taking every (warps)-th head of the
+// row: the bias (Qwen2), each head's RMSNorm with its gain (Qwen3), RoPE on q and k; q out in HF order for
+// attention, k and v rounded to bf16 into the kernel's cache at the row's position. y's rows are wqkv's
+// (workbench.model.weights.qkv_row_order): q heads, k heads, v heads, and in q's and k's each rotate-half pair
+// (i, i + hd/2) side by side, so a lane takes whole pairs. A block a (row, eight heads) was 24,576 blocks of one
+// head's work each for a 4k prompt of the 1B, and ran at 35% of its bytes' time (one H100, NOTES.md round 26):
+// the blocks' own start and end, not the bytes, were its time. A head is the same lanes' work either way, so the
+// results are the same bits.
 extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_qkv_rope(
     const float* __restrict__ y,         // [n, qkv_rows]
     const float* __restrict__ bias,      // [qkv_rows] in y's order (zeros without biases)
@@ -98,38 +102,39 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_qkv_rope(
     bf16* __restrict__ vc,
     int n, int head_dim, int n_heads, int n_kv, int max_seq, float eps, int qk_norm)
 {
-    const int row = blockIdx.x, slot = blockIdx.y * (WB_THREADS / WB_WARP) + threadIdx.x / WB_WARP;
-    const int lane = threadIdx.x % WB_WARP, half = head_dim / 2;
-    if (row >= n || slot >= n_heads + 2 * n_kv) return;              // whole warps leave: no block barrier follows
-    const long long rows = (long long)(n_heads + 2 * n_kv) * head_dim, p = pos[row];
-    const float* yr = y + row * rows + (long long)slot * head_dim;
-    const float* br = bias + (long long)slot * head_dim;
-    if (slot >= n_heads + n_kv) {                                    // a value head: as it is
-        bf16* dst = vc + ((long long)(slot - n_heads - n_kv) * max_seq + p) * head_dim;
-        for (int d = lane; d < head_dim; d += WB_WARP) dst[d] = f32_to_bf16(yr[d] + br[d]);
-        return;
-    }
-    const bool is_q = slot < n_heads;
-    float ss = 0.f;
-    for (int i = lane; i < half; i += WB_WARP) {
-        const float a = yr[2 * i] + br[2 * i], b = yr[2 * i + 1] + br[2 * i + 1];
-        ss += a * a + b * b;
-    }
-    const float r = qk_norm ? 1.f / sqrtf(pf_warp_sum(ss) / (float)head_dim + eps) : 1.f;
-    const float* gain = qk_gain + (is_q ? 0 : head_dim);
-    for (int i = lane; i < half; i += WB_WARP) {
-        float a = yr[2 * i] + br[2 * i], b = yr[2 * i + 1] + br[2 * i + 1];      // dims i and i + half
-        if (qk_norm) { a = a * r * gain[i]; b = b * r * gain[i + half]; }
-        const float c = cos_t[p * half + i], s = sin_t[p * half + i];
-        const float ra = a * c - b * s, rb = b * c + a * s;
-        if (is_q) {
-            float* dst = q + row * (long long)n_heads * head_dim + (long long)slot * head_dim;
-            dst[i] = ra;
-            dst[i + half] = rb;
-        } else {
-            bf16* dst = kc + ((long long)(slot - n_heads) * max_seq + p) * head_dim;
-            dst[i] = f32_to_bf16(ra);
-            dst[i + half] = f32_to_bf16(rb);
+    const int row = blockIdx.x, lane = threadIdx.x % WB_WARP, half = head_dim / 2, slots = n_heads + 2 * n_kv;
+    if (row >= n) return;                                            // no block barrier follows
+    const long long rows = (long long)slots * head_dim, p = pos[row];
+    for (int slot = threadIdx.x / WB_WARP; slot < slots; slot += WB_THREADS / WB_WARP) {
+        const float* yr = y + row * rows + (long long)slot * head_dim;
+        const float* br = bias + (long long)slot * head_dim;
+        if (slot >= n_heads + n_kv) {                                // a value head: as it is
+            bf16* dst = vc + ((long long)(slot - n_heads - n_kv) * max_seq + p) * head_dim;
+            for (int d = lane; d < head_dim; d += WB_WARP) dst[d] = f32_to_bf16(yr[d] + br[d]);
+            continue;
+        }
+        const bool is_q = slot < n_heads;
+        float ss = 0.f;
+        for (int i = lane; i < half; i += WB_WARP) {
+            const float a = yr[2 * i] + br[2 * i], b = yr[2 * i + 1] + br[2 * i + 1];
+            ss += a * a + b * b;
+        }
+        const float r = qk_norm ? 1.f / sqrtf(pf_warp_sum(ss) / (float)head_dim + eps) : 1.f;
+        const float* gain = qk_gain + (is_q ? 0 : head_dim);
+        for (int i = lane; i < half; i += WB_WARP) {
+            float a = yr[2 * i] + br[2 * i], b = yr[2 * i + 1] + br[2 * i + 1];      // dims i and i + half
+            if (qk_norm) { a = a * r * gain[i]; b = b * r * gain[i + half]; }
+            const float c = cos_t[p * half + i], s = sin_t[p * half + i];
+            const float ra = a * c - b * s, rb = b * c + a * s;
+            if (is_q) {
+                float* dst = q + row * (long long)n_heads * head_dim + (long long)slot * head_dim;
+                dst[i] = ra;
+                dst[i + half] = rb;
+            } else {
+                bf16* dst = kc + ((long long)(slot - n_heads) * max_seq + p) * head_dim;
+                dst[i] = f32_to_bf16(ra);
+                dst[i + half] = f32_to_bf16(rb);
+            }
         }
     }
 }

@@ -613,11 +613,9 @@ def qkv_rope_append(io: PrefillIO, st: dict) -> dict:
     y = project(norm_split(io, st["x"]), io.p.wqkv[io.layer])
     rows = y.shape[0]
     q = cp.empty((rows, c.q_dim), dtype=cp.float32)
-    heads = c.n_heads + 2 * c.n_kv_heads
-    warps = LAYER_THREADS // 32                                     # one a head; the path is NVIDIA's (32 lanes)
     if rows:
-        io.fn("prefill_qkv_rope")(
-            (rows, (heads + warps - 1) // warps), (LAYER_THREADS,),
+        io.fn("prefill_qkv_rope")(                                   # a block a row, a warp a head at a time
+            (rows,), (LAYER_THREADS,),
             (y, _row(io.p.bqkv if c.qkv_bias else None, io.layer, (c.qkv_rows,), 0.0),
              _row(io.p.qk_gain if c.qk_norm else None, io.layer, (2, c.head_dim), 1.0),
              cp.ascontiguousarray(io.p.rope_cos), cp.ascontiguousarray(io.p.rope_sin), io.positions, q,
