@@ -441,7 +441,8 @@ def test_the_wgmma_attention_builds_for_sm90a_without_a_spill():
     for bad in (dict(warpgroups=3), dict(warpgroups=1, frags=2), dict(warpgroups=1, keys=24), dict(keys=64),
                 dict(warpgroups=1, heads=True), dict(warpgroups=2, stages=5), dict(overlap=True),
                 dict(warpgroups=2, stages=2, overlap=True), dict(tma=True),
-                dict(warpgroups=2, producer=True)):
+                dict(warpgroups=2, producer=True), dict(warpgroups=2, tma=True, producer=True, keys=128),
+                dict(warpgroups=1, tma=True, producer=True, min_blocks=3)):
         with pytest.raises(ValueError):
             FlashLayout(**bad)
 
@@ -473,6 +474,14 @@ def test_a_workspace_filled_before_these_prefill_kernels_builds_the_prefill_from
     common.write_text(common.read_text() + "\n// this workspace's own\n")
     with paths.use_kernels_dir(mine):
         assert "// this workspace's own" in flash_source(64)
+    # one filled after the warpgroup products but before the accelerator's copies: its attention_wgmma.cuh would
+    # ignore a tma layout's maps and run cp.async under the tma layout's name, so the shipped kernels are used
+    between = tmp_path / "between"
+    shutil.copytree(mine, between)
+    port = between / "portability.cuh"
+    port.write_text(port.read_text().replace("wb_tma_load_3d", "wb_old_tma"))
+    with paths.use_kernels_dir(between):
+        assert "// this workspace's own" not in flash_source(64) and "wb_old_tma" not in flash_source(64)
 
 
 def test_the_softmax_exps_without_their_denormal_steps_keep_every_ex2():

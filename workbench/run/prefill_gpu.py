@@ -39,15 +39,21 @@ PREFILL_FILES = ("prefill/layer.cuh", "prefill/attention_common.cuh", "prefill/a
                  "prefill/attention_wgmma.cuh")
 
 
+# what the prefill's kernels take from the portability layer that older workspaces' copies lack: without the tensor
+# map's copy, a tma layout's launch would run an older kernel that ignores the maps, under the tma layout's name
+PORTABILITY_NEEDS = ("wb_wgmma_desc", "wb_wgmma_desc_sw128", "wb_tma_load_3d", "wb_setmaxnreg_inc")
+
+
 def _kernels_dir():
     """The kernels in use, or the shipped ones for a workspace filled before this version's prefill kernels: a
     workspace is filled once and never updated, so one without a file the prefill reads, or whose portability
-    layer has no warpgroup products (wb_wgmma_desc), would fail to build the prefill; it takes the shipped kernels
-    whole, portability layer included, for the prefill alone (the monokernel's sections stay the workspace's)."""
+    layer lacks what they use (PORTABILITY_NEEDS), would fail to build the prefill or build an older one; it takes
+    the shipped kernels whole, portability layer included, for the prefill alone (the monokernel's sections stay
+    the workspace's)."""
     k = paths.kernels_dir()
     port = k / "portability.cuh"
     complete = (all((k / f).is_file() for f in PREFILL_FILES) and port.is_file()
-                and "wb_wgmma_desc" in port.read_text())
+                and all(name in port.read_text() for name in PORTABILITY_NEEDS))
     return k if complete else paths.template_dir()
 
 
@@ -105,6 +111,11 @@ class FlashLayout:
             raise ValueError("tma: the wgmma kernel's tile copies (warpgroups)")
         if self.producer and not self.tma:
             raise ValueError("producer: a warpgroup that issues the accelerator's copies (tma)")
+        if self.producer and (self.tile_keys != 64 or self.min_blocks > 2):
+            # what the producer gives back leaves a consumer too few registers for more (ptxas: C7602 at 128 keys
+            # and two blocks an SM, 80 registers a thread; at three blocks, 56)
+            raise ValueError(f"producer: 64 keys a tile and at most 2 blocks an SM (keys={self.keys}, "
+                             f"min_blocks={self.min_blocks}): the consumers' registers hold no more")
         if self.overlap and not (self.warpgroups and self.tile_stages >= 3):
             raise ValueError("overlap: the wgmma kernel (warpgroups) with 3 stages or more (a tile's stage is read "
                              "until the next tile's P·V lands)")
