@@ -282,9 +282,15 @@ FINE = BuildOptions(launch=Launch(stream=True, stream_attn_warps=4, slot_bytes=2
                     defines=(("WB_STREAM_INFLIGHT", "1"),))
 
 
+# the stage lead (stream.cuh, WB_STREAM_LEAD): a stream's pages wait for the consumers' entry into the stage before
+# its own, on 16 consumer warps as the stream build measured best (round 32)
+LEAD = BuildOptions(launch=Launch(stream=True, threads=576), defines=(("WB_DOWN_LOADS", "8"), ("WB_STREAM_LEAD", "1")))
+
+
 @pytest.mark.parametrize("name,opt", [("tiny", STREAM), ("llama-3.2-1b", STREAM),
                                       ("tiny", METERED), ("llama-3.2-1b", METERED),
-                                      ("tiny", FINE), ("llama-3.2-1b", FINE)])
+                                      ("tiny", FINE), ("llama-3.2-1b", FINE),
+                                      ("tiny", LEAD), ("llama-3.2-1b", LEAD)])
 def test_the_stream_build_verifies_stage_by_stage(name, opt):
     import cupy as cp
 

@@ -121,6 +121,32 @@ def test_register_stages_of_a_stream_build_are_left_out_of_the_stream():
         with_fields(stream_register="o_proj_residual")
 
 
+def test_the_stage_lead_meter_counts_the_stages_every_block_enters():
+    """WB_STREAM_LEAD: a stream's pages wait for the consumers' entry into the stage that many before its own,
+    counted over the stages every block enters (header.grid_entries: block 0's embedding, sampler and publish are
+    not among them). Each stream's call names its stage's entry in the step, from the same list, and the build
+    compiles without spills on the 1B; without the meter the counter is not compiled in."""
+    from workbench.compiler.header import grid_entries
+    cfg = get_config("llama-3.2-1b")
+    entries = grid_entries(cfg)
+    assert entries[0] == ("qkv_rope_append", 0) and entries[-1] == ("lm_head", -1)
+    assert len(entries) == 5 * cfg.n_layers + 1 and ("embedding", -1) not in entries
+    asm = assemble(cfg, with_fields(STREAM, defines=(("WB_STREAM_LEAD", "1"),)))
+    assert f"WB_GRID_ENTRIES_A_STEP = {len(entries)};" in asm.source
+    step = asm.source.split("bool wb_stream_step(")[-1]
+    per_layer = 5
+    for x in schedule.streams(cfg, STREAM.launch):
+        want = (f"{entries.index((x.stage, 0))} + layer * {per_layer}))" if x.scope == "layer"
+                else f"{entries.index((x.stage, -1))}))")
+        line = next(ln for ln in step.splitlines() if f"ST_{x.stage.upper()}," in ln)
+        assert want in line, (x.stage, line)
+    (r,) = resource_usage(compile_cubin(asm)[0])
+    assert r.stack == 0 and r.registers <= 128, r
+    plain_stream = assemble(cfg, STREAM)
+    assert "wb_grid_entered" in plain_stream.source               # the library's text, but compiled out:
+    assert compile_cubin(plain_stream)[0] != compile_cubin(asm)[0]
+
+
 def test_the_plain_build_has_no_stream():
     asm = assemble(get_config("tiny"))
     assert "#define WB_STREAM 0" in asm.source

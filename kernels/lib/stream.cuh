@@ -55,6 +55,12 @@ __shared__ u32 wb_tag[WB_RING_SLOTS];
 __shared__ const bf16* wb_src[WB_RING_SLOTS];
 __shared__ u32 wb_rounds;                          // pages the consumers have taken, over the whole launch
 __shared__ u32 wb_streams_entered;                 // streams the consumers have begun, over the launch (WB_STREAM_AHEAD)
+#ifndef WB_STREAM_LEAD
+#define WB_STREAM_LEAD 0                           // a meter on the streamer (below, with the others)
+#endif
+#if WB_STREAM_LEAD
+__shared__ u32 wb_grid_entered;                    // stages every block enters that the consumers have entered
+#endif
 __shared__ int wb_stream_stop;                     // the consumers have left: the streamer stops
 __shared__ const Params* wb_params;                // for the slow paths of the consumer side (sections have no P)
 
@@ -79,6 +85,9 @@ __device__ __forceinline__ void wb_stream_init(const Params* __restrict__ P) {
         }
         wb_rounds = 0;
         wb_streams_entered = 0;
+#if WB_STREAM_LEAD
+        wb_grid_entered = 0;
+#endif
         wb_stream_stop = 0;
         wb_params = P;
         wb_mbar_init_fence();
@@ -97,22 +106,29 @@ __device__ __forceinline__ void wb_stream_finish() {
 // loads, wait behind that queue; the register path keeps 64 KB per SM in flight.
 // WB_STREAM_AHEAD: a stream's pages wait until the consumers have entered the stream this many before it, so that
 // the ring holds the next stage's rows and not the one after (o_proj's pages, not gate_up's, during attention).
+// WB_STREAM_LEAD: a stream's pages wait until the consumers have entered the stage this many before its own, of the
+// stages every block enters, streamed or not: 1 issues o_proj's rows as attention begins, as the register path's
+// early loads go out at attention's barrier, where WB_STREAM_AHEAD 1 lets them out during qkv (a stream's stage
+// counts attention, which streams nothing). On an H100 the stream build's qkv slot ran 71 µs a token past the
+// register path's with the next stages' pages in flight at its barrier (NOTES.md, rounds 32 and 35).
 #ifndef WB_STREAM_INFLIGHT
 #define WB_STREAM_INFLIGHT 0
 #endif
 #ifndef WB_STREAM_AHEAD
 #define WB_STREAM_AHEAD 0
 #endif
-static_assert(WB_STREAM_INFLIGHT >= 0 && WB_STREAM_INFLIGHT <= WB_RING_SLOTS && WB_STREAM_AHEAD >= 0,
-              "the meters count pages and streams");
+static_assert(WB_STREAM_INFLIGHT >= 0 && WB_STREAM_INFLIGHT <= WB_RING_SLOTS && WB_STREAM_AHEAD >= 0 &&
+              WB_STREAM_LEAD >= 0, "the meters count pages, streams and stages");
 // The streamer is one thread: one bulk copy per page is few enough instructions that issuing never holds it up.
 struct WbStreamer {
     u32 issued;                                    // pages so far (the consumers' wb_rounds, ahead)
     u32 streams;                                   // streams begun so far
+    u32 entries;                                   // the grid entries of the steps streamed before this one
 
-    // Copy this block's items of a stream, n_units units of NR rows of K from W, a page per round.
+    // Copy this block's items of a stream, n_units units of NR rows of K from W, a page per round; its stage is
+    // the step's grid entry `entry` (0 the first: generated, header.grid_entries).
     template <int K, int NR>
-    __device__ __forceinline__ bool stream(int stage, int layer, const bf16* __restrict__ W, int n_units) {
+    __device__ __forceinline__ bool stream(int stage, int layer, const bf16* __restrict__ W, int n_units, int entry) {
         using B = WbBlockItems<K, NR>;
         constexpr int PIECE = B::PIECE;
         static_assert(PIECE * 2 <= WB_SLOT_BYTES && PIECE % 8 == 0, "an item fits a slot in whole 16-byte units");
@@ -123,6 +139,13 @@ struct WbStreamer {
         if (WB_STREAM_AHEAD > 0 && stream_no >= WB_STREAM_AHEAD)
             while (((volatile u32*)&wb_streams_entered)[0] < stream_no - WB_STREAM_AHEAD + 1)
                 if (wb_stream_stopped()) return true;
+#if WB_STREAM_LEAD
+        // the consumers enter this stage as their (entries + entry + 1)-th: wait for the entry WB_STREAM_LEAD before
+        const u32 own = entries + (u32)entry + 1;
+        if (own > WB_STREAM_LEAD)
+            while (((volatile u32*)&wb_grid_entered)[0] < own - WB_STREAM_LEAD)
+                if (wb_stream_stopped()) return true;
+#endif
         for (int i0 = 0; i0 < n_items; i0 += WB_CONSUMER_WARPS, ++issued) {
             const int slot = issued % WB_RING_SLOTS;
             // a fresh mbarrier counts its phase "−1" as complete: the first pass over the pages needs no release
@@ -152,8 +175,9 @@ __device__ bool wb_stream_step(const Params* P, WbStreamer& st);   // generated 
 // must not exit with the copy engine still writing its shared memory).
 __device__ __noinline__ void wb_stream_run(const Params* __restrict__ P) {
     if (wb_lane() != 0) return;
-    WbStreamer st{0, 0};
-    while (!wb_stream_step(P, st) && !wb_stream_stopped()) {}   // a step with nothing to stream returns at once
+    WbStreamer st{0, 0, 0};
+    while (!wb_stream_step(P, st) && !wb_stream_stopped())    // a step with nothing to stream returns at once
+        st.entries += WB_GRID_ENTRIES_A_STEP;
     const u64 t0 = wb_globaltimer_ns();
     for (u32 j = st.issued > WB_RING_SLOTS ? st.issued - WB_RING_SLOTS : 0; j < st.issued; ++j) {
         while (!wb_mbar_done(&wb_full[j % WB_RING_SLOTS], (j / WB_RING_SLOTS) & 1))
@@ -225,3 +249,10 @@ __device__ __forceinline__ void wb_ring_release(u32 round) {
     if (wb_lane() == 0) wb_mbar_arrive(&wb_empty[round % WB_RING_SLOTS]);
 }
 #endif
+
+// At a stage every block enters (instrument.cuh's WB_GRID): with WB_STREAM_LEAD, one more the consumers entered.
+__device__ __forceinline__ void wb_count_grid_entry() {
+#if WB_STREAMING && WB_STREAM_LEAD
+    if (wb_tid() == 0) ((volatile u32*)&wb_grid_entered)[0] = wb_grid_entered + 1;
+#endif
+}

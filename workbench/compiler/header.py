@@ -154,7 +154,15 @@ def stream_constants(cfg: ModelConfig, launch: plan.Launch) -> list[str]:
         f"{_stage_mask(x.stage for x in schedule.streams(cfg, launch)) if on else 0}ull;",
         f"constexpr bool WB_STREAM_REGISTER_STAGES = {str(bool(on and launch.register_stages)).lower()};"
         "   // any: only then is the register path compiled into the stream build's stages",
+        f"constexpr u32 WB_GRID_ENTRIES_A_STEP = {len(grid_entries(cfg))};"
+        "   // the stages of a step every block enters (WB_STREAM_LEAD counts them)",
     ]
+
+
+def grid_entries(cfg) -> list[tuple[str, int]]:
+    """(stage, layer) of the step's stages every block enters (WB_GRID), in order: what the consumers' entry count
+    of a stream build counts (stream.cuh, WB_STREAM_LEAD); block 0's own stages are not among them."""
+    return [(name, layer) for name, layer in schedule.execution(cfg) if plan.stage(name).runs_on == "grid"]
 
 
 def _stage_mask(names) -> str:
@@ -171,11 +179,20 @@ def stream_step(cfg: ModelConfig, launch: plan.Launch) -> str:
     layer = [x for x in st if x.scope == "layer"]
     after = [x for x in st if x.scope == "token" and plan.STAGE_NAMES.index(x.stage) > first]
 
+    entries = grid_entries(cfg)
+    per_layer = sum(1 for _, l in entries if l == 0)
+
+    def entry(x: schedule.Stream) -> str:
+        """Where the stream's stage is among the step's grid entries (a layer's: from its layer's first)."""
+        if x.scope == "layer":
+            return f"{entries.index((x.stage, 0))} + layer * {per_layer}"
+        return str(entries.index((x.stage, -1)))
+
     def call(x: schedule.Stream, indent: str) -> str:
         b = plan.BUFFERS[x.buffer]
         src = f"P->{x.buffer} + layer * WB_PER_LAYER_{_upper(x.buffer)}" if b.per_layer else f"P->{x.buffer}"
         lay = "layer" if x.scope == "layer" else "-1"
-        return (f"{indent}if (st.stream<{x.k}, {x.rows}>(ST_{_upper(x.stage)}, {lay}, {src}, {x.units})) "
+        return (f"{indent}if (st.stream<{x.k}, {x.rows}>(ST_{_upper(x.stage)}, {lay}, {src}, {x.units}, {entry(x)})) "
                 f"return true;   // {x.units:,} units of {x.rows} row(s) of {x.k}, {x.pieces} piece(s) a row")
 
     out = ["// ---- the weight stream of one step, generated from workbench/plan.py (schedule.streams) ----",
