@@ -45,7 +45,7 @@ from .nbclean import main as nbclean_main
 from .model.config import DEFAULT_MODEL, PRESETS, ModelConfig, get_config, local_folder
 from .paths import ROOT, write_problem
 from .plan import Launch
-from .run.prefill import FIRST_TOKEN, PREFILL_CHUNK
+from .run.prefill import FIRST_TOKEN, PREFILL_CHUNK, prefill_part
 from .run.prefill_gpu import PRECISIONS
 from .run.runtime import WORKER_CONTEXT, KernelError, Monokernel, RegisteredMapped, Sampling
 from .run.worker import Worker, WorkerFailure, phase_setter
@@ -627,7 +627,7 @@ def cmd_generate(args) -> int:
     prefilled = args.prefill and len(ids) > 1
     # the first new token chosen by the prefill (greedy: its last logits' first largest) or by the kernel's first step
     by_prefill = prefilled and args.first_token == "prefill"
-    prefix = ids if by_prefill else ids[:-1]               # what the prefill takes
+    prefix = prefill_part(ids, args.first_token)           # what the prefill takes
     fed = ids[-1:] if prefilled else ids                    # what the kernel itself feeds, from pos0 (by_prefill: the
     #                                                         first token, known only after the prefill)
     wanted = args.tokens - by_prefill                       # tokens the kernel generates

@@ -11,9 +11,9 @@ import numpy as np
 
 from ..model.weights import Prepared, to_f32
 from ..reference import KVCache, forward
-from ..run.prefill import FIRST_TOKEN, Prefilled
+from ..run.prefill import Prefilled, prefill_part
 from ..run.runtime import Monokernel, Result, Sampling
-from .verify import DEFAULT_RTOL, VerifyReport, end_to_end, recorded_steps
+from .verify import DEFAULT_RTOL, VerifyReport, decisive_first_largest, end_to_end, recorded_steps
 
 
 # The bound of each precision of the prefill's products (run.prefill_gpu.PRECISIONS argues both): fp32's is the
@@ -80,14 +80,10 @@ def check_prefill(p: Prepared, tokens, pre: Prefilled, k_cache, v_cache, rtol: f
     v_rel = [rel(v[l], ref.v[l]) if finite else math.inf for l in range(cfg.n_layers)]
     want = want.get() if hasattr(want, "get") else np.asarray(want)
     logits_rel = rel(np.asarray(pre.logits), want, np) if finite else math.inf
-    best, token_ok = int(np.argmax(want)), None
-    if pre.token is not None:
-        # the token the prefill chose, judged as end_to_end judges a greedy step: against fp64's first largest
-        # wherever fp64's top two are further apart than the tolerance lets the logits move
-        top2 = np.sort(want.astype(np.float64))[-2:]
-        if top2[1] - top2[0] > 2 * rtol * float(np.abs(want).max()):
-            token_ok = pre.token == best
-    return PrefillCheck(k_rel, v_rel, logits_rel, finite, rtol, pre.token, best, token_ok)
+    # the token the prefill chose, judged as end_to_end judges a greedy step (None at a near tie)
+    decisive = decisive_first_largest(want, rtol)[0] if pre.token is not None else None
+    token_ok = None if decisive is None else pre.token == decisive
+    return PrefillCheck(k_rel, v_rel, logits_rel, finite, rtol, pre.token, int(np.argmax(want)), token_ok)
 
 
 def verify_after_prefill(mk: Monokernel, *, prompt_len: int, max_new: int = 16, seed: int = 0,
@@ -101,13 +97,10 @@ def verify_after_prefill(mk: Monokernel, *, prompt_len: int, max_new: int = 16, 
     the cache the prefill wrote, so its tolerance is the precision's bound unless `rtol` is given."""
     if prompt_len < 2:
         raise ValueError("a prefill needs a prompt of at least 2 tokens (the last may be the kernel's)")
-    if first not in FIRST_TOKEN:
-        raise ValueError(f"first token by {first!r}: one of {', '.join(FIRST_TOKEN)}")
     rtol = PREFILL_RTOL[precision] if rtol is None else rtol
     cfg = mk.cfg
     prompt = np.random.default_rng(seed).integers(0, cfg.vocab, prompt_len).tolist()
-    by_prefill = first == "prefill"
-    prefix = prompt if by_prefill else prompt[:-1]
+    prefix, by_prefill = prefill_part(prompt, first), first == "prefill"
     pre = mk.prefill(prefix, chunk=chunk, precision=precision, token=by_prefill)
     pc = check_prefill(mk.p, prefix, pre, mk.k_cache, mk.v_cache)
     record = recorded_steps(max_new, mk.max_record)

@@ -225,6 +225,16 @@ def recorded_steps(n_steps: int, budget: int) -> list[int]:
     return sorted(set(head + mid + tail))
 
 
+def decisive_first_largest(ref, rtol: float) -> tuple[int | None, float]:
+    """(the reference logits' first largest where a greedy choice can be judged by it, None at a near tie; the gap
+    of its top two): judged where the top two are further apart than twice the tolerance of the largest logit
+    (logits within the tolerance could order them either way)."""
+    r = np.asarray(ref, np.float64)
+    top2 = np.sort(r)[-2:]
+    margin = float(top2[1] - top2[0])
+    return (int(np.argmax(r)) if margin > 2 * rtol * float(np.abs(r).max()) else None), margin
+
+
 def end_to_end(p: Prepared, res: Result, prompt_len: int, rtol: float = DEFAULT_RTOL,
                context: tuple | list = ()) -> list[StepCheck]:
     """Compare a run's recorded logits with the reference's, teacher-forced from 0: over the run's own tokens, or,
@@ -240,12 +250,11 @@ def end_to_end(p: Prepared, res: Result, prompt_len: int, rtol: float = DEFAULT_
         finite = bool(np.isfinite(k).all())
         diff = np.abs(k - r)
         rel = float(np.linalg.norm(k - r) / np.linalg.norm(r)) if finite else math.inf
-        top2 = np.sort(r)[-2:]
-        margin = float(top2[1] - top2[0])
+        want, margin = decisive_first_largest(r, rtol)
         token_ok = None
         g = step - (prompt_len - 1)                     # the token this step chose; none at a step that stopped
-        if 0 <= g < len(res.tokens) and margin > 2 * rtol * float(np.abs(r).max()):
-            token_ok = res.tokens[g] == int(np.argmax(r))
+        if 0 <= g < len(res.tokens) and want is not None:
+            token_ok = res.tokens[g] == want
         checks.append(StepCheck(step, res.pos0 + step, rel, float(diff.max()) if finite else math.inf, finite,
                                 token_ok, margin))
     return checks

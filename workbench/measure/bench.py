@@ -25,7 +25,7 @@ from ..check.verify import verify
 from ..compiler.assemble import with_fields
 from ..model.config import get_config
 from ..model.weights import prepare, random_weights
-from ..run.prefill import FIRST_TOKEN
+from ..run.prefill import prefill_part
 from ..run.prefill_gpu import PRECISIONS
 from ..run.runtime import Monokernel
 from .timing import signed
@@ -102,13 +102,12 @@ def ttft_monokernel(mk, prompt: list[int], precision: str = "fp32", first: str =
     step from that token (one launch, its first token published). `generate_kw`: generate's (e.g. timeout_s). →
     (seconds, the prefill's Prefilled, first_step_split of the kernel's step; {} where the prefill chose)."""
     import cupy as cp
-    if first not in FIRST_TOKEN:
-        raise ValueError(f"first token by {first!r}: one of {', '.join(FIRST_TOKEN)}")
+    part = prefill_part(prompt, first)
     t0 = time.perf_counter()
     if first == "prefill":
-        pre = mk.prefill(prompt, precision=precision, logits=False, token=True)     # its token read back
+        pre = mk.prefill(part, precision=precision, logits=False, token=True)       # its token read back
         return time.perf_counter() - t0, pre, {}
-    pre = mk.prefill(prompt[:-1], precision=precision, logits=False)    # the kernel's first step computes them
+    pre = mk.prefill(part, precision=precision, logits=False)           # the kernel's first step computes them
     res = mk.generate(prompt[-1:], 1, eos=[], pos0=len(prompt) - 1, **generate_kw)
     cp.cuda.Device().synchronize()
     secs = time.perf_counter() - t0
@@ -144,9 +143,9 @@ def measure_ttft(mk, prompt: list[int], repeats: int, precision: str = "fp32", f
     ttft_monokernel(mk, prompt, precision, first, **generate_kw)
     runs = [ttft_monokernel(mk, prompt, precision, first, **generate_kw) for _ in range(max(1, repeats))]
     stages: dict = {}
-    by_prefill = first == "prefill"                     # what the timed runs ran: with the token stages or without
-    mk.prefill(prompt if by_prefill else prompt[:-1], timings=stages, precision=precision, logits=False,
-               token=by_prefill)
+    # what the timed runs ran: with the token stages or without
+    mk.prefill(prefill_part(prompt, first), timings=stages, precision=precision, logits=False,
+               token=first == "prefill")
     median = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
     return [r[0] for r in runs], runs[-1][1], dict(sorted(stages.items(), key=lambda kv: -kv[1])), median[2]
 

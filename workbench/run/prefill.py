@@ -50,6 +50,14 @@ PREFILL_CHUNK = 4096
 FIRST_TOKEN = ("prefill", "kernel")
 
 
+def prefill_part(prompt, first: str):
+    """What the prefill takes of a prompt when `first` (FIRST_TOKEN) chooses the first new token: the whole prompt
+    for the prefill's own choice, all but its last token for the kernel's first step; ValueError for another."""
+    if first not in FIRST_TOKEN:
+        raise ValueError(f"first token by {first!r}: one of {', '.join(FIRST_TOKEN)}")
+    return prompt if first == "prefill" else prompt[:-1]
+
+
 @dataclasses.dataclass
 class Prefilled:
     n: int                     # tokens prefilled, at positions pos0 .. pos0 + n - 1
