@@ -715,15 +715,15 @@ def test_the_wgmma_attention_kernel_is_the_references_attention(heads, kv_heads,
     and 128 keys a tile: tails of rows and keys off every tile) at both precisions, held to the same bounds: fp32
     3e-4 relative and 2⁻¹¹ of the values per element, bf16 4e-3 and looser than fp32 (its lo products gone); the
     mask one key further; a NaN query's row and head NaN and nothing else; a NaN key past every row no effect; the
-    layout the fp32 prefill runs on sm_90 (WGMMA_FP32), and every 64-key layout (the overlapped products too), the
+    layouts the prefill runs on sm_90 (WGMMA_FP32, WGMMA_BF16), and every 64-key layout (the overlapped products too), the
     default's bits up to head_dim 64 at both precisions. A wrong descriptor
     stride, core-matrix order or transpose reads other keys or columns: off by order 1."""
     import cupy as cp
 
     from workbench.model import stage_math as S
-    from workbench.run.prefill_gpu import (FLASH_LAYOUT, WGMMA_FP32, WGMMA_LAYOUTS, compile_ahead, flash_attention,
-                                           layout_runs)
-    assert WGMMA_FP32 in WGMMA_LAYOUTS
+    from workbench.run.prefill_gpu import (FLASH_LAYOUT, WGMMA_BF16, WGMMA_FP32, WGMMA_LAYOUTS, compile_ahead,
+                                           flash_attention, layout_runs)
+    assert WGMMA_FP32 in WGMMA_LAYOUTS and WGMMA_BF16 in WGMMA_LAYOUTS
     if cp.cuda.Device().compute_capability != "90":
         pytest.skip("the wgmma kernel is sm_90a's (H100, H200)")
     q, kb, vb, k, v, positions = _attention_inputs(heads, kv_heads, hd, n, pos0)
@@ -752,7 +752,7 @@ def test_the_wgmma_attention_kernel_is_the_references_attention(heads, kv_heads,
     if hd <= 64:      # attention.cuh's 64-key tiles: the same sums in the same order, so the same bits
         for halves in (2, 1):
             base = flash_attention(q, kb, vb, positions, heads, layout=FLASH_LAYOUT, halves=halves)
-            for layout in [lay for lay in layouts if lay.tile_keys == 64]:         # WGMMA_FP32 too
+            for layout in [lay for lay in layouts if lay.tile_keys == 64]:         # WGMMA_FP32 and WGMMA_BF16 too
                 got = flash_attention(q, kb, vb, positions, heads, layout=layout, halves=halves)
                 assert bool((got == base).all()), (layout, halves)
     bad_q = q.copy()

@@ -214,6 +214,12 @@ def layout_runs(layout: FlashLayout, n_heads: int, n_kv: int, head_dim: int, hal
             and layout.shared_bytes(head_dim, halves) <= smem_most)
 
 
+# bf16's attention at head_dim ≤ 64 on sm_90: the wgmma kernel with its tiles by the tensor memory accelerator,
+# issued by a producer warpgroup, two blocks an SM: 10.61 against frags=2's 15.55 ms a 1B layer at 32k and 0.38
+# against 0.42 at 4k, the same bits (one H100, NOTES.md round 36; the GPU tests hold it to them)
+WGMMA_BF16 = dataclasses.replace(WGMMA_FP32, min_blocks=2, tma=True, producer=True)
+
+
 # measured on the H200 (scripts/ab_prefill_attention.py): the keys by ldmatrix 3-5% faster at 4k
 # and 32k; rows per kv head 1-15% slower (more blocks on the diagonal's long tail than tiles saved); the longest
 # row tiles first 2-3% faster at 32k (bf16 20.86 against 21.32 ms a layer, fp32 28.80 against 29.81)
@@ -225,12 +231,18 @@ def flash_layout(head_dim: int, halves: int, compute_capability: str = "") -> Fl
     capability (CuPy's string, "90" for an H100 or H200; "" for none known: the mma.sync kernel's layouts).
     - fp32 at head_dim ≤ 64 on sm_90: WGMMA_FP32, 12-15% faster than FLASH_LAYOUT and the same bits (its 64-key
       tiles sum a row in FLASH_LAYOUT's order). Not bf16: there the wgmma kernel measured 8-15% slower.
-    - bf16 at head_dim ≤ 64: two fragments a warp, where they were measured faster and build without a spill (0.34
-      against 0.38 ms a 1B layer at 4k and 17.2 against 19.0 at 32k, one H100, NOTES.md round 28). In fp32 they
-      spill 32-544 B and lost at 4k (0.59 against 0.50 ms); at head_dim 128 the bf16 build spills.
+    - bf16 at head_dim 64 on sm_90: WGMMA_BF16 (the tensor memory accelerator's tiles, a producer warpgroup),
+      32% faster than two fragments a warp at 32k and 10% at 4k, the same bits.
+    - bf16 at head_dim ≤ 64 elsewhere (the accelerator's tiles are 64 columns): two fragments a warp, where they
+      were measured faster and build without a spill (0.34 against 0.38 ms a 1B layer at 4k and 17.2 against 19.0
+      at 32k, one H100, NOTES.md round 28). In fp32 they spill 32-544 B and lost at 4k (0.59 against 0.50 ms); at
+      head_dim 128 the bf16 build spills.
     - FLASH_LAYOUT elsewhere."""
-    if head_dim <= 64 and halves == PRECISIONS["fp32"] and compute_capability == "90":
-        return WGMMA_FP32
+    if head_dim <= 64 and compute_capability == "90":
+        if halves == PRECISIONS["fp32"]:
+            return WGMMA_FP32
+        if WGMMA_BF16.head_dim_problem(head_dim) is None:
+            return WGMMA_BF16
     two = halves == PRECISIONS["bf16"] and head_dim <= 64
     return dataclasses.replace(FLASH_LAYOUT, frags=2) if two else FLASH_LAYOUT
 
