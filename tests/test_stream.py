@@ -136,8 +136,8 @@ def test_the_stage_lead_meter_counts_the_stages_every_block_enters():
     step = asm.source.split("bool wb_stream_step(")[-1]
     per_layer = 5
     for x in schedule.streams(cfg, STREAM.launch):
-        want = (f"{entries.index((x.stage, 0))} + layer * {per_layer}))" if x.scope == "layer"
-                else f"{entries.index((x.stage, -1))}))")
+        want = (f"{entries.index((x.stage, 0))} + layer * {per_layer}, " if x.scope == "layer"
+                else f"{entries.index((x.stage, -1))}, ")
         line = next(ln for ln in step.splitlines() if f"ST_{x.stage.upper()}," in ln)
         assert want in line, (x.stage, line)
     (r,) = resource_usage(compile_cubin(asm)[0])
@@ -145,6 +145,28 @@ def test_the_stage_lead_meter_counts_the_stages_every_block_enters():
     plain_stream = assemble(cfg, STREAM)
     assert "wb_grid_entered" in plain_stream.source               # the library's text, but compiled out:
     assert compile_cubin(plain_stream)[0] != compile_cubin(asm)[0]
+
+
+def test_the_exit_meter_holds_back_only_the_stream_after_a_stage_that_reads_no_weight():
+    """WB_STREAM_EXIT: a stream whose stage follows one that reads no weight (attention) waits until the consumers
+    have left that stage. Only o_proj's stream is marked so, in every preset (the stage before qkv is the last
+    layer's down, which reads its weights, or none in the first layer); the build with both meters compiles without
+    spills on the 1B, and without the exit meter its counter is not compiled in."""
+    from workbench.compiler.header import after_quiet
+    from workbench.model.config import PRESETS
+    for name, c in PRESETS.items():
+        quiet = {x.stage for x in schedule.streams(c, STREAM.launch) if after_quiet(c, x)}
+        assert quiet == {"o_proj_residual"}, (name, quiet)
+    cfg = get_config("llama-3.2-1b")
+    asm = assemble(cfg, with_fields(STREAM, defines=(("WB_STREAM_LEAD", "1"), ("WB_STREAM_EXIT", "1"))))
+    step = asm.source.split("bool wb_stream_step(")[-1]
+    for x in schedule.streams(cfg, STREAM.launch):
+        line = next(ln for ln in step.splitlines() if f"ST_{x.stage.upper()}," in ln)
+        assert f", {str(x.stage == 'o_proj_residual').lower()})) return true;" in line, line
+    (r,) = resource_usage(compile_cubin(asm)[0])
+    assert r.stack == 0 and r.registers <= 128, r
+    lead = assemble(cfg, with_fields(STREAM, defines=(("WB_STREAM_LEAD", "1"),)))
+    assert "wb_grid_exited" in lead.source and compile_cubin(lead)[0] != compile_cubin(asm)[0]
 
 
 def test_the_plain_build_has_no_stream():

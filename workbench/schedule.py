@@ -377,6 +377,11 @@ class Stream:
         return self.rows * self.pieces > 1
 
 
+def reads_no_weight(name: str) -> bool:
+    """Whether a stage reads no weight at all (attention: its loads are the cache's, latency-bound and its own)."""
+    return not any(plan.BUFFERS[u.buffer].kind == "weight" for u in plan.stage(name).reads)
+
+
 def _weight_read(s: plan.Stage) -> plan.Use | None:
     """The stage's read of a weight by units of rows (None: it reads none that way). One at most: a stage's
     weight stream is one matrix."""

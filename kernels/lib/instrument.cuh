@@ -21,7 +21,8 @@ __device__ __forceinline__ bool wb_done(const Params* __restrict__ P) { return (
 
 // A stage every block takes part in; and one that block 0 runs alone (the others go on to the next barrier).
 #define WB_GRID(stage, layer, call)                                                                            \
-    do { wb_enter(P, stage, layer, s.step); wb_count_grid_entry(); wb_maybe_hang(P, stage, layer); call; } while (0)
+    do { wb_enter(P, stage, layer, s.step); wb_count_grid_entry(); wb_maybe_hang(P, stage, layer); call;            \
+         wb_count_grid_exit(); } while (0)
 #define WB_BLOCK0(stage, layer, call)                                                                          \
     do {                                                                                                        \
         if (wb_bid() == 0) { wb_enter(P, stage, layer, s.step); wb_maybe_hang(P, stage, layer); call; wb_syncthreads(); } \

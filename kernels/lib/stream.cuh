@@ -58,8 +58,14 @@ __shared__ u32 wb_streams_entered;                 // streams the consumers have
 #ifndef WB_STREAM_LEAD
 #define WB_STREAM_LEAD 0                           // a meter on the streamer (below, with the others)
 #endif
+#ifndef WB_STREAM_EXIT
+#define WB_STREAM_EXIT 0                           // a meter on the streamer (below, with the others)
+#endif
 #if WB_STREAM_LEAD
 __shared__ u32 wb_grid_entered;                    // stages every block enters that the consumers have entered
+#endif
+#if WB_STREAM_EXIT
+__shared__ u32 wb_grid_exited;                     // and that their first warp has left
 #endif
 __shared__ int wb_stream_stop;                     // the consumers have left: the streamer stops
 __shared__ const Params* wb_params;                // for the slow paths of the consumer side (sections have no P)
@@ -88,6 +94,9 @@ __device__ __forceinline__ void wb_stream_init(const Params* __restrict__ P) {
 #if WB_STREAM_LEAD
         wb_grid_entered = 0;
 #endif
+#if WB_STREAM_EXIT
+        wb_grid_exited = 0;
+#endif
         wb_stream_stop = 0;
         wb_params = P;
         wb_mbar_init_fence();
@@ -111,6 +120,10 @@ __device__ __forceinline__ void wb_stream_finish() {
 // early loads go out at attention's barrier, where WB_STREAM_AHEAD 1 lets them out during qkv (a stream's stage
 // counts attention, which streams nothing). On an H100 the stream build's qkv slot ran 71 µs a token past the
 // register path's with the next stages' pages in flight at its barrier (NOTES.md, rounds 32 and 35).
+// WB_STREAM_EXIT: a stream whose stage follows one that streams nothing (attention: its loads are its own) waits
+// until the consumers' first warp has left that stage. With the lead at 1, o_proj's pages went out as attention
+// began and attention paid for them what qkv had (+48 µs a token, NOTES.md round 36); the register path issues
+// them as each block arrives at attention's barrier, after its attention work.
 #ifndef WB_STREAM_INFLIGHT
 #define WB_STREAM_INFLIGHT 0
 #endif
@@ -118,7 +131,8 @@ __device__ __forceinline__ void wb_stream_finish() {
 #define WB_STREAM_AHEAD 0
 #endif
 static_assert(WB_STREAM_INFLIGHT >= 0 && WB_STREAM_INFLIGHT <= WB_RING_SLOTS && WB_STREAM_AHEAD >= 0 &&
-              WB_STREAM_LEAD >= 0, "the meters count pages, streams and stages");
+              WB_STREAM_LEAD >= 0 && (WB_STREAM_EXIT == 0 || WB_STREAM_EXIT == 1),
+              "the meters count pages, streams and stages");
 // The streamer is one thread: one bulk copy per page is few enough instructions that issuing never holds it up.
 struct WbStreamer {
     u32 issued;                                    // pages so far (the consumers' wb_rounds, ahead)
@@ -126,9 +140,11 @@ struct WbStreamer {
     u32 entries;                                   // the grid entries of the steps streamed before this one
 
     // Copy this block's items of a stream, n_units units of NR rows of K from W, a page per round; its stage is
-    // the step's grid entry `entry` (0 the first: generated, header.grid_entries).
+    // the step's grid entry `entry` (0 the first: generated, header.grid_entries), and `after_quiet` says the
+    // entry before it streams nothing (header.after_quiet).
     template <int K, int NR>
-    __device__ __forceinline__ bool stream(int stage, int layer, const bf16* __restrict__ W, int n_units, int entry) {
+    __device__ __forceinline__ bool stream(int stage, int layer, const bf16* __restrict__ W, int n_units, int entry,
+                                           bool after_quiet) {
         using B = WbBlockItems<K, NR>;
         constexpr int PIECE = B::PIECE;
         static_assert(PIECE * 2 <= WB_SLOT_BYTES && PIECE % 8 == 0, "an item fits a slot in whole 16-byte units");
@@ -144,6 +160,12 @@ struct WbStreamer {
         const u32 own = entries + (u32)entry + 1;
         if (own > WB_STREAM_LEAD)
             while (((volatile u32*)&wb_grid_entered)[0] < own - WB_STREAM_LEAD)
+                if (wb_stream_stopped()) return true;
+#endif
+#if WB_STREAM_EXIT
+        // the stage before this one is the consumers' (entries + entry)-th: wait until they have left it
+        if (after_quiet)
+            while (((volatile u32*)&wb_grid_exited)[0] < entries + (u32)entry)
                 if (wb_stream_stopped()) return true;
 #endif
         for (int i0 = 0; i0 < n_items; i0 += WB_CONSUMER_WARPS, ++issued) {
@@ -250,9 +272,15 @@ __device__ __forceinline__ void wb_ring_release(u32 round) {
 }
 #endif
 
-// At a stage every block enters (instrument.cuh's WB_GRID): with WB_STREAM_LEAD, one more the consumers entered.
+// At a stage every block enters (instrument.cuh's WB_GRID): with WB_STREAM_LEAD, one more the consumers entered;
+// and on the way out, with WB_STREAM_EXIT, one more their first warp left.
 __device__ __forceinline__ void wb_count_grid_entry() {
 #if WB_STREAMING && WB_STREAM_LEAD
     if (wb_tid() == 0) ((volatile u32*)&wb_grid_entered)[0] = wb_grid_entered + 1;
+#endif
+}
+__device__ __forceinline__ void wb_count_grid_exit() {
+#if WB_STREAMING && WB_STREAM_EXIT
+    if (wb_tid() == 0) ((volatile u32*)&wb_grid_exited)[0] = wb_grid_exited + 1;
 #endif
 }

@@ -165,6 +165,22 @@ def grid_entries(cfg) -> list[tuple[str, int]]:
     return [(name, layer) for name, layer in schedule.execution(cfg) if plan.stage(name).runs_on == "grid"]
 
 
+def after_quiet(cfg, stream: schedule.Stream) -> bool:
+    """Whether the grid entry before a stream's stage reads no weight (attention: its loads are the cache's, its
+    own and latency-bound), in every layer: then, with WB_STREAM_EXIT, the stream's pages wait until the consumers
+    have left that stage (stream.cuh)."""
+    entries = grid_entries(cfg)
+    layers = range(cfg.n_layers) if stream.scope == "layer" else (-1,)
+    quiet = set()
+    for layer in layers:
+        i = entries.index((stream.stage, layer))
+        quiet.add(i > 0 and schedule.reads_no_weight(entries[i - 1][0]))
+    if len(quiet) != 1:
+        raise ValueError(f"the stage before {stream.stage} reads weights in some layers and not in others: the "
+                         f"generated stream step cannot say which")
+    return quiet.pop()
+
+
 def _stage_mask(names) -> str:
     return hex(sum({1 << plan.STAGE_NAMES.index(n) for n in names}))
 
@@ -192,8 +208,9 @@ def stream_step(cfg: ModelConfig, launch: plan.Launch) -> str:
         b = plan.BUFFERS[x.buffer]
         src = f"P->{x.buffer} + layer * WB_PER_LAYER_{_upper(x.buffer)}" if b.per_layer else f"P->{x.buffer}"
         lay = "layer" if x.scope == "layer" else "-1"
-        return (f"{indent}if (st.stream<{x.k}, {x.rows}>(ST_{_upper(x.stage)}, {lay}, {src}, {x.units}, {entry(x)})) "
-                f"return true;   // {x.units:,} units of {x.rows} row(s) of {x.k}, {x.pieces} piece(s) a row")
+        quiet = str(after_quiet(cfg, x)).lower()
+        return (f"{indent}if (st.stream<{x.k}, {x.rows}>(ST_{_upper(x.stage)}, {lay}, {src}, {x.units}, {entry(x)}, "
+                f"{quiet})) return true;   // {x.units:,} units of {x.rows} row(s) of {x.k}, {x.pieces} piece(s) a row")
 
     out = ["// ---- the weight stream of one step, generated from workbench/plan.py (schedule.streams) ----",
            "#if WB_STREAMING"]
