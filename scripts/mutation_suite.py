@@ -39,7 +39,7 @@ def groups(model: str, mutants) -> dict[str, list]:
     return out
 
 
-def run_model(model: str, mutants, log, **workbench_kw) -> tuple[list, bool]:
+def run_model(model: str, mutants, log, on_outcome=None, **workbench_kw) -> tuple[list, bool]:
     """The mutants on one model's workbench, on a private copy of the kernels: (outcomes, unmutated passes after)."""
     from workbench.loop.session import Workbench
     work = Path(tempfile.mkdtemp(prefix="wb-mutants-"))
@@ -52,7 +52,7 @@ def run_model(model: str, mutants, log, **workbench_kw) -> tuple[list, bool]:
                 log(f"{model}: the unmutated kernel does not pass: no point in mutating it\n{wb.last.stages}")
                 wb.close()
                 return [], False
-            outcomes = run_suite(wb, mutants, log=log)
+            outcomes = run_suite(wb, mutants, log=log, on_outcome=on_outcome)
             after = wb.reload(trigger="manual")
             log(f"{model}: after the suite: {after.report()}")
             wb.close()
@@ -77,10 +77,31 @@ def main(argv=None) -> int:
     mutants = [by_name(n) for n in a.only] if a.only else list(MUTANTS)
     t0 = time.perf_counter()
     results, all_after, not_run = [], True, []
+
+    def write(complete: bool, ran: list):
+        """The JSON so far: after each mutant (complete False: a suite cut short keeps what it ran), then whole."""
+        if not a.json:
+            return
+        caught = sum(o.caught for _, o in ran)
+        Path(a.json).write_text(json.dumps({
+            "model": a.model, "complete": complete, "planned": len(mutants), "caught": caught, "total": len(ran),
+            "after_passed": all_after if complete else None, "not_run": not_run,
+            "outcomes": [{**dataclasses.asdict(o.mutant), "model": model, "status": o.status, "named": o.named,
+                          "caught": o.caught, "seconds": o.seconds, "compile_s": o.compile_s,
+                          "verify_s": o.verify_s, "record_s": o.record_s, "first_failure": o.first_failure}
+                         for model, o in ran]},
+            indent=1))
+
     for model, ms in groups(a.model, mutants).items():
         if not ms:
             continue
-        outcomes, after = run_model(model, ms, log=lambda s: print(s, flush=True), **kw)
+        ran = list(results)
+
+        def done(outcome, model=model, ran=ran):
+            ran.append((model, outcome))
+            write(False, ran)
+
+        outcomes, after = run_model(model, ms, log=lambda s: print(s, flush=True), on_outcome=done, **kw)
         results += [(model, o) for o in outcomes]
         all_after &= after
         if not outcomes:                   # its unmutated kernel failed: the other models' results still count
@@ -98,15 +119,7 @@ def main(argv=None) -> int:
           f"{caught}/{len(outcomes)} caught and named; edit → verdict median {secs[len(secs) // 2]:.2f} s "
           f"(min {secs[0]:.2f}, max {secs[-1]:.2f}); suite {time.perf_counter() - t0:.0f} s; unmutated after: "
           f"{'PASS' if all_after else 'FAIL'}" + (f"; not run (their model failed unmutated): {not_run}" if not_run else ""))
-    if a.json:
-        Path(a.json).write_text(json.dumps({
-            "model": a.model, "caught": caught, "total": len(outcomes), "after_passed": all_after,
-            "not_run": not_run,
-            "outcomes": [{**dataclasses.asdict(o.mutant), "model": model, "status": o.status, "named": o.named,
-                          "caught": o.caught, "seconds": o.seconds, "compile_s": o.compile_s,
-                          "verify_s": o.verify_s, "record_s": o.record_s, "first_failure": o.first_failure}
-                         for model, o in results]},
-            indent=1))
+    write(True, results)
     return 0 if caught == len(outcomes) and all_after and not not_run else 1
 
 

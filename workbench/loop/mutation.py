@@ -24,9 +24,10 @@ class Outcome:
     record_s: float = float("nan")     # edit → the whole record (the timed build compiled and timed)
 
 
-def run_suite(wb, mutants=MUTANTS, log=print) -> list[Outcome]:
+def run_suite(wb, mutants=MUTANTS, log=print, on_outcome=None) -> list[Outcome]:
     """Apply each mutant through `wb` (a GPU Workbench, on a copy of the kernels it may edit), reload, read the
-    verdict, undo. The workbench must pass before and after."""
+    verdict, undo. The workbench must pass before and after. `on_outcome(outcome)` after each mutant: a suite cut
+    short (a time limit) keeps what it ran."""
     out = []
     for m in mutants:
         path = section_file(m.section)
@@ -46,6 +47,8 @@ def run_suite(wb, mutants=MUTANTS, log=print) -> list[Outcome]:
         wb.undo(m.section, reload=False)
         if path.read_text() != original:
             raise RuntimeError(f"undo did not restore {path}")
+        if on_outcome is not None:
+            on_outcome(out[-1])
     return out
 
 
