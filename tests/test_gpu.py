@@ -285,12 +285,15 @@ FINE = BuildOptions(launch=Launch(stream=True, stream_attn_warps=4, slot_bytes=2
 # the stage lead (stream.cuh, WB_STREAM_LEAD): a stream's pages wait for the consumers' entry into the stage before
 # its own, on 16 consumer warps as the stream build measured best (round 32)
 LEAD = BuildOptions(launch=Launch(stream=True, threads=576), defines=(("WB_DOWN_LOADS", "8"), ("WB_STREAM_LEAD", "1")))
+# and the exit meter with it (WB_STREAM_EXIT): o_proj's pages after the consumers have left attention
+EXIT = dataclasses.replace(LEAD, defines=(*LEAD.defines, ("WB_STREAM_EXIT", "1")))
 
 
 @pytest.mark.parametrize("name,opt", [("tiny", STREAM), ("llama-3.2-1b", STREAM),
                                       ("tiny", METERED), ("llama-3.2-1b", METERED),
                                       ("tiny", FINE), ("llama-3.2-1b", FINE),
-                                      ("tiny", LEAD), ("llama-3.2-1b", LEAD)])
+                                      ("tiny", LEAD), ("llama-3.2-1b", LEAD),
+                                      ("tiny", EXIT), ("llama-3.2-1b", EXIT)])
 def test_the_stream_build_verifies_stage_by_stage(name, opt):
     import cupy as cp
 
