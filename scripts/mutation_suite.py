@@ -77,6 +77,7 @@ def main(argv=None) -> int:
     mutants = [by_name(n) for n in a.only] if a.only else list(MUTANTS)
     t0 = time.perf_counter()
     results, all_after, not_run = [], True, []
+    planned = groups(a.model, mutants)
 
     def write(complete: bool, ran: list):
         """The JSON so far: after each mutant (complete False: a suite cut short keeps what it ran), then whole."""
@@ -84,7 +85,8 @@ def main(argv=None) -> int:
             return
         caught = sum(o.caught for _, o in ran)
         Path(a.json).write_text(json.dumps({
-            "model": a.model, "complete": complete, "planned": len(mutants), "caught": caught, "total": len(ran),
+            "model": a.model, "complete": complete, "planned": sum(map(len, planned.values())), "caught": caught,
+            "total": len(ran),
             "after_passed": all_after if complete else None, "not_run": not_run,
             "outcomes": [{**dataclasses.asdict(o.mutant), "model": model, "status": o.status, "named": o.named,
                           "caught": o.caught, "seconds": o.seconds, "compile_s": o.compile_s,
@@ -92,7 +94,7 @@ def main(argv=None) -> int:
                          for model, o in ran]},
             indent=1))
 
-    for model, ms in groups(a.model, mutants).items():
+    for model, ms in planned.items():
         if not ms:
             continue
         ran = list(results)

@@ -109,7 +109,7 @@ __device__ __forceinline__ void wb_stream_finish() {
     if (wb_tid() == 0) ((volatile int*)&wb_stream_stop)[0] = 1;
 }
 
-// Two meters on the streamer, off by default (0); on the H200 neither took the stream past the register path:
+// Meters on the streamer, off by default (0); none has yet taken the stream past the register path:
 // WB_STREAM_INFLIGHT: at most this many pages copied and not yet landed. A full ring refilled at once is up to
 // 180 KB per SM queued at the memory system (24 MB over the GPU), and a grid barrier's atomics, or attention's
 // loads, wait behind that queue; the register path keeps 64 KB per SM in flight.

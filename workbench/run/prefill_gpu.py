@@ -214,7 +214,7 @@ def layout_runs(layout: FlashLayout, n_heads: int, n_kv: int, head_dim: int, hal
             and layout.shared_bytes(head_dim, halves) <= smem_most)
 
 
-# bf16's attention at head_dim ≤ 64 on sm_90: the wgmma kernel with its tiles by the tensor memory accelerator,
+# bf16's attention at head_dim 64 on sm_90: the wgmma kernel with its tiles by the tensor memory accelerator,
 # issued by a producer warpgroup, two blocks an SM: 10.61 against frags=2's 15.55 ms a 1B layer at 32k and 0.38
 # against 0.42 at 4k, the same bits (one H100, NOTES.md round 36; the GPU tests hold it to them)
 WGMMA_BF16 = dataclasses.replace(WGMMA_FP32, min_blocks=2, tma=True, producer=True)
@@ -230,7 +230,7 @@ def flash_layout(head_dim: int, halves: int, compute_capability: str = "") -> Fl
     """The layout the prefill runs at this head_dim and precision (PRECISIONS' halves) on a GPU of this compute
     capability (CuPy's string, "90" for an H100 or H200; "" for none known: the mma.sync kernel's layouts).
     - fp32 at head_dim ≤ 64 on sm_90: WGMMA_FP32, 12-15% faster than FLASH_LAYOUT and the same bits (its 64-key
-      tiles sum a row in FLASH_LAYOUT's order). Not bf16: there the wgmma kernel measured 8-15% slower.
+      tiles sum a row in FLASH_LAYOUT's order).
     - bf16 at head_dim 64 on sm_90: WGMMA_BF16 (the tensor memory accelerator's tiles, a producer warpgroup),
       32% faster than two fragments a warp at 32k and 10% at 4k, the same bits.
     - bf16 at head_dim ≤ 64 elsewhere (the accelerator's tiles are 64 columns): two fragments a warp, where they
