@@ -63,7 +63,12 @@ def one_prompt(cfg, n: int, chunk: int, repeats: int, rng, match=(), precisions=
     kb, vb = (to_bf16(cp.asarray(rng.standard_normal((hkv, n, hd)), dtype=cp.float32), cp) for _ in range(2))
     chunks = [(c, min(c + chunk, n)) for c in range(0, n, chunk)]
     base, base_halves, ref, rows = None, None, None, {}
-    todo = runs(match, precisions)
+    todo = {}
+    for name, (layout, halves) in runs(match, precisions).items():      # a layout this model's shapes refuse: a line
+        if problem := layout.head_dim_problem(hd) or layout.group_problem(hq, hkv):
+            print(f"{name}: not run ({problem})", flush=True)
+        else:
+            todo[name] = (layout, halves)
     try:                          # in parallel; a failure there is met again, and reported, where it is built
         G.compile_ahead([(hd, layout, halves) for layout, halves in todo.values()])
     except Exception as e:          # noqa: BLE001 (the A/B goes on one build at a time)

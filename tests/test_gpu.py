@@ -254,10 +254,11 @@ def test_generate_streams_whole_characters_through_a_splitting_tokenizer(tmp_pat
         r = subprocess.run([sys.executable, "-m", "workbench", "generate", "--tokens", "40", *argv],
                            capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stderr
-        # the streamed tokens, then the time to first token, then the summary
+        # the streamed tokens, then the time to first token, then the summary: the prompt is prefilled by default,
+        # and its last logits give the first token, so the kernel decodes the other 39
         body, first, summary = r.stdout.rstrip("\n").rsplit("\n", 2)
-        assert first.startswith("time to first token") and " ms: " in first, r.stdout
-        assert summary.startswith("40 tokens") and "tok/s" in summary, r.stdout
+        assert first.startswith("time to first token") and "the first token their last logits" in first, r.stdout
+        assert summary.startswith("39 tokens after the first, 39 decode steps") and "tok/s" in summary, r.stdout
         return body
 
     tokens = [int(t) for t in cli("--model", str(plain), "--prompt-ids", ",".join(map(str, ids))).split()]
@@ -718,15 +719,15 @@ def test_the_wgmma_attention_kernel_is_the_references_attention(heads, kv_heads,
     and 128 keys a tile: tails of rows and keys off every tile) at both precisions, held to the same bounds: fp32
     3e-4 relative and 2⁻¹¹ of the values per element, bf16 4e-3 and looser than fp32 (its lo products gone); the
     mask one key further; a NaN query's row and head NaN and nothing else; a NaN key past every row no effect; the
-    layouts the prefill runs on sm_90 (WGMMA_FP32, WGMMA_BF16), and every 64-key layout (the overlapped products too), the
+    layouts the prefill runs on sm_90 (WGMMA_FP32, WGMMA_BF16, WGMMA_BF16_WIDE), and every 64-key layout (the overlapped products too), the
     default's bits up to head_dim 64 at both precisions. A wrong descriptor
     stride, core-matrix order or transpose reads other keys or columns: off by order 1."""
     import cupy as cp
 
     from workbench.model import stage_math as S
-    from workbench.run.prefill_gpu import (FLASH_LAYOUT, WGMMA_BF16, WGMMA_FP32, WGMMA_LAYOUTS, compile_ahead,
-                                           flash_attention, layout_runs)
-    assert WGMMA_FP32 in WGMMA_LAYOUTS and WGMMA_BF16 in WGMMA_LAYOUTS
+    from workbench.run.prefill_gpu import (FLASH_LAYOUT, WGMMA_BF16, WGMMA_BF16_WIDE, WGMMA_FP32, WGMMA_LAYOUTS,
+                                           compile_ahead, flash_attention, layout_runs)
+    assert {WGMMA_FP32, WGMMA_BF16, WGMMA_BF16_WIDE} <= set(WGMMA_LAYOUTS)
     if cp.cuda.Device().compute_capability != "90":
         pytest.skip("the wgmma kernel is sm_90a's (H100, H200)")
     q, kb, vb, k, v, positions = _attention_inputs(heads, kv_heads, hd, n, pos0)

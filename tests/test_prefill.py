@@ -365,18 +365,20 @@ def test_two_fragments_a_warp_load_each_key_and_value_fragment_once_for_both():
 
 def test_the_prefill_runs_two_fragments_a_warp_only_where_they_build_without_a_spill():
     """prefill_gpu.flash_layout: frags=2 at one bf16 half and head_dim 64 (measured faster there), the wgmma kernel
-    at head_dim ≤ 64 on sm_90 only (in bf16 with the accelerator's tiles and a producer), the default elsewhere; every preset's head_dim builds its chosen layout
+    at head_dim ≤ 64 on sm_90 (in bf16 with the accelerator's tiles and a producer) and in bf16 at head_dim 128 (the
+    tiles without one), the default elsewhere; every preset's head_dim builds its chosen layout
     in each precision, for sm_90 and for another GPU, without a spill."""
     from workbench.compiler.compile import nvrtc_program, resource_usage
     from workbench.model.config import PRESETS
-    from workbench.run.prefill_gpu import (FLASH_LAYOUT, PRECISIONS, WGMMA_BF16, WGMMA_FP32, flash_layout,
-                                           flash_options, flash_source)
+    from workbench.run.prefill_gpu import (FLASH_LAYOUT, PRECISIONS, WGMMA_BF16, WGMMA_BF16_WIDE, WGMMA_FP32,
+                                           WGMMA_LAYOUTS, flash_layout, flash_options, flash_source)
     assert flash_layout(64, PRECISIONS["bf16"]).frags == 2
     assert flash_layout(64, PRECISIONS["fp32"]) == flash_layout(128, PRECISIONS["bf16"]) == FLASH_LAYOUT
     assert flash_layout(64, PRECISIONS["fp32"], "90") == WGMMA_FP32
     assert flash_layout(64, PRECISIONS["fp32"], "89") == flash_layout(128, PRECISIONS["fp32"], "90") == FLASH_LAYOUT
     assert flash_layout(64, PRECISIONS["bf16"], "90") == WGMMA_BF16 and WGMMA_BF16.tma and WGMMA_BF16.producer
-    assert flash_layout(128, PRECISIONS["bf16"], "90") == flash_layout(128, PRECISIONS["bf16"])
+    assert flash_layout(128, PRECISIONS["bf16"], "90") == WGMMA_BF16_WIDE and WGMMA_BF16_WIDE in WGMMA_LAYOUTS
+    assert flash_layout(96, PRECISIONS["bf16"], "90") == flash_layout(96, PRECISIONS["bf16"])      # tma: 64-column spans
     for hd in sorted({c.head_dim for c in PRESETS.values()}):
         for halves in PRECISIONS.values():
             assert flash_layout(hd, halves, "89") == flash_layout(hd, halves)      # another GPU: mma.sync's

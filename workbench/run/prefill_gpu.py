@@ -44,6 +44,20 @@ PREFILL_FILES = ("prefill/layer.cuh", "prefill/attention_common.cuh", "prefill/a
 PORTABILITY_NEEDS = ("wb_wgmma_desc", "wb_wgmma_desc_sw128", "wb_tma_load_3d", "wb_setmaxnreg_inc")
 
 
+def _text(path) -> str:
+    """A kernel file's text, read again only when the file changed (its modification time or size): a prefill
+    builds its sources on every call, and reading five files each time was ~0.5 ms of host time before its first
+    kernel, a time to first token's own."""
+    st = path.stat()
+    return _read(str(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=64)
+def _read(path: str, mtime_ns: int, size: int) -> str:
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
 def _kernels_dir():
     """The kernels in use, or the shipped ones for a workspace filled before this version's prefill kernels: a
     workspace is filled once and never updated, so one without a file the prefill reads, or whose portability
@@ -53,7 +67,7 @@ def _kernels_dir():
     k = paths.kernels_dir()
     port = k / "portability.cuh"
     complete = (all((k / f).is_file() for f in PREFILL_FILES) and port.is_file()
-                and all(name in port.read_text() for name in PORTABILITY_NEEDS))
+                and all(name in _text(port) for name in PORTABILITY_NEEDS))
     return k if complete else paths.template_dir()
 
 
@@ -218,6 +232,10 @@ def layout_runs(layout: FlashLayout, n_heads: int, n_kv: int, head_dim: int, hal
 # issued by a producer warpgroup, two blocks an SM: 10.61 against frags=2's 15.55 ms a 1B layer at 32k and 0.38
 # against 0.42 at 4k, the same bits (one H100, NOTES.md round 36; the GPU tests hold it to them)
 WGMMA_BF16 = dataclasses.replace(WGMMA_FP32, min_blocks=2, tma=True, producer=True)
+# and past head_dim 64, where the producer's consumers cannot hold the accumulators: the accelerator's tiles in two
+# stages, the consumers issuing them: 0.56 against mma.sync's 0.88 ms an 8B layer at 4k (head_dim 128), within the
+# bf16 bound as every wgmma layout is (one H100, NOTES.md round 37; the GPU test holds it to the fp64 math)
+WGMMA_BF16_WIDE = dataclasses.replace(WGMMA_FP32, stages=2, tma=True)
 
 
 # measured on the H200 (scripts/ab_prefill_attention.py): the keys by ldmatrix 3-5% faster at 4k
@@ -233,6 +251,8 @@ def flash_layout(head_dim: int, halves: int, compute_capability: str = "") -> Fl
       tiles sum a row in FLASH_LAYOUT's order).
     - bf16 at head_dim 64 on sm_90: WGMMA_BF16 (the tensor memory accelerator's tiles, a producer warpgroup),
       32% faster than two fragments a warp at 32k and 10% at 4k, the same bits.
+    - bf16 at head_dim 128 on sm_90: WGMMA_BF16_WIDE (the same tiles, no producer), 36% faster than mma.sync at
+      4k on the 8B; other bits (another order of sums), within the bf16 bound.
     - bf16 at head_dim ≤ 64 elsewhere (the accelerator's tiles are 64 columns): two fragments a warp, where they
       were measured faster and build without a spill (0.34 against 0.38 ms a 1B layer at 4k and 17.2 against 19.0
       at 32k, one H100, NOTES.md round 28). In fp32 they spill 32-544 B and lost at 4k (0.59 against 0.50 ms); at
@@ -243,6 +263,9 @@ def flash_layout(head_dim: int, halves: int, compute_capability: str = "") -> Fl
             return WGMMA_FP32
         if WGMMA_BF16.head_dim_problem(head_dim) is None:
             return WGMMA_BF16
+    wide = halves == PRECISIONS["bf16"] and compute_capability == "90"
+    if wide and WGMMA_BF16_WIDE.head_dim_problem(head_dim) is None:
+        return WGMMA_BF16_WIDE
     two = halves == PRECISIONS["bf16"] and head_dim <= 64
     return dataclasses.replace(FLASH_LAYOUT, frags=2) if two else FLASH_LAYOUT
 
@@ -265,16 +288,16 @@ def flash_source(head_dim: int, layout: FlashLayout | None = None, halves: int =
                 f"#define WB_PW_STAGES {layout.tile_stages}\n#define WB_PW_HEADS {int(layout.heads)}\n"
                 f"#define WB_PW_OVERLAP {int(layout.overlap)}\n#define WB_PW_TMA {int(layout.tma)}\n"
                 f"#define WB_PW_PRODUCER {int(layout.producer)}\n"
-                + (k / "portability.cuh").read_text() + wgmma_products({layout.tile_keys, head_dim})
-                + (k / "prefill" / "attention_common.cuh").read_text()
-                + (k / "prefill" / "attention_wgmma.cuh").read_text())
+                + _text(k / "portability.cuh") + wgmma_products(tuple(sorted({layout.tile_keys, head_dim})))
+                + _text(k / "prefill" / "attention_common.cuh") + _text(k / "prefill" / "attention_wgmma.cuh"))
     return (head + f"#define WB_PA_FRAGS {layout.frags}\n"
             f"#define WB_PA_GQA_ROWS {int(layout.gqa_rows)}\n#define WB_PA_K_LDMATRIX {int(layout.k_ldmatrix)}\n"
-            + (k / "portability.cuh").read_text() + (k / "prefill" / "attention_common.cuh").read_text()
-            + (k / "prefill" / "attention.cuh").read_text())
+            + _text(k / "portability.cuh") + _text(k / "prefill" / "attention_common.cuh")
+            + _text(k / "prefill" / "attention.cuh"))
 
 
-def wgmma_products(ns) -> str:
+@functools.cache
+def wgmma_products(ns: tuple) -> str:
     """The portability layer's warpgroup products for each N in `ns` (portability.cuh declares them and says what
     they compute): wgmma.mma_async m64nNk16, bf16 × bf16 into fp32, B through a shared-memory descriptor; A from
     four registers (wb_wgmma_bf16<N, TRANS_B>; TRANS_B 1: B MN-major) or through a descriptor too
@@ -353,8 +376,7 @@ def compile_ahead(builds, workers: int = 8) -> None:
 
 def layer_source() -> str:
     k = _kernels_dir()
-    return (f"#define WB_THREADS {LAYER_THREADS}\n" + (k / "portability.cuh").read_text()
-            + (k / "prefill" / "layer.cuh").read_text())
+    return f"#define WB_THREADS {LAYER_THREADS}\n" + _text(k / "portability.cuh") + _text(k / "prefill" / "layer.cuh")
 
 
 def flash_supported(cfg, xp, dtype) -> bool:
@@ -626,7 +648,10 @@ def embedding(io: PrefillIO, st: dict) -> dict:
 
 def check_tokens(tokens, vocab: int):
     """ValueError unless every token id is in [0, vocab): one read back from the GPU, for the whole prompt."""
-    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+    if not tokens.size:
+        return
+    lo, hi = (int(v) for v in _cp().stack([tokens.min(), tokens.max()]).get())
+    if lo < 0 or hi >= vocab:
         raise ValueError(f"token ids outside the vocabulary [0, {vocab})")
 
 
