@@ -43,33 +43,35 @@ def group(name: str) -> str:
 
 
 def profile(fn, reps: int) -> dict:
-    """GPU µs per call of every kernel fn launches, summed by name, over `reps` calls."""
+    """GPU µs per call of every kernel fn launches, summed by name, over `reps` calls; and the GPU's idle time
+    between two of one call's kernels, summed by the kernel after the gap. Each call is profiled on its own, so
+    the host's time between two calls is no call's idle time (round 37's profile, one session for all calls,
+    counted it before each later call's first copy: part of the 2.1 ms it put before "Memcpy HtoD")."""
     import torch
     from torch.profiler import ProfilerActivity, profile as prof
-    torch.cuda.synchronize()
-    with prof(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as p:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
     out: dict = {}
-    spans = []
-    for e in p.events():
-        dev = getattr(e, "device_type", None)
-        if dev is not None and str(dev).endswith("CUDA") and e.device_time_total > 0:
-            key = e.name[:90]
-            c, us = out.get(key, (0, 0.0))
-            out[key] = (c + 1, us + e.device_time_total)
-            spans.append((e.time_range.start, e.time_range.end, key))
-    kernels = {k: (c / reps, us / reps) for k, (c, us) in out.items()}
-    # where the GPU sat idle between two kernels: the gap before each kernel, summed by that kernel's name
-    spans.sort()
     idle: dict = {}
-    end = spans[0][1] if spans else 0
-    for a, b, name in spans[1:]:
-        if a - end > 2.0:
-            c, us = idle.get(name, (0, 0.0))
-            idle[name] = (c + 1, us + a - end)
-        end = max(end, b)
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        with prof(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as p:
+            fn()
+            torch.cuda.synchronize()
+        spans = []
+        for e in p.events():
+            dev = getattr(e, "device_type", None)
+            if dev is not None and str(dev).endswith("CUDA") and e.device_time_total > 0:
+                key = e.name[:90]
+                c, us = out.get(key, (0, 0.0))
+                out[key] = (c + 1, us + e.device_time_total)
+                spans.append((e.time_range.start, e.time_range.end, key))
+        spans.sort()
+        end = spans[0][1] if spans else 0
+        for a, b, name in spans[1:]:
+            if a - end > 2.0:
+                c, us = idle.get(name, (0, 0.0))
+                idle[name] = (c + 1, us + a - end)
+            end = max(end, b)
+    kernels = {k: (c / reps, us / reps) for k, (c, us) in out.items()}
     return kernels, {k: (c / reps, us / reps) for k, (c, us) in idle.items()}
 
 
