@@ -3,7 +3,7 @@ run: both run under torch.profiler (CUPTI sees every kernel of the process, CuPy
 time of each kernel is summed over the prompt. Wall times are taken unprofiled, after a warm-up.
 
     python scripts/prefill_profile.py --model llama-3.2-1b --prompt 4096 [--precision bf16 fp32] [--chunk 2048 4096]
-                                      [--host] [--json FILE]
+                                      [--host] [--mlp-bf16] [--check] [--json FILE]
 
 The table gives each kernel's share of our GPU time, grouped by what it serves (the products, the attention, the
 row-wise kernels, copies), then the same for HF; a gap between the wall time and the kernels' sum is time the GPU
@@ -137,11 +137,16 @@ def main():
     ap.add_argument("--chunk", type=int, nargs="+", default=[PREFILL_CHUNK], help="rows a chunk (each is timed)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--host", action="store_true", help="also the host's time by function in one prefill")
+    ap.add_argument("--mlp-bf16", action="store_true",
+                    help="in bf16, also gate_up's product rounded to bf16 (prefill's mlp_bf16), timed and checked")
+    ap.add_argument("--check", action="store_true",
+                    help="each prefill's cache and last logits against fp64 too (check_prefill, its worst errors)")
     ap.add_argument("--json", type=output_file, help="the report's JSON, checked before anything runs")
     a = ap.parse_args()
 
     import cupy as cp
     import torch
+    from workbench.check.prefill import check_prefill
     from workbench.measure.baselines import tensors_from_weights
     from workbench.measure.bench import hf_model, hf_prefill
     from workbench.model.config import get_config
@@ -161,13 +166,21 @@ def main():
                        attn="sdpa")
     for n in a.prompt:
         prompt = rng.integers(0, cfg.vocab, n).tolist()
-        for precision, chunk in itertools.product(a.precision, a.chunk):
+        runs = [(precision, chunk, mlp) for precision, chunk in itertools.product(a.precision, a.chunk)
+                for mlp in (False, True) if not mlp or (a.mlp_bf16 and precision == "bf16")]
+        for precision, chunk, mlp in runs:
             def ours():                                  # to the first token, as HF's (its last logits, argmax)
-                mk.prefill(prompt, precision=precision, chunk=chunk, logits=False, token=True)
+                mk.prefill(prompt, precision=precision, chunk=chunk, logits=False, token=True, mlp_bf16=mlp)
             ms = wall(ours, a.reps)
             k = profile(ours, a.reps)
-            lines += table(f"ours, {precision}, prompt {n}, chunks of {chunk}", k, ms)
-            report[f"ours {precision} {n} {chunk}"] = as_json(ms, k)
+            name = f"{precision}{', gate_up in bf16' if mlp else ''}"
+            lines += table(f"ours, {name}, prompt {n}, chunks of {chunk}", k, ms)
+            report[f"ours {precision}{' mlp_bf16' if mlp else ''} {n} {chunk}"] = entry = as_json(ms, k)
+            if a.check:
+                pre = mk.prefill(prompt, precision=precision, chunk=chunk, mlp_bf16=mlp)
+                c = check_prefill(p, prompt, pre, mk.k_cache, mk.v_cache)
+                lines.append(c.summary())
+                entry["check"] = c.summary()
             if a.host:
                 lines.append(host_profile(ours))
         if hfm is not None:

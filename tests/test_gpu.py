@@ -877,6 +877,48 @@ def test_the_bf16_prefill_is_within_its_bound_and_is_the_one_product_path(model)
     assert differ > 0.01 and worst["bf16"] < PREFILL_RTOL["bf16"] * 0.6, (worst, differ)
 
 
+def test_gate_up_in_bf16_is_the_fp32_kernels_math_on_the_rounded_sums_and_within_the_bf16_bound():
+    """prefill(mlp_bf16=True): gate_up's product written as bf16 bits, read by prefill_silu_mul_split_bf16. Its
+    split is the fp32 kernel's, bit for bit, on the same sums rounded to bf16 (the kernels differ only in the read:
+    a wrong half, pair order or stride is off by order 1); and the whole prefill on the 1B's shapes passes
+    check_prefill at the bf16 bound, its keys not the plain bf16 precision's (the rounded path ran)."""
+    import cupy as cp
+
+    from workbench.check.prefill import PREFILL_RTOL, check_prefill
+    from workbench.model.weights import prepare, random_weights, to_bf16, to_f32
+    from workbench.run import prefill_gpu as G
+    from workbench.run.prefill import prefill
+    rng = np.random.default_rng(fresh_seed())
+    rows, f = 37, 8 * 131
+    gu16 = to_bf16(cp.asarray(rng.standard_normal((rows, 2 * f)) * 4, dtype=cp.float32), cp)
+    gu16[5, 6] = 0x7FC0                                              # a NaN gate: its output NaN, no other
+    mod = G.module(G.layer_source())
+    outs = []
+    for name, gu in (("prefill_silu_mul_split_bf16", gu16), ("prefill_silu_mul_split", to_f32(gu16, cp))):
+        h = G.Split.empty((rows, f), 1)
+        h.hi.fill(0xFFFF)                                            # poisoned: every element must be written
+        mod.get_function(name)(G._grid(rows * f), (G.LAYER_THREADS,), (gu, np.int64(rows * f), *h.args()))
+        outs.append(h.hi)
+    assert bool((outs[0] == outs[1]).all()) and int((outs[0] == 0xFFFF).sum()) == 0
+    nan = ((outs[0] & 0x7F80) == 0x7F80) & ((outs[0] & 0x7F) != 0)
+    assert int(nan.sum()) == 1 and bool(nan[5, 3])                  # gate 3 of row 5 is element 6
+
+    cfg = get_config("llama-3.2-1b").with_(max_seq=2100)
+    seed = fresh_seed()
+    p = prepare(random_weights(cfg, seed, xp=cp, progress=False), xp=cp, progress=False)
+    toks = np.random.default_rng(seed).integers(0, cfg.vocab, 2050)
+    shape = (cfg.n_layers, cfg.n_kv_heads, cfg.max_seq, cfg.head_dim)
+    keys = {}
+    for mlp in (False, True):
+        k, v = cp.zeros(shape, cp.uint16), cp.zeros(shape, cp.uint16)
+        pre = prefill(p, toks, k, v, chunk=1024, precision="bf16", mlp_bf16=mlp)
+        c = check_prefill(p, toks, pre, k, v)
+        print("mlp_bf16" if mlp else "bf16", c.summary())
+        assert c.passed and c.rtol == PREFILL_RTOL["bf16"], c.summary()
+        keys[mlp] = k
+    assert float((keys[False] != keys[True]).mean()) > 0.01
+
+
 @pytest.mark.parametrize("first", ["prefill", "kernel"])
 def test_a_bf16_prefilled_prompt_continues_within_its_bound(tiny, first):
     """The decode after a bf16 prefill reads the cache it wrote: end to end against the reference teacher-forced

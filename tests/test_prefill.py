@@ -228,7 +228,8 @@ def test_the_prefills_kernels_compile_for_every_presets_head_dim():
     ok, log, _, cubin = nvrtc_program(layer_source(), ["--std=c++17", "-arch=sm_90"])
     assert ok, log
     kernels = {r.kernel: r for r in resource_usage(cubin)}
-    assert set(kernels) == {"prefill_norm_split", "prefill_split", "prefill_silu_mul_split", "prefill_qkv_rope"}
+    assert set(kernels) == {"prefill_norm_split", "prefill_split", "prefill_silu_mul_split", "prefill_silu_mul_split_bf16",
+                            "prefill_qkv_rope"}
     assert all(r.stack == 0 for r in kernels.values()), kernels
     cfg = get_config("tiny")
     assert not flash_supported(cfg.with_(head_dim=144), np, np.float32)
@@ -505,3 +506,15 @@ def test_the_softmax_exps_without_their_denormal_steps_keep_every_ex2():
             built[ftz] = (sum(";" in ln for ln in sass.splitlines()), sass.count("MUFU.EX2"), sass.count("-126"))
         (n0, ex0, checks0), (n1, ex1, checks1) = built[False], built[True]
         assert ex0 == ex1 > 0 and checks0 == ex0 and checks1 == 0 and n1 + 2 * ex0 <= n0, (base, built)
+
+
+def test_gate_up_in_bf16_is_the_bf16_precisions_alone():
+    """prefill(mlp_bf16=True) rounds a product of the bf16 precision: asked of the fp32 one, it says so in one line
+    and writes nothing."""
+    cfg = get_config("tiny")
+    p = prepare(random_weights(cfg, 0, xp=np, progress=False), xp=np, progress=False)
+    shape = (cfg.n_layers, cfg.n_kv_heads, cfg.max_seq, cfg.head_dim)
+    k, v = np.zeros(shape, np.uint16), np.zeros(shape, np.uint16)
+    with pytest.raises(ValueError, match="mlp_bf16 rounds gate_up's product in the bf16 precision; this prefill is fp32"):
+        prefill(p, [1, 2, 3], k, v, precision="fp32", mlp_bf16=True)
+    assert not k.any() and not v.any()

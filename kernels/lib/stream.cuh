@@ -121,9 +121,11 @@ __device__ __forceinline__ void wb_stream_finish() {
 // counts attention, which streams nothing). On an H100 the stream build's qkv slot ran 71 µs a token past the
 // register path's with the next stages' pages in flight at its barrier (NOTES.md, rounds 32 and 35).
 // WB_STREAM_EXIT: a stream whose stage follows one that streams nothing (attention: its loads are its own) waits
-// until the consumers' first warp has left that stage. With the lead at 1, o_proj's pages went out as attention
-// began and attention paid for them what qkv had (+48 µs a token, NOTES.md round 36); the register path issues
-// them as each block arrives at attention's barrier, after its attention work.
+// until this block's consumers (their first warp) have left that stage: a block's gate, not the grid's, so the
+// blocks without attention work issue their pages at once, and without the lead the ring's free slot takes the
+// next stream's first page too. It measured −7.4% against the register path (NOTES.md round 37). The stream
+// build's attention is another schedule as well: its split follows its one reading warp (Launch.attn_warps), so at
+// 129 positions each kv head is split over 9 blocks and merged, where the register path runs one block a head.
 #ifndef WB_STREAM_INFLIGHT
 #define WB_STREAM_INFLIGHT 0
 #endif

@@ -66,30 +66,68 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_split(
 // count is whole quads: a row's F is a multiple of 8 (ModelConfig), and the launcher checks it.
 __device__ __forceinline__ float pf_silu_mul(float g, float u) { return g / (1.f + wb_exp_precise(-g)) * u; }
 
+// four outputs from their (gate, up) pairs, split and stored at quad i
+__device__ __forceinline__ void pf_silu_mul_quad(const float (&g)[4], const float (&u)[4], long long i,
+                                                 bf16* __restrict__ hi, bf16* __restrict__ lo, int halves) {
+    bf16 h[4], l[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) pf_split(pf_silu_mul(g[k], u[k]), h[k], l[k], halves);
+    *(uint2*)(hi + 4 * i) = make_uint2(h[0] | (u32)h[1] << 16, h[2] | (u32)h[3] << 16);
+    if (halves == 2) *(uint2*)(lo + 4 * i) = make_uint2(l[0] | (u32)l[1] << 16, l[2] | (u32)l[3] << 16);
+}
+
 extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_silu_mul_split(
     const float* __restrict__ gu, long long count, bf16* __restrict__ hi, bf16* __restrict__ lo, int halves)
 {
     const long long step = (long long)gridDim.x * WB_THREADS, quads = count / 4;
     for (long long i = blockIdx.x * (long long)WB_THREADS + threadIdx.x; i < quads; i += step) {
         const float4 a = *(const float4*)(gu + 8 * i), b = *(const float4*)(gu + 8 * i + 4);
-        bf16 h[4], l[4];
-        pf_split(pf_silu_mul(a.x, a.y), h[0], l[0], halves);
-        pf_split(pf_silu_mul(a.z, a.w), h[1], l[1], halves);
-        pf_split(pf_silu_mul(b.x, b.y), h[2], l[2], halves);
-        pf_split(pf_silu_mul(b.z, b.w), h[3], l[3], halves);
-        *(uint2*)(hi + 4 * i) = make_uint2(h[0] | (u32)h[1] << 16, h[2] | (u32)h[3] << 16);
-        if (halves == 2) *(uint2*)(lo + 4 * i) = make_uint2(l[0] | (u32)l[1] << 16, l[2] | (u32)l[3] << 16);
+        pf_silu_mul_quad({a.x, a.z, b.x, b.z}, {a.y, a.w, b.y, b.w}, i, hi, lo, halves);
     }
 }
 
-// The q/k/v products' epilogue, one block a row and one warp a head, each warp taking every (warps)-th head of the
-// row: the bias (Qwen2), each head's RMSNorm with its gain (Qwen3), RoPE on q and k; q out in HF order for
-// attention, k and v rounded to bf16 into the kernel's cache at the row's position. y's rows are wqkv's
-// (workbench.model.weights.qkv_row_order): q heads, k heads, v heads, and in q's and k's each rotate-half pair
-// (i, i + hd/2) side by side, so a lane takes whole pairs. A block a (row, eight heads) was 24,576 blocks of one
-// head's work each for a 4k prompt of the 1B, and ran at 35% of its bytes' time (one H100, NOTES.md round 26):
-// the blocks' own start and end, not the bytes, were its time. A head is the same lanes' work either way, so the
-// results are the same bits.
+// The same from gate_up's sums rounded to bf16 (the prefill's mlp_bf16): four outputs a thread a step from one
+// 16-byte load, half the bytes of the fp32 sums' read, and a product's epilogue that writes half as many
+extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_silu_mul_split_bf16(
+    const bf16* __restrict__ gu, long long count, bf16* __restrict__ hi, bf16* __restrict__ lo, int halves)
+{
+    const long long step = (long long)gridDim.x * WB_THREADS, quads = count / 4;
+    for (long long i = blockIdx.x * (long long)WB_THREADS + threadIdx.x; i < quads; i += step) {
+        const uint4 a = *(const uint4*)(gu + 8 * i);                // gate j in a word's low half, up j in its high
+        pf_silu_mul_quad({bf16_to_f32((bf16)(a.x & 0xffffu)), bf16_to_f32((bf16)(a.y & 0xffffu)),
+                          bf16_to_f32((bf16)(a.z & 0xffffu)), bf16_to_f32((bf16)(a.w & 0xffffu))},
+                         {bf16_to_f32((bf16)(a.x >> 16)), bf16_to_f32((bf16)(a.y >> 16)),
+                          bf16_to_f32((bf16)(a.z >> 16)), bf16_to_f32((bf16)(a.w >> 16))}, i, hi, lo, halves);
+    }
+}
+
+// The q/k/v products' epilogue, one block a row: the bias (Qwen2), each head's RMSNorm with its gain (Qwen3), RoPE
+// on q and k; q out in HF order for attention, k and v rounded to bf16 into the kernel's cache at the row's
+// position. y's rows are wqkv's (workbench.model.weights.qkv_row_order): q heads, k heads, v heads, and in q's and
+// k's each rotate-half pair (i, i + hd/2) side by side, so a thread takes whole pairs. With a head norm one warp
+// takes a head (its sum of squares), each warp every (warps)-th head of the row; without one, the block's threads
+// take the row's pairs. A block a (row, eight heads) was 24,576 blocks of one head's work each for a 4k prompt of
+// the 1B, and ran at 35% of its bytes' time (one H100, NOTES.md round 26): the blocks' own start and end, not the
+// bytes, were its time. A pair takes the same operations, in the same order, in every arrangement.
+// one rotate-half pair of a q or k head (its dims i and i + half: a, b) rotated to position p and stored: q's in
+// fp32, k's rounded to bf16 into the cache
+__device__ __forceinline__ void pf_rope_pair(float a, float b, int slot, int i, int half, long long row, long long p,
+                                             const float* __restrict__ cos_t, const float* __restrict__ sin_t,
+                                             float* __restrict__ q, bf16* __restrict__ kc, int n_heads, int max_seq) {
+    const float c = cos_t[p * half + i], s = sin_t[p * half + i];
+    const float ra = a * c - b * s, rb = b * c + a * s;
+    const int head_dim = 2 * half;
+    if (slot < n_heads) {
+        float* dst = q + row * (long long)n_heads * head_dim + (long long)slot * head_dim;
+        dst[i] = ra;
+        dst[i + half] = rb;
+    } else {
+        bf16* dst = kc + ((long long)(slot - n_heads) * max_seq + p) * head_dim;
+        dst[i] = f32_to_bf16(ra);
+        dst[i + half] = f32_to_bf16(rb);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_qkv_rope(
     const float* __restrict__ y,         // [n, qkv_rows]
     const float* __restrict__ bias,      // [qkv_rows] in y's order (zeros without biases)
@@ -105,6 +143,38 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_qkv_rope(
     const int row = blockIdx.x, lane = threadIdx.x % WB_WARP, half = head_dim / 2, slots = n_heads + 2 * n_kv;
     if (row >= n) return;                                            // no block barrier follows
     const long long rows = (long long)slots * head_dim, p = pos[row];
+    if (!qk_norm) {
+        // No head's norm: a pair's rotation needs nothing else of its head, so the row's pairs are spread over all
+        // the block's threads, each loading its pairs (8-byte loads) before it stores any. The warp-a-head loop
+        // below waits a load's latency per head; this one waits about one per block (round 37's profile: 0.86 ms
+        // of a 4k prompt's 1B prefill at 1.7 TB/s).
+        constexpr int PER = 6;                                   // 64 registers: 4 blocks an SM (8: 124, 2)
+        const int pairs = slots * half;
+        const float2* yp = (const float2*)(y + row * rows);          // pair j: elements 2j, 2j + 1
+        const float2* bp = (const float2*)bias;
+        for (int first = threadIdx.x; first < pairs; first += PER * WB_THREADS) {
+            float2 v[PER];
+#pragma unroll
+            for (int k = 0; k < PER; ++k) {
+                const int j = first + k * WB_THREADS;
+                if (j < pairs) { v[k] = yp[j]; const float2 b = bp[j]; v[k].x += b.x; v[k].y += b.y; }
+            }
+#pragma unroll
+            for (int k = 0; k < PER; ++k) {
+                const int j = first + k * WB_THREADS;
+                if (j >= pairs) break;
+                const int slot = j / half, i = j - slot * half;
+                if (slot >= n_heads + n_kv) {                        // a value head: dims 2i, 2i + 1 as they are
+                    bf16* dst = vc + ((long long)(slot - n_heads - n_kv) * max_seq + p) * head_dim + 2 * i;
+                    dst[0] = f32_to_bf16(v[k].x);
+                    dst[1] = f32_to_bf16(v[k].y);
+                    continue;
+                }
+                pf_rope_pair(v[k].x, v[k].y, slot, i, half, row, p, cos_t, sin_t, q, kc, n_heads, max_seq);
+            }
+        }
+        return;
+    }
     for (int slot = threadIdx.x / WB_WARP; slot < slots; slot += WB_THREADS / WB_WARP) {
         const float* yr = y + row * rows + (long long)slot * head_dim;
         const float* br = bias + (long long)slot * head_dim;
@@ -113,28 +183,17 @@ extern "C" __global__ void __launch_bounds__(WB_THREADS) prefill_qkv_rope(
             for (int d = lane; d < head_dim; d += WB_WARP) dst[d] = f32_to_bf16(yr[d] + br[d]);
             continue;
         }
-        const bool is_q = slot < n_heads;
         float ss = 0.f;
         for (int i = lane; i < half; i += WB_WARP) {
             const float a = yr[2 * i] + br[2 * i], b = yr[2 * i + 1] + br[2 * i + 1];
             ss += a * a + b * b;
         }
         const float r = qk_norm ? 1.f / sqrtf(pf_warp_sum(ss) / (float)head_dim + eps) : 1.f;
-        const float* gain = qk_gain + (is_q ? 0 : head_dim);
+        const float* gain = qk_gain + (slot < n_heads ? 0 : head_dim);
         for (int i = lane; i < half; i += WB_WARP) {
             float a = yr[2 * i] + br[2 * i], b = yr[2 * i + 1] + br[2 * i + 1];      // dims i and i + half
             if (qk_norm) { a = a * r * gain[i]; b = b * r * gain[i + half]; }
-            const float c = cos_t[p * half + i], s = sin_t[p * half + i];
-            const float ra = a * c - b * s, rb = b * c + a * s;
-            if (is_q) {
-                float* dst = q + row * (long long)n_heads * head_dim + (long long)slot * head_dim;
-                dst[i] = ra;
-                dst[i + half] = rb;
-            } else {
-                bf16* dst = kc + ((long long)(slot - n_heads) * max_seq + p) * head_dim;
-                dst[i] = f32_to_bf16(ra);
-                dst[i + half] = f32_to_bf16(rb);
-            }
+            pf_rope_pair(a, b, slot, i, half, row, p, cos_t, sin_t, q, kc, n_heads, max_seq);
         }
     }
 }

@@ -144,7 +144,7 @@ def _sync(xp):
 
 def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int = PREFILL_CHUNK,
             dtype=np.float32, tf32: bool = True, gpu: bool = True, timings: dict | None = None,
-            precision: str = "fp32", logits: bool = True, token: bool = False) -> Prefilled:
+            precision: str = "fp32", logits: bool = True, token: bool = False, mlp_bf16: bool = False) -> Prefilled:
     """Feed `tokens` at positions pos0.. through every layer, chunk by chunk, writing their keys and values into
     k_cache / v_cache (the kernel's: bf16 bits [L, Hkv, max_seq, hd], positions < pos0 already filled). Returns the
     last token's logits. On an NVIDIA GPU the prefill's own path runs (prefill_gpu) unless gpu=False; otherwise
@@ -157,19 +157,27 @@ def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int 
     run and Prefilled.token is the greedy next token, read back alone (the logits stay on the GPU unless `logits`).
     Raises ValueError for an empty prompt, tokens outside the vocabulary, positions past the cache, or a precision
     the path taken does not have; NonFiniteError where the token is asked for and the last logits are not finite
-    (no token is chosen from NaN)."""
+    (no token is chosen from NaN). `mlp_bf16` (the bf16 precision only): gate_up's product is rounded to bf16
+    before silu·up, as HF's bf16 prefill rounds every product, which halves that product's output bytes and the
+    next kernel's read; an option being measured (NOTES.md round 37), not a precision with an argued bound."""
     # from the call: the prompt's conversion to the GPU and the checks grow with its length (at 32k, 2 ms that a
     # time to first token had put on the kernel's first step)
     t0 = time.perf_counter()
     cfg, xp = p.cfg, p.xp
     if precision not in G.PRECISIONS:
         raise ValueError(f"precision {precision!r}: the prefill has {', '.join(G.PRECISIONS)}")
-    tokens = xp.asarray(tokens).reshape(-1)
+    # a prompt from the host (a list, a numpy array) is checked there, before it travels: on the GPU the check is
+    # a read back, a wait for the copy and the reductions before the first layer's kernels can be queued
+    on_host = not hasattr(tokens, "__cuda_array_interface__")
+    host = np.asarray(tokens).reshape(-1) if on_host else None
+    tokens = xp.asarray(tokens if host is None else host).reshape(-1)
     n = int(tokens.size)
     if n == 0:
         raise ValueError("nothing to prefill: the prompt has no tokens before its last")
     if tokens.dtype.kind not in "iu":
         raise TypeError(f"tokens must be integers, got {tokens.dtype}")
+    if host is not None and (int(host.min()) < 0 or int(host.max()) >= cfg.vocab):
+        raise ValueError(f"token ids outside the vocabulary [0, {cfg.vocab})")
     if chunk < 1:
         raise ValueError(f"chunk must be ≥ 1, got {chunk}")
     try:
@@ -186,6 +194,8 @@ def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int 
     if pos0 < 0 or end > cfg.max_seq:
         raise ValueError(f"positions {pos0}..{end - 1} do not fit the KV cache of {cfg.max_seq} positions")
     gpu = gpu and G.flash_supported(cfg, xp, dtype) and G.covers(cfg)
+    if mlp_bf16 and precision != "bf16":
+        raise ValueError(f"mlp_bf16 rounds gate_up's product in the bf16 precision; this prefill is {precision}")
     if precision != "fp32" and not gpu:
         # the interpreter computes in `dtype` throughout: it has no bf16 activations to round, and would pass
         # what a user asked for as bf16 off as fp32
@@ -199,9 +209,10 @@ def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int 
     clock = _clock(xp, timings)
     last_row = logits or token
     if gpu:
-        G.check_tokens(tokens, cfg.vocab)
+        if host is None:
+            G.check_tokens(tokens, cfg.vocab)
         out = _prefill_gpu(p, tokens, positions, k_cache, v_cache, chunk, clock, G.PRECISIONS[precision], pos0,
-                           last_row)
+                           last_row, mlp_bf16)
     else:
         with _tf32(xp, tf32 and np.dtype(dtype) == np.float32):
             out = _prefill_interpreted(p, tokens, positions, k_cache, v_cache, chunk, dtype, clock, last_row)
@@ -288,7 +299,7 @@ def _same(a, b) -> bool:
 
 
 def _prefill_gpu(p: Prepared, tokens, positions, k_cache, v_cache, chunk: int, clock, halves: int, pos0: int,
-                 last_row: bool = True):
+                 last_row: bool = True, mlp_bf16: bool = False):
     """The prefill's own path (prefill_gpu): each stage's implementation found through its math; a token stage
     without one (the sampler) runs its reference's math on the last row's logits."""
     layer_kernels = G.module(G.layer_source())
@@ -307,7 +318,7 @@ def _prefill_gpu(p: Prepared, tokens, positions, k_cache, v_cache, chunk: int, c
             run_stage(w, name, layer, st, None, positions[a:b], tokens[a:b], True)
             return
         out = impl(G.PrefillIO(p, layer, positions[a:b], tokens[a:b], k_cache, v_cache, layer_kernels, attend,
-                               halves, (pos0 + a, pos0 + b - 1)), st)
+                               halves, (pos0 + a, pos0 + b - 1), mlp_bf16), st)
         undeclared = set(out) - declared[name]
         if undeclared:                            # the plan says what a stage writes, on this path too
             raise RuntimeError(f"the prefill's {name} wrote {sorted(undeclared)}, which the plan's {name} does not")

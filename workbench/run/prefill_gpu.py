@@ -542,15 +542,19 @@ _CUDA_R_32F, _CUDA_R_16BF, _COMPUTE_32F, _GEMM_DEFAULT, _OP_N, _OP_T = 0, 14, 68
 def gemm(a, w, out, accumulate: bool, w_t: bool = False):
     """out [m, N] (fp32, C-contiguous) = a [m, K] · wᵀ (+ out if accumulate), a and w bf16 bits [m, K] and [N, K],
     on the tensor cores with fp32 accumulation (cuBLAS gemmEx). Row-major out = a·wᵀ is column-major outᵀ = w·aᵀ,
-    which is how cuBLAS is asked. `w_t`: w is given transposed, [K, N] (out = a·w)."""
+    which is how cuBLAS is asked. `w_t`: w is given transposed, [K, N] (out = a·w). An out of bf16 bits (uint16)
+    takes the fp32 sums rounded to bf16 (not accumulated onto)."""
     import cupy
     from cupy_backends.cuda.libs import cublas
     m, k = a.shape
     n = w.shape[1] if w_t else w.shape[0]
-    if w.shape != ((k, n) if w_t else (n, k)) or out.shape != (m, n) or out.dtype != cupy.float32 or a.dtype != cupy.uint16 \
-            or w.dtype != cupy.uint16 or not (a.flags.c_contiguous and w.flags.c_contiguous and out.flags.c_contiguous):
+    out_bf16 = out.dtype == cupy.uint16 and not accumulate
+    if w.shape != ((k, n) if w_t else (n, k)) or out.shape != (m, n) or (out.dtype != cupy.float32 and not out_bf16) \
+            or a.dtype != cupy.uint16 or w.dtype != cupy.uint16 \
+            or not (a.flags.c_contiguous and w.flags.c_contiguous and out.flags.c_contiguous):
         raise ValueError(f"gemm: a {a.dtype}{a.shape}, w {w.dtype}{w.shape}, out {out.dtype}{out.shape}: expected "
-                         f"contiguous bf16 bits [m, K] and {'[K, N]' if w_t else '[N, K]'} into float32 [m, N]")
+                         f"contiguous bf16 bits [m, K] and {'[K, N]' if w_t else '[N, K]'} into float32 [m, N] (or "
+                         f"bf16 bits, not accumulated onto)")
     h = cupy.cuda.device.get_cublas_handle()
     cublas.setStream(h, cupy.cuda.get_current_stream().ptr)
     mode = cublas.getPointerMode(h)
@@ -559,7 +563,7 @@ def gemm(a, w, out, accumulate: bool, w_t: bool = False):
     try:
         cublas.gemmEx(h, _OP_N if w_t else _OP_T, _OP_N, n, m, k, _SCALARS.ctypes.data, w.data.ptr, _CUDA_R_16BF,
                       n if w_t else k, a.data.ptr, _CUDA_R_16BF, k, _SCALARS.ctypes.data + 4 * (not accumulate),
-                      out.data.ptr, _CUDA_R_32F, n, _COMPUTE_32F, _GEMM_DEFAULT)
+                      out.data.ptr, _CUDA_R_16BF if out_bf16 else _CUDA_R_32F, n, _COMPUTE_32F, _GEMM_DEFAULT)
     finally:
         if mode != cublas.CUBLAS_POINTER_MODE_HOST:
             cublas.setPointerMode(h, mode)
@@ -571,14 +575,17 @@ def gemm(a, w, out, accumulate: bool, w_t: bool = False):
 _SCALARS = np.array([1.0, 0.0], np.float32)
 
 
-def project(a: Split, w, onto=None, w_t: bool = False):
+def project(a: Split, w, onto=None, w_t: bool = False, bf16_out: bool = False):
     """a·wᵀ as W·hi + W·lo (W·hi alone in the bf16 precision), added onto `onto` in place if given (a residual:
     x + W·a, in the residual's own rows: the stages that read x before it did so already, and a copy cost ~6% of a
-    4k prefill); `w_t`: w stored transposed."""
+    4k prefill); `w_t`: w stored transposed. `bf16_out`: the sums rounded to bf16 bits (one product, no `onto`)."""
     import cupy
     if onto is not None and not onto.flags.c_contiguous:
         raise ValueError("the residual a product adds onto must be contiguous (the chunk's rows of x)")
-    out = onto if onto is not None else cupy.empty((a.shape[0], w.shape[1 if w_t else 0]), dtype=cupy.float32)
+    if bf16_out and (onto is not None or a.lo is not None):
+        raise ValueError("a product into bf16 is one product (the bf16 precision's), not added onto a residual")
+    out = onto if onto is not None else cupy.empty((a.shape[0], w.shape[1 if w_t else 0]),
+                                                   dtype=cupy.uint16 if bf16_out else cupy.float32)
     gemm(a.hi, w, out, accumulate=onto is not None, w_t=w_t)
     return out if a.lo is None else gemm(a.lo, w, out, accumulate=True, w_t=w_t)
 
@@ -609,6 +616,7 @@ class PrefillIO:
     attend: tuple              # (the compiled attention kernel for this head_dim, the FlashLayout it was built for)
     halves: int = 2            # bf16 halves of an activation in a product (PRECISIONS)
     span: tuple | None = None  # the rows' least and greatest position, known on the host (flash_attention's span)
+    mlp_bf16: bool = False     # gate_up's product rounded to bf16 before silu·up (prefill's mlp_bf16)
 
     @property
     def cfg(self):
@@ -684,13 +692,14 @@ def o_proj_residual(io: PrefillIO, st: dict) -> dict:
 
 def gate_up_silu(io: PrefillIO, st: dict) -> dict:
     """hmlp, kept split for the down product that reads it (no other stage does: see covers)."""
-    gu = project(norm_split(io, st["h"]), io.p.wgu[io.layer])       # [rows, 2F]: gate j, up j interleaved
+    gu = project(norm_split(io, st["h"]), io.p.wgu[io.layer], bf16_out=io.mlp_bf16)    # [rows, 2F]: gate j, up j
     rows, f = gu.shape[0], gu.shape[1] // 2
     h = Split.empty((rows, f), io.halves)
     if f % 4:
         raise ValueError(f"the MLP's width {f} is not a multiple of 4, which prefill_silu_mul_split takes a step")
     if rows:
-        io.fn("prefill_silu_mul_split")(_grid(rows * f), (LAYER_THREADS,), (gu, np.int64(rows * f), *h.args()))
+        io.fn("prefill_silu_mul_split" + "_bf16" * io.mlp_bf16)(_grid(rows * f), (LAYER_THREADS,),
+                                                                 (gu, np.int64(rows * f), *h.args()))
     return {"hmlp": h}
 
 
