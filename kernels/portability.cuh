@@ -374,6 +374,15 @@ template <int N> __device__ __forceinline__ void wb_setmaxnreg_dec() {
 template <int N> __device__ __forceinline__ void wb_setmaxnreg_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" :: "n"(N));
 }
+// Named barrier `id` (1 to 15; 0 is __syncthreads') of `count` threads, a multiple of the warp: sync waits until
+// `count` threads have arrived or synced on it, arrive counts this warp's threads and goes on (FA3's warp
+// scheduler barriers, which make two warpgroups take turns)
+__device__ __forceinline__ void wb_named_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void wb_named_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(count) : "memory");
+}
 // A tensor map: the 128 opaque bytes the driver encodes on the host (cuTensorMapEncodeTiled), passed to the kernel
 // by value as a __grid_constant__ parameter
 struct __align__(64) wb_tensor_map { u64 opaque[16]; };

@@ -401,7 +401,8 @@ def test_the_wgmma_attention_builds_for_sm90a_without_a_spill():
     tile's and the first or last tile's), never serialised by ptxas (C7519/C7520: a product whose registers another
     branch wrote, which would undo the overlap), and where they overlap, the steady tile's softmax (its 32 exps and
     the two rescale factors') between S's wait and the P·V's, where ptxas had scheduled the second wait above them;
-    the tiles copied by every thread's cp.async, or with `tma` by the tensor memory accelerator alone. A layout the
+    the tiles copied by every thread's cp.async, or with `tma` by the tensor memory accelerator alone; with
+    `pingpong`, the named barriers of the two warpgroups' turns, and without it none. A layout the
     kernel does not take is refused, and `tma` at a head_dim off its 64-column spans."""
     from workbench.compiler.compile import disassemble, nvrtc_program, resource_usage
     from workbench.model.config import PRESETS
@@ -428,6 +429,9 @@ def test_the_wgmma_attention_builds_for_sm90a_without_a_spill():
                 # the tiles' copies: every thread's cp.async (LDGSTS), or the accelerator's (UTMALDG) and none
                 code = disassemble(cubin)
                 assert ("UTMALDG" in code, "LDGSTS" in code) == (layout.tma, not layout.tma), (hd, layout)
+                # the turns: the two warpgroups' named barriers (256 threads: 0x100), synced and arrived on
+                turns = [ln for ln in code.splitlines() if ("BAR.ARV" in ln or "BAR.SYNC" in ln) and "0x100" in ln]
+                assert (len(turns) >= 3) == layout.pingpong, (hd, layout, turns)
                 if hd == 64:
                     sass = [ln for ln in code.splitlines() if "HGMMA" in ln]
                     pv, copies = [ln for ln in sass if "tnspB" in ln], 1 + layout.overlap
@@ -446,7 +450,8 @@ def test_the_wgmma_attention_builds_for_sm90a_without_a_spill():
                 dict(warpgroups=1, heads=True), dict(warpgroups=2, stages=5), dict(overlap=True),
                 dict(warpgroups=2, stages=2, overlap=True), dict(tma=True),
                 dict(warpgroups=2, producer=True), dict(warpgroups=2, tma=True, producer=True, keys=128),
-                dict(warpgroups=1, tma=True, producer=True, min_blocks=3)):
+                dict(warpgroups=1, tma=True, producer=True, min_blocks=3), dict(warpgroups=1, pingpong=True),
+                dict(warpgroups=2, stages=4, overlap=True, pingpong=True), dict(pingpong=True)):
         with pytest.raises(ValueError):
             FlashLayout(**bad)
 

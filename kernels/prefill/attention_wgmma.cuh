@@ -23,7 +23,7 @@
 //
 // Set by the launcher (workbench/run/prefill_gpu.py): WB_HD, WB_PW_WARPGROUPS, WB_PW_KEYS (PW_BN), WB_PW_STAGES,
 // WB_PW_HEADS, WB_PA_HALVES, WB_PA_HEAVY_FIRST, WB_PA_ROWS (the rows a block takes, as the grid counts them),
-// WB_PA_MIN_BLOCKS, WB_PW_OVERLAP, WB_PW_TMA and WB_PA_EXP_FTZ; and the generated wb_wgmma_bf16 products for
+// WB_PA_MIN_BLOCKS, WB_PW_OVERLAP, WB_PW_PINGPONG, WB_PW_TMA and WB_PA_EXP_FTZ; and the generated wb_wgmma_bf16 products for
 // N = PW_BN and N = WB_HD.
 
 #define PW_WG WB_PW_WARPGROUPS
@@ -43,6 +43,17 @@
 #ifndef WB_PW_OVERLAP
 #define WB_PW_OVERLAP 0
 #endif
+// WB_PW_PINGPONG 1 (two warpgroups, the key loop's second form): they take turns to issue a tile's Q·Kᵀ, on two
+// named barriers (FA3's warp scheduler barriers), so one's softmax runs while the other's products do. At head_dim
+// 64 a score's exp (the multi-function unit's 16 a clock an SM) costs about what its share of the two products
+// does on the tensor cores: at 32k on an H100, ~4.6 and ~5.5 ms of a 1B layer's 10.6 (NOTES.md round 37), so the
+// two warpgroups, left to themselves, run both phases at once and the units take turns idling. A turn orders when
+// products are issued, not what they compute: the same bits.
+#ifndef WB_PW_PINGPONG
+#define WB_PW_PINGPONG 0
+#endif
+static_assert(!WB_PW_PINGPONG || (PW_WG == 2 && !WB_PW_OVERLAP), "pingpong: two warpgroups, the loop without overlap");
+#define PW_TURN 8                                            // the named barriers of the turns: 8 (warpgroup 0's), 9
 // WB_PW_TMA 1: the key and value tiles copied by the tensor memory accelerator, one thread issuing a tile's boxes
 // onto its stage's mbarrier, which the warps wait on, in place of every thread's cp.async of 16-byte chunks and the
 // block barrier that published them (round 33's profile: ~30 instructions of address arithmetic a chunk, and the
@@ -405,14 +416,21 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
 #else
 #pragma unroll
     for (int tile = 0; tile < PW_STAGES - 1; ++tile) PW_LOAD_TILE(tile);
+    // the turns (WB_PW_PINGPONG): warpgroup w waits on barrier PW_TURN + w before it issues a tile's scores, and
+    // once they are issued lets the other go; warpgroup 1 gives warpgroup 0 the first turn, and every tile of the
+    // block takes both turns, a skipped one at once, so each barrier is synced on as often as it is arrived on
+    // (warpgroup 1's last turn hands nothing on)
+    if (WB_PW_PINGPONG && wg == 1) wb_named_arrive(PW_TURN, 8 * WB_WARP);
 
     for (int tile = 0; tile < tiles; ++tile) {
         const int j0 = tile * PW_BN;
+        const bool hand_on = WB_PW_PINGPONG && !(wg == 1 && tile == tiles - 1);
         // tile + STAGES − 1's copy, into the stage tile − 1 used (every thread is past it: the barrier below);
         // then this tile's group, the oldest of the STAGES in flight, has landed
         PW_LOAD_TILE(tile + PW_STAGES - 1);
         PW_WAIT_TILE(tile, PW_STAGES - 1);
         const u8* kt = pw_smem + (tile % PW_STAGES) * 2 * PW_TILE_BYTES;
+        if (WB_PW_PINGPONG) wb_named_sync(PW_TURN + wg, 8 * WB_WARP);
         // a tile wholly past the warpgroup's last row changes none of its rows (every weight would be 0): skipped,
         // the same for all its warps, which issue the products together
         if (j0 <= my_last) {
@@ -420,6 +438,7 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
             wb_wgmma_fence();
             pw_issue_scores(s, qs, kt);
             wb_wgmma_commit();
+            if (hand_on) wb_named_arrive(PW_TURN + 1 - wg, 8 * WB_WARP);
             wb_wgmma_wait<0>();
             pw_fence_regs<PW_BN / 2>(s);
             pa_softmax_tile<PW_BN / 8, WB_HD / 8>(s, o, j0, PW_BN, first, pa, pb, t, ma, mb, la, lb);
@@ -429,6 +448,8 @@ extern "C" __global__ void __launch_bounds__(PW_THREADS, WB_PA_MIN_BLOCKS) prefi
             wb_wgmma_commit();
             wb_wgmma_wait<0>();
             pw_fence_regs<WB_HD / 2>(o);
+        } else if (hand_on) {
+            wb_named_arrive(PW_TURN + 1 - wg, 8 * WB_WARP);
         }
         PW_FREE_STAGE(tile);                          // before the next tile's copy overwrites this stage
     }

@@ -41,7 +41,7 @@ PREFILL_FILES = ("prefill/layer.cuh", "prefill/attention_common.cuh", "prefill/a
 
 # what the prefill's kernels take from the portability layer that older workspaces' copies lack: without the tensor
 # map's copy, a tma layout's launch would run an older kernel that ignores the maps, under the tma layout's name
-PORTABILITY_NEEDS = ("wb_wgmma_desc", "wb_wgmma_desc_sw128", "wb_tma_load_3d", "wb_setmaxnreg_inc")
+PORTABILITY_NEEDS = ("wb_wgmma_desc", "wb_wgmma_desc_sw128", "wb_tma_load_3d", "wb_setmaxnreg_inc", "wb_named_sync")
 
 
 def _text(path) -> str:
@@ -89,7 +89,9 @@ class FlashLayout:
     by the tensor memory accelerator into the 128-byte swizzle, one thread issuing a tile onto an mbarrier, not by
     every thread's cp.async (head_dim a multiple of 64; the same bits where the cache is finite:
     attention_wgmma.cuh argues it); `producer` (with tma): a warpgroup of its own issues the copies as stages come
-    free, so the key loop has no block barrier, and gives its registers to the others (setmaxnreg). The same math;
+    free, so the key loop has no block barrier, and gives its registers to the others (setmaxnreg); `pingpong`
+    (two warpgroups): they take turns to issue a tile's products (FA3's warp scheduler barriers), so one's softmax
+    runs beside the other's products, the same bits. The same math;
     at 64 keys a tile the same bits as attention.cuh (measured on an H100), at 128 another order of sums, which
     agrees to rounding.
     exp_ftz (either kernel): the softmax's exps flush results below 2⁻¹²⁶ to zero, the same bits in all but
@@ -107,6 +109,7 @@ class FlashLayout:
     exp_ftz: bool = False
     tma: bool = False
     producer: bool = False
+    pingpong: bool = False
 
     def __post_init__(self):
         if self.warpgroups not in (0, 1, 2, 4) and not (self.warpgroups == 3 and self.producer):
@@ -130,6 +133,8 @@ class FlashLayout:
             # and two blocks an SM, 80 registers a thread; at three blocks, 56)
             raise ValueError(f"producer: 64 keys a tile and at most 2 blocks an SM (keys={self.keys}, "
                              f"min_blocks={self.min_blocks}): the consumers' registers hold no more")
+        if self.pingpong and (self.warpgroups != 2 or self.overlap):
+            raise ValueError("pingpong: two warpgroups of the wgmma kernel taking turns, without overlap")
         if self.overlap and not (self.warpgroups and self.tile_stages >= 3):
             raise ValueError("overlap: the wgmma kernel (warpgroups) with 3 stages or more (a tile's stage is read "
                              "until the next tile's P·V lands)")
@@ -218,7 +223,11 @@ WGMMA_LAYOUTS = (*(dataclasses.replace(WGMMA_FP32, warpgroups=wg, keys=keys, sta
                  *(dataclasses.replace(WGMMA_FP32, warpgroups=wg, min_blocks=blocks, stages=stages, overlap=overlap,
                                        tma=True, producer=True)
                    for wg, blocks, stages, overlap in ((2, 2, 4, False), (3, 1, 4, False), (3, 1, 4, True),
-                                                       (4, 1, 4, False))))
+                                                       (4, 1, 4, False))),
+                 # the two warpgroups taking turns (round 37): the producer's, the accelerator's alone, cp.async's
+                 *(dataclasses.replace(WGMMA_FP32, stages=stages, min_blocks=blocks, tma=tma, producer=producer,
+                                       pingpong=True)
+                   for stages, blocks, tma, producer in ((4, 2, True, True), (2, 0, True, False), (4, 0, False, False))))
 
 
 def layout_runs(layout: FlashLayout, n_heads: int, n_kv: int, head_dim: int, halves: int, smem_most: int) -> bool:
@@ -287,6 +296,7 @@ def flash_source(head_dim: int, layout: FlashLayout | None = None, halves: int =
         return (head + f"#define WB_PW_WARPGROUPS {layout.warpgroups}\n#define WB_PW_KEYS {layout.tile_keys}\n"
                 f"#define WB_PW_STAGES {layout.tile_stages}\n#define WB_PW_HEADS {int(layout.heads)}\n"
                 f"#define WB_PW_OVERLAP {int(layout.overlap)}\n#define WB_PW_TMA {int(layout.tma)}\n"
+                f"#define WB_PW_PINGPONG {int(layout.pingpong)}\n"
                 f"#define WB_PW_PRODUCER {int(layout.producer)}\n"
                 + _text(k / "portability.cuh") + wgmma_products(tuple(sorted({layout.tile_keys, head_dim})))
                 + _text(k / "prefill" / "attention_common.cuh") + _text(k / "prefill" / "attention_wgmma.cuh"))
