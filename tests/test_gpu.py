@@ -735,10 +735,12 @@ def test_the_wgmma_attention_kernel_is_the_references_attention(heads, kv_heads,
     later_want = S.attention_decode(q.astype(cp.float64), k, v, positions + 1)
     vmax = float(cp.abs(v).max())
     most = cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
-    layouts = [lay for lay in WGMMA_LAYOUTS if layout_runs(lay, heads, kv_heads, hd, 2, most)]
+    # the turns' layouts (pingpong) run in their own process, under a time limit: a wrong turn hangs, it does not
+    # fail (test_the_turns_change_no_bit_and_end); here they are refused or left out alike
+    layouts = [lay for lay in WGMMA_LAYOUTS if layout_runs(lay, heads, kv_heads, hd, 2, most) and not lay.pingpong]
     assert layouts
     compile_ahead([(hd, lay, halves) for lay in (*layouts, FLASH_LAYOUT) for halves in (2, 1)])
-    for layout in set(WGMMA_LAYOUTS) - set(layouts):          # refused in one line, not launched
+    for layout in {lay for lay in WGMMA_LAYOUTS if not lay.pingpong} - set(layouts):   # refused in one line
         with pytest.raises(ValueError, match="GQA group|shared memory|head_dim"):
             flash_attention(q, kb, vb, positions, heads, layout=layout, halves=2)
     for layout in layouts:
@@ -769,6 +771,58 @@ def test_the_wgmma_attention_kernel_is_the_references_attention(heads, kv_heads,
         assert int(cp.isnan(bad).sum()) == hd and bool(cp.isnan(bad[n // 2, :hd]).all()), layout
         bad[n // 2, :hd] = base[n // 2, :hd]
         assert bool((bad == base).all()), layout
+
+
+TURNS = """
+import dataclasses, sys
+import cupy as cp, numpy as np
+from workbench.model.weights import to_bf16
+from workbench.run.prefill_gpu import WGMMA_LAYOUTS, flash_attention, layout_runs
+heads, kv_heads, hd, n, pos0, seed = map(int, sys.argv[1:])
+rng = np.random.default_rng(seed)
+q = cp.asarray(rng.standard_normal((n, heads * hd)) * 1.5, dtype=cp.float32)
+q[n // 2, :hd] = cp.nan
+kb, vb = (to_bf16(cp.asarray(rng.standard_normal((kv_heads, pos0 + n + 37, hd)), dtype=cp.float32), cp)
+          for _ in range(2))
+positions = cp.arange(pos0, pos0 + n)
+most = cp.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]
+ran = 0
+for layout in [lay for lay in WGMMA_LAYOUTS if lay.pingpong]:
+    twin = dataclasses.replace(layout, pingpong=False)
+    if not layout_runs(layout, heads, kv_heads, hd, 2, most):
+        continue
+    for halves in (2, 1):
+        got = flash_attention(q, kb, vb, positions, heads, layout=layout, halves=halves)
+        want = flash_attention(q, kb, vb, positions, heads, layout=twin, halves=halves)
+        same = (got == want) | (cp.isnan(got) & cp.isnan(want))
+        if not bool(same.all()) or int(cp.isnan(got).sum()) != hd:
+            sys.exit(f"{layout}, halves {halves}: {int((~same).sum())} elements differ from {twin}")
+        ran += 1
+print("ran", ran)
+"""
+
+
+@pytest.mark.parametrize("heads,kv_heads,hd,n,pos0", [(32, 8, 64, 700, 1500), (16, 4, 128, 257, 4100),
+                                                       (32, 8, 64, 64, 0)])
+def test_the_turns_change_no_bit_and_end(heads, kv_heads, hd, n, pos0):
+    """FlashLayout.pingpong (the two warpgroups taking turns on named barriers) orders when the products are issued,
+    not what they compute: each such layout gives its twin without turns' bits, NaN row included, at both
+    precisions, with rows off the tile, a warpgroup whose rows end a tile before the other's (the skipped turns)
+    and a block of one tile. A wrong count of turns hangs the kernel: the launches run in their own process, which
+    must end within its limit."""
+    import subprocess
+    import sys
+
+    import cupy as cp
+    if cp.cuda.Device().compute_capability != "90":
+        pytest.skip("the wgmma kernel is sm_90a's (H100, H200)")
+    try:
+        r = subprocess.run([sys.executable, "-c", TURNS, *map(str, (heads, kv_heads, hd, n, pos0, fresh_seed()))],
+                           capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the turns' layouts did not end in 240 s: a turn's barrier waits for an arrival that never comes")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert int(r.stdout.split()[-1]) >= 2, r.stdout
 
 
 @pytest.mark.parametrize("heads,kv_heads,hd,n", [(32, 8, 64, 700), (6, 2, 32, 130), (8, 8, 96, 65), (12, 4, 80, 97)])
@@ -844,6 +898,53 @@ def test_the_prefills_gpu_path_is_the_interpreters(family):
     pre = prefill(p, toks, k3, v3, chunk=512)
     pc = check_prefill(p, toks, pre, k3, v3)
     assert pc.passed, pc.summary()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_prefill_at_head_dim_128_and_32_heads_is_within_its_bounds(bias):
+    """Both precisions of the prefill on a model of the 8B's heads (32 query heads of 128 over 8 kv heads: a row of
+    qkv_rope's pairs takes its block's threads twice over, and bf16's attention is WGMMA_BF16_WIDE on sm_90), with
+    and without the q/k/v biases, two layers, two chunks and a tail: check_prefill passes each precision at its
+    bound against fp64, and the first token is fp64's."""
+    import cupy as cp
+
+    from workbench.check.prefill import PREFILL_RTOL, check_prefill
+    from workbench.model.weights import prepare, random_weights
+    from workbench.run.prefill import prefill
+    cfg = get_config("tiny").with_(n_heads=32, n_kv_heads=8, head_dim=128, qkv_bias=bias, max_seq=1100)
+    seed = fresh_seed()
+    p = prepare(random_weights(cfg, seed, xp=cp, progress=False), xp=cp, progress=False)
+    toks = np.random.default_rng(seed).integers(0, cfg.vocab, 1030)
+    shape = (cfg.n_layers, cfg.n_kv_heads, cfg.max_seq, cfg.head_dim)
+    for precision in ("fp32", "bf16"):
+        k, v = cp.zeros(shape, cp.uint16), cp.zeros(shape, cp.uint16)
+        pre = prefill(p, toks, k, v, chunk=512, precision=precision, token=True)
+        c = check_prefill(p, toks, pre, k, v)
+        print(precision, c.summary())
+        assert c.passed and c.rtol == PREFILL_RTOL[precision] and c.token_ok is not False, c.summary()
+
+
+def test_a_prompt_already_on_the_gpu_is_checked_there():
+    """A prompt given as a GPU array is checked on the GPU (one read back): an id past the vocabulary or below 0 is
+    refused in one line before anything is written; one in range prefills as the same prompt from the host does."""
+    import cupy as cp
+
+    from workbench.model.weights import prepare, random_weights
+    from workbench.run.prefill import prefill
+    cfg = get_config("tiny").with_(max_seq=64)
+    p = prepare(random_weights(cfg, 0, xp=cp, progress=False), xp=cp, progress=False)
+    shape = (cfg.n_layers, cfg.n_kv_heads, cfg.max_seq, cfg.head_dim)
+    for bad in ([1, cfg.vocab], [-1, 2]):
+        k = cp.zeros(shape, cp.uint16)
+        with pytest.raises(ValueError, match=rf"token ids outside the vocabulary \[0, {cfg.vocab}\)"):
+            prefill(p, cp.asarray(bad), k, k.copy())
+        assert not bool(k.any())
+    caches = []
+    for toks in ([5, 7, 11], cp.asarray([5, 7, 11])):
+        k, v = cp.zeros(shape, cp.uint16), cp.zeros(shape, cp.uint16)
+        prefill(p, toks, k, v)
+        caches.append(k)
+    assert bool((caches[0] == caches[1]).all()) and bool(caches[0].any())
 
 
 @pytest.mark.parametrize("model", ["tiny", "llama-3.2-1b"])

@@ -429,9 +429,16 @@ def test_the_wgmma_attention_builds_for_sm90a_without_a_spill():
                 # the tiles' copies: every thread's cp.async (LDGSTS), or the accelerator's (UTMALDG) and none
                 code = disassemble(cubin)
                 assert ("UTMALDG" in code, "LDGSTS" in code) == (layout.tma, not layout.tma), (hd, layout)
-                # the turns: the two warpgroups' named barriers (256 threads: 0x100), synced and arrived on
-                turns = [ln for ln in code.splitlines() if ("BAR.ARV" in ln or "BAR.SYNC" in ln) and "0x100" in ln]
-                assert (len(turns) >= 3) == layout.pingpong, (hd, layout, turns)
+                # the turns: the two warpgroups' named barriers (256 threads: 0x100). Warpgroup 1's first arrival
+                # on warpgroup 0's (8, an immediate), one sync on its own (8 + wg, a register), the hand-on to the
+                # other's (9 − wg) after the scores are issued and on a skipped tile: a missing one hangs the kernel
+                turns = [ln.split("*/")[-1].strip() for ln in code.splitlines()
+                         if ("BAR.ARV" in ln or "BAR.SYNC" in ln) and "0x100" in ln]
+                first = [ln for ln in turns if "BAR.ARV 0x8, 0x100" in ln]
+                syncs = [ln for ln in turns if "BAR.SYNC" in ln and " R" in ln]
+                hand_on = [ln for ln in turns if "BAR.ARV R" in ln]
+                counts = (len(first), len(syncs), len(hand_on), len(turns))
+                assert counts == ((1, 1, 2, 4) if layout.pingpong else (0, 0, 0, 0)), (hd, layout, turns)
                 if hd == 64:
                     sass = [ln for ln in code.splitlines() if "HGMMA" in ln]
                     pv, copies = [ln for ln in sass if "tnspB" in ln], 1 + layout.overlap
