@@ -45,7 +45,7 @@ def group(name: str) -> str:
 def profile(fn, reps: int) -> dict:
     """GPU µs per call of every kernel fn launches, summed by name, over `reps` calls; and the GPU's idle time
     between two of one call's kernels, summed by the kernel after the gap. Each call is profiled on its own, so
-    the host's time between two calls is no call's idle time (round 37's profile, one session for all calls,
+    the host's time between two calls is no call's idle time (round 37's profile, one profiler run for all calls,
     counted it before each later call's first copy: part of the 2.1 ms it put before "Memcpy HtoD")."""
     import torch
     from torch.profiler import ProfilerActivity, profile as prof
