@@ -7,7 +7,9 @@ creation to load its module (`AbortSignal.timeout(2000)` in its Runtime); a mode
 `ready` promise and drops every later message from the kernel ("[anywidget] Failed to initialize model."), so that
 chart never changes again. Measured in headless Chromium on a loaded 2-core machine: one import 1.0–2.0 s alone,
 five at once 2.1–18 s each. Here the module each model imports is a small loader, and plotly's module travels as a
-plain trait that the first model to load imports for the page; the others wait on the same import.
+plain trait that the first model to load imports for the page; the others wait on the same import. The 2 s also
+cover the widget's `initialize`, so the loader's returns at once and plotly's own initialize runs when the import
+is in (a reload in the full test suite still missed the 2 s twice in three runs while it was awaited there).
 
 Hover text per heatmap cell: a heatmap whose meta is {"hover": "cells"} has, as its hover's %{_cellhover}, the
 text of its cell made here from the widget's `_hover_cells` trait (or, on a page without the widget, the table
@@ -161,15 +163,23 @@ function attach(gd, table) {
 export { attach };    // for a page without the widget (tests, exports) that wants the names too
 
 export default () => {
-  let widget;
+  let widget, cleanup;
+  let loaded;
   return {
-    async initialize(ctx) {
-      const mod = await plotlyModule(ctx.model);
-      quietUpdates(mod.FigureView);
-      widget = mod.default();
-      return widget.initialize(ctx);
+    // Not awaited here: anywidget's 2 s from the model's creation run until initialize returns, and plotly's module
+    // (the page's one import, which every model of a reloaded page waits on) can take longer on a loaded machine.
+    // Its own initialize runs once the module is in; render waits for it.
+    initialize(ctx) {
+      loaded = plotlyModule(ctx.model).then(async mod => {
+        quietUpdates(mod.FigureView);
+        widget = mod.default();
+        cleanup = await widget.initialize(ctx);
+      });
+      loaded.catch(e => console.error("[workbench] plotly's widget module failed to load", e));
+      return () => loaded.then(() => { if (typeof cleanup === "function") cleanup(); });
     },
-    render(ctx) {
+    async render(ctx) {
+      await loaded;
       const table = () => ctx.model.get("_hover_cells");
       const onRender = e => {
         const gd = e.detail && e.detail.element;
