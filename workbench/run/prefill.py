@@ -176,8 +176,8 @@ def prefill(p: Prepared, tokens, k_cache, v_cache, *, pos0: int = 0, chunk: int 
         raise ValueError("nothing to prefill: the prompt has no tokens before its last")
     if tokens.dtype.kind not in "iu":
         raise TypeError(f"tokens must be integers, got {tokens.dtype}")
-    if host is not None and (int(host.min()) < 0 or int(host.max()) >= cfg.vocab):
-        raise ValueError(f"token ids outside the vocabulary [0, {cfg.vocab})")
+    if host is not None:
+        G.check_tokens(host, cfg.vocab)
     if chunk < 1:
         raise ValueError(f"chunk must be ≥ 1, got {chunk}")
     try:

@@ -665,10 +665,12 @@ def embedding(io: PrefillIO, st: dict) -> dict:
 
 
 def check_tokens(tokens, vocab: int):
-    """ValueError unless every token id is in [0, vocab): one read back from the GPU, for the whole prompt."""
+    """ValueError unless every token id is in [0, vocab): on the host for a numpy prompt, else one read back from
+    the GPU for the whole prompt."""
     if not tokens.size:
         return
-    lo, hi = (int(v) for v in _cp().stack([tokens.min(), tokens.max()]).get())
+    ends = (tokens.min(), tokens.max())
+    lo, hi = (int(v) for v in (ends if isinstance(tokens, np.ndarray) else _cp().stack(ends).get()))
     if lo < 0 or hi >= vocab:
         raise ValueError(f"token ids outside the vocabulary [0, {vocab})")
 
